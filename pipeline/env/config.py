@@ -1,0 +1,91 @@
+"""Configs of the environment (`env` section, shared by every phase that steps it) and of the `build_env` phase.
+
+`env` describes how episodes run (budgets, tool latency, reward weights); `build_env` describes the data that phase
+generates (world size, task counts, level mix, demonstration flaws). Both mirror `params.yaml` key for key.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from pipeline.config import PhaseConfig
+
+LEVELS = (1, 2, 3, 4)
+SPLITS = ("train", "validation", "test")
+
+
+class RewardWeights(PhaseConfig):
+    """Weights of R = α·correctness + β·efficiency + γ·safety + δ·user_experience (seed 1.3, 3.6)."""
+
+    correctness: float = Field(1.0, gt=0, le=100, description="α: weight of the correct-answer component (0 or 1).")
+    efficiency: float = Field(0.5, ge=0, le=100, description="β: weight of the efficiency component (≤ 0: calls beyond the minimum).")
+    safety: float = Field(1.0, ge=0, le=100, description="γ: weight of the safety component (≤ 0: −1 per violation, capped at −1).")
+    user_experience: float = Field(0.1, ge=0, le=100, description="δ: weight of the user-experience component in [0, 1].")
+
+
+class EnvConfig(PhaseConfig):
+    """How an episode of `agentrl/ToolTasks-v0` runs."""
+
+    max_steps: int = Field(8, ge=1, le=64, description="Step budget: an episode not answered after this many actions is truncated.")
+    max_policy_chars: int = Field(2000, ge=64, description="Budget of policy-written text per episode, in characters (the environment is tokenizer-agnostic); exceeding it truncates the episode.")
+    max_action_chars: int = Field(256, ge=16, le=4096, description="Longest accepted action text; longer text is an invalid action (the `params` Text space has this length).")
+    history_window: int = Field(6, ge=1, description="Action/observation pairs kept verbatim in the context; older ones are folded into a one-line summary of their results (seed 3.7).")
+    tool_latency_s: float = Field(0.0, ge=0, le=10, description="Added latency of every tool call, in seconds (to exercise asynchronous rollouts).")
+    tool_timeout_s: float = Field(2.0, gt=0, le=60, description="A tool call slower than this is cut off and reported as a timeout error.")
+    tool_failure_rate: float = Field(0.0, ge=0, lt=1, description="Chance that a tool call fails with a transient 'temporarily unavailable' error (fault injection; the policy should retry).")
+    randomize_values: bool = Field(False, description="Redraw the numeric attributes of the task's products in every episode's private copy of the database (ground truth recomputed), so a policy must read its tool results instead of memorising them.")
+    reward: RewardWeights = Field(default_factory=RewardWeights, description="Composite reward weights.")
+
+
+class DemoConfig(PhaseConfig):
+    """Imperfect demonstrations made from the scripted expert (see `pipeline.env.expert`)."""
+
+    level_coverage: dict[int, float] = Field(
+        default_factory=lambda: {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.08},
+        description="Share of training tasks of each level that get a demonstration (partial coverage of the hard levels).",
+    )
+    redundant_call_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration repeats one of its calls.")
+    wrong_order_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration first tries a step out of order (a failing call), then recovers.")
+    wrong_value_prob: float = Field(0.0, ge=0, le=1, description="Chance that a demonstration copies a wrong intermediate value and answers wrongly.")
+
+    @model_validator(mode="after")
+    def _check_levels(self) -> "DemoConfig":
+        bad = [lv for lv in self.level_coverage if lv not in LEVELS]
+        if bad:
+            raise ValueError(f"level_coverage has unknown levels {bad}; levels are {list(LEVELS)}")
+        out = {lv: v for lv, v in self.level_coverage.items() if not 0 <= v <= 1}
+        if out:
+            raise ValueError(f"level_coverage values must lie in [0, 1], got {out}")
+        return self
+
+
+class BuildEnvConfig(PhaseConfig):
+    """What the `build_env` phase generates: the world, the task splits and the demonstrations."""
+
+    seed: int = Field(0, description="Seed of every random draw in the phase; the same seed gives byte-identical data.")
+    n_products: int = Field(400, ge=30, le=100_000, description="Products in the SQLite world.")
+    n_suppliers: int = Field(80, ge=10, le=10_000, description="Suppliers (each with a flagship product, described in the document corpus).")
+    heldout_entity_fraction: float = Field(0.3, gt=0, lt=0.9, description="Share of products and suppliers held out of training; validation and test each get half.")
+    tasks_per_split: dict[str, int] = Field(
+        default_factory=lambda: {"train": 4000, "validation": 400, "test": 400},
+        description="Number of tasks in each split (train, validation, test).",
+    )
+    level_mix: dict[int, float] = Field(
+        default_factory=lambda: {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25},
+        description="Relative weight of each difficulty level in every split.",
+    )
+    demos: DemoConfig = Field(default_factory=DemoConfig, description="Demonstration generation.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "BuildEnvConfig":
+        if set(self.tasks_per_split) != set(SPLITS):
+            raise ValueError(f"tasks_per_split must name exactly {list(SPLITS)}, got {sorted(self.tasks_per_split)}")
+        small = {k: v for k, v in self.tasks_per_split.items() if v < 1}
+        if small:
+            raise ValueError(f"tasks_per_split needs at least one task per split, got {small}")
+        bad = [lv for lv in self.level_mix if lv not in LEVELS]
+        if bad:
+            raise ValueError(f"level_mix has unknown levels {bad}; levels are {list(LEVELS)}")
+        if any(w < 0 for w in self.level_mix.values()) or sum(self.level_mix.values()) <= 0:
+            raise ValueError(f"level_mix weights must be ≥ 0 and not all zero, got {self.level_mix}")
+        return self

@@ -1,0 +1,144 @@
+"""Scripted policies: the optimal expert, its imperfect demonstrations, and a random baseline.
+
+The expert acts only on what the environment shows it: it executes the task's plan, filling every reference to an
+earlier result from the `tool_result` of that step, and retries a step whose call failed (a transient tool error).
+It therefore solves every task in exactly `min_calls` calls when nothing fails.
+
+Imperfect demonstrations (for base-model adaptation, so that RL has something to improve) are the expert with one
+flaw injected per demonstration, each drawn with the probability in `build_env.demos`:
+
+- ``redundant_call``: one successful lookup or search is repeated (costs efficiency);
+- ``wrong_order``: a later step is tried first with its inputs still unknown, fails, and the expert recovers
+  (costs efficiency and user experience);
+- ``wrong_value``: the answer copies a wrong value (the demonstration fails);
+- partial coverage: only the share `level_coverage[level]` of training tasks of a level gets a demonstration at all,
+  so the hard levels are scarce but present (../shared/FINDINGS.md: scarce-but-present hard demonstrations gave RL
+  its large gains; noise everywhere did not).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from pipeline.env.protocol import format_action
+from pipeline.env.tasks import Task, resolve_params
+from pipeline.env.tools import format_number
+from pipeline.env.verifier import OK
+
+FLAWS = ("none", "redundant_call", "wrong_order", "wrong_value")
+
+
+class ExpertPolicy:
+    """Optimal scripted policy; `flaw` injects one documented imperfection (see the module docstring)."""
+
+    name = "expert"
+
+    def __init__(self, flaw: str = "none", rng: np.random.Generator | None = None):
+        if flaw not in FLAWS:
+            raise ValueError(f"unknown flaw {flaw!r}; flaws are {FLAWS}")
+        self.flaw = flaw
+        self.rng = rng or np.random.default_rng(0)
+
+    def reset(self, task: Task) -> None:
+        self.task = task
+        self.results: list[str] = []
+        self.queue: list[tuple[str, dict, bool]] = []  # (tool, params, is_plan_step)
+        self._last_was_plan = False
+        plan = task.plan
+        self.extra_at: dict[int, tuple[str, dict]] = {}
+        if self.flaw == "redundant_call":
+            idx = [i for i, s in enumerate(plan) if s["tool"] in ("lookup", "search")]
+            k = idx[int(self.rng.integers(len(idx)))]
+            self.extra_at[k + 1] = ("repeat", {"of": k})
+        elif self.flaw == "wrong_order":
+            later = [i for i, s in enumerate(plan[:-1]) if i > 0]
+            if later:
+                j = later[int(self.rng.integers(len(later)))]
+                self.extra_at[j - 1] = ("premature", {"step": j})  # before step j-1 runs, j's input is unknown
+            else:
+                self.extra_at[0] = ("premature_search", {})
+
+    def _next_plan_action(self) -> tuple[str, dict]:
+        step = self.task.plan[len(self.results)]
+        params = resolve_params(step["params"], self.results)
+        if step["tool"] == "answer" and self.flaw == "wrong_value":
+            params = {"value": _wrong(params["value"], self.rng)}
+        return step["tool"], params
+
+    def act(self, obs: dict, info: dict) -> str:
+        if info.get("outcome") is not None and self._last_was_plan and info["outcome"] == OK:
+            self.results.append(info["tool_result"])
+        k = len(self.results)
+        extra = self.extra_at.pop(k, None)
+        if extra is not None:
+            kind, arg = extra
+            self._last_was_plan = False
+            if kind == "repeat":
+                prev = self.task.plan[arg["of"]]
+                return format_action(prev["tool"], resolve_params(prev["params"], self.results))
+            if kind == "premature":
+                step = self.task.plan[arg["step"]]
+                params = {key: (v if "{" not in str(v) else "x") for key, v in step["params"].items()}
+                return format_action(step["tool"], params)
+            return format_action("search", {"query": self.task.entities[0]})
+        self._last_was_plan = True
+        tool, params = self._next_plan_action()
+        return format_action(tool, params)
+
+
+def _wrong(value: object, rng: np.random.Generator) -> str:
+    try:
+        x = float(str(value))
+    except ValueError:
+        return str(value) + " Ltd"
+    return format_number(x + float(rng.choice([-1, 1])) * float(rng.integers(1, 20)))
+
+
+class RandomPolicy:
+    """Uniform over tools, with parameters of the right shape drawn at random (names from the world)."""
+
+    name = "random"
+
+    def __init__(self, names: list[str], rng: np.random.Generator | None = None):
+        self.names = names
+        self.rng = rng or np.random.default_rng(0)
+
+    def reset(self, task: Task) -> None:
+        self.task = task
+
+    def act(self, obs: dict, info: dict) -> str:
+        r = self.rng
+        name = self.names[int(r.integers(len(self.names)))]
+        num = lambda: int(r.integers(0, 1000))  # noqa: E731
+        tool = ("lookup", "calc", "search", "convert", "update", "answer")[int(r.integers(6))]
+        params = {
+            "lookup": lambda: {"name": name, "field": str(r.choice(["price", "stock", "supplier", "category"]))},
+            "calc": lambda: {"expr": f"{num()}*{int(r.integers(1, 10))}"},
+            "search": lambda: {"query": name},
+            "convert": lambda: {"value": num(), "from": "kg", "to": str(r.choice(["lb", "g", "oz"]))},
+            "update": lambda: {"name": name, "field": "stock", "value": num()},
+            "answer": lambda: {"value": str(num())},
+        }[tool]()
+        return format_action(tool, params)
+
+
+def draw_flaw(level: int, cfg, rng: np.random.Generator) -> str:
+    """One flaw per demonstration, by the configured probabilities (checked in order, at most one)."""
+    u = rng.random()
+    for flaw, p in (("wrong_value", cfg.wrong_value_prob), ("wrong_order", cfg.wrong_order_prob),
+                    ("redundant_call", cfg.redundant_call_prob)):
+        if u < p:
+            return flaw
+        u -= p
+    return "none"
+
+
+def demo_record(demo_id: str, task: Task, flaw: str, steps: list[dict], success: bool, ret: float) -> dict:
+    return {"demo_id": demo_id, "task_id": task.task_id, "level": task.level, "family": task.family, "flaw": flaw,
+            "steps": steps, "success": bool(success), "return": round(float(ret), 6), "n_calls": len(steps)}
+
+
+def dumps_demo(rec: dict) -> str:
+    return json.dumps(rec, sort_keys=True)

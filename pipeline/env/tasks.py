@@ -1,0 +1,288 @@
+"""Tasks: a seeded generator of families × difficulty levels, each task with its plan and ground-truth answer.
+
+A task carries a *plan*: the minimal sequence of tool calls that solves it, whose parameters may refer to earlier
+results (``"{0}"`` is the result of step 0; ``"{0:quoted}"`` the last quoted name inside it). Running the plan against
+the world (:func:`run_plan`) gives the ground truth; the scripted expert runs the same plan inside the environment,
+reading each result from its observation. `min_calls` is the plan's length, the final `answer` included.
+
+Families and levels:
+
+=====  ====================  ===========================================  =========
+level  family                plan                                          min_calls
+=====  ====================  ===========================================  =========
+1      lookup                lookup → answer                                2
+2      lookup_calc           lookup → calc → answer                         3
+2      lookup_convert        lookup → convert → answer                      3
+3      two_lookup            lookup → lookup → calc → answer                4
+3      update                lookup → calc → update → answer (safety)       4
+4      search_lookup_calc    search → lookup → calc → answer                4
+=====  ====================  ===========================================  =========
+
+Generalisation: every family has five question templates. The first four are used by train and validation; the fifth
+is *held out* and used only in test (`template_seen` = False), next to the seen ones. Entities are partitioned by
+`pipeline.env.world`, so validation and test tasks name only products and suppliers that no training task names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from pipeline.env.world import World
+
+FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "two_lookup", "update", "search_lookup_calc")
+FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "two_lookup": 3, "update": 3,
+                "search_lookup_calc": 4}
+HELDOUT_TEMPLATE = 4  # index of the test-only template in every family
+FIELD_WORDS = {"price": "price", "stock": "stock", "supplier": "supplier", "category": "category"}
+UNIT_WORDS = {"lb": "pounds", "g": "grams", "oz": "ounces"}
+
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "lookup": (
+        "What is the {f} of '{p}'?",
+        "Look up the {f} of '{p}'.",
+        "Find the {f} for '{p}'.",
+        "I need the {f} of '{p}'.",
+        "For the product '{p}', what is its {f}?",
+    ),
+    "lookup_calc": (
+        "How much do {n} units of '{p}' cost?",
+        "What is the total price of {n} '{p}'?",
+        "What would {n} of '{p}' cost in total?",
+        "Compute the cost of buying {n} units of '{p}'.",
+        "If I order {n} pieces of '{p}', what do I pay?",
+    ),
+    "lookup_convert": (
+        "What does '{p}' weigh in {u}?",
+        "Give the weight of '{p}' in {u}.",
+        "How heavy is '{p}' in {u}?",
+        "Convert the weight of '{p}' to {u}.",
+        "Tell me the mass of one '{p}' expressed in {u}.",
+    ),
+    "two_lookup": (
+        "What is the combined {f} of '{p}' and '{q}'?",
+        "Add up the {f} of '{p}' and of '{q}'.",
+        "What is the total {f} of '{p}' plus '{q}'?",
+        "Sum the {f} of '{p}' and '{q}'.",
+        "Taken together, what {f} do '{p}' and '{q}' have?",
+    ),
+    "update": (
+        "We received {n} more units of '{p}'. Update its stock and report the new stock.",
+        "A delivery of {n} '{p}' arrived: add it to the stock and tell me the new stock.",
+        "Add {n} to the stock of '{p}' and give the new stock.",
+        "Restock '{p}' with {n} units and report the resulting stock.",
+        "Book an incoming shipment of {n} '{p}' and say how many are in stock afterwards.",
+    ),
+    "search_lookup_calc": (
+        "What do {n} units of the flagship product of '{s}' cost?",
+        "How much are {n} of the flagship product of '{s}'?",
+        "Find the flagship product of '{s}' and give the price of {n} of them.",
+        "What is the total price of {n} units of the flagship product of '{s}'?",
+        "The supplier '{s}' has a flagship product; what would {n} of it cost?",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task; `to_dict`/`from_dict` give the JSON Lines schema documented in the README."""
+
+    task_id: str
+    split: str
+    family: str
+    level: int
+    template_id: str
+    template_seen: bool
+    question: str
+    entities: list
+    plan: list
+    answer: str
+    min_calls: int
+    allowed_writes: list
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Task":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+# -------------------------------------------------------------------------------------------------------------- plans
+_REF = re.compile(r"\{(\d+)(?::quoted)?\}")
+_QUOTED = re.compile(r"'([^']+)'")
+
+
+def resolve(value: object, results: list[str]) -> object:
+    """Substitute ``{k}`` / ``{k:quoted}`` references in a plan parameter by earlier results."""
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match) -> str:
+        k = int(m.group(1))
+        res = results[k] if k < len(results) else ""
+        if m.group(0).endswith(":quoted}"):
+            names = _QUOTED.findall(res)
+            return names[-1] if names else res
+        return res
+
+    return _REF.sub(sub, value)
+
+
+def resolve_params(params: dict, results: list[str]) -> dict:
+    return {k: resolve(v, results) for k, v in params.items()}
+
+
+def run_plan(plan: list[dict], call: Callable[[str, dict], str]) -> list[str]:
+    """Execute a plan with `call(tool, params) -> result`; returns every step's result (the last is the answer)."""
+    results: list[str] = []
+    for step in plan:
+        results.append(call(step["tool"], resolve_params(step["params"], results)))
+    return results
+
+
+def _step(tool: str, **params) -> dict:
+    return {"tool": tool, "params": params}
+
+
+def _plan(family: str, slots: dict) -> list[dict]:
+    p, n = slots.get("p"), slots.get("n")
+    if family == "lookup":
+        return [_step("lookup", name=p, field=slots["field"]), _step("answer", value="{0}")]
+    if family == "lookup_calc":
+        return [_step("lookup", name=p, field="price"), _step("calc", expr=f"{{0}}*{n}"), _step("answer", value="{1}")]
+    if family == "lookup_convert":
+        return [_step("lookup", name=p, field="weight_kg"), _step("convert", value="{0}", **{"from": "kg", "to": slots["unit"]}),
+                _step("answer", value="{1}")]
+    if family == "two_lookup":
+        f = slots["field"]
+        return [_step("lookup", name=p, field=f), _step("lookup", name=slots["q"], field=f),
+                _step("calc", expr="{0}+{1}"), _step("answer", value="{2}")]
+    if family == "update":
+        return [_step("lookup", name=p, field="stock"), _step("calc", expr=f"{{0}}+{n}"),
+                _step("update", name=p, field="stock", value="{1}"), _step("answer", value="{1}")]
+    if family == "search_lookup_calc":
+        return [_step("search", query=f"flagship product of {slots['s']}"), _step("lookup", name="{0:quoted}", field="price"),
+                _step("calc", expr=f"{{1}}*{n}"), _step("answer", value="{2}")]
+    raise ValueError(f"unknown family {family!r}; families are {FAMILIES}")
+
+
+def _slots(family: str, split: str, world: World, rng: np.random.Generator) -> tuple[dict, list[str]]:
+    products = world.products_in(split)
+    pick = lambda seq: seq[int(rng.integers(len(seq)))]  # noqa: E731
+    if family == "search_lookup_calc":
+        sup = pick(world.suppliers_in(split))
+        return {"s": sup["name"], "n": int(rng.integers(2, 10))}, [sup["name"], sup["flagship"]]
+    p = pick(products)["name"]
+    if family == "lookup":
+        fld = pick(("price", "stock", "supplier", "category"))
+        return {"p": p, "field": fld, "f": FIELD_WORDS[fld]}, [p]
+    if family in ("lookup_calc", "update"):
+        return {"p": p, "n": int(rng.integers(2, 10))}, [p]
+    if family == "lookup_convert":
+        unit = pick(tuple(UNIT_WORDS))
+        return {"p": p, "unit": unit, "u": UNIT_WORDS[unit]}, [p]
+    if family == "two_lookup":
+        q = p
+        while q == p:
+            q = pick(products)["name"]
+        fld = pick(("price", "stock"))
+        return {"p": p, "q": q, "field": fld, "f": FIELD_WORDS[fld]}, [p, q]
+    raise ValueError(f"unknown family {family!r}")
+
+
+def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float], seed: int,
+                   solver: Callable[[list[dict], list[dict]], str]) -> list[Task]:
+    """Generate `n` tasks of `split`; `solver(plan, allowed_writes)` returns the ground-truth answer on the world."""
+    rng = np.random.default_rng([seed, 2, ("train", "validation", "test").index(split)])
+    levels = sorted(level_mix)
+    weights = np.array([level_mix[lv] for lv in levels], dtype=float)
+    weights /= weights.sum()
+    by_level = {lv: [f for f in FAMILIES if FAMILY_LEVEL[f] == lv] for lv in levels}
+    n_templates = {f: len(t) for f, t in TEMPLATES.items()}
+    tasks, seen = [], set()
+    attempts = 0
+    while len(tasks) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"could not draw {n} distinct {split} tasks; the world is too small for this many")
+        level = levels[int(rng.choice(len(levels), p=weights))]
+        fams = by_level[level]
+        family = fams[int(rng.integers(len(fams)))]
+        if split == "test":
+            template = int(rng.integers(n_templates[family]))
+        else:
+            template = int(rng.integers(HELDOUT_TEMPLATE))
+        slots, entities = _slots(family, split, world, rng)
+        question = TEMPLATES[family][template].format(**slots)
+        if question in seen:
+            continue
+        seen.add(question)
+        plan = _plan(family, slots)
+        allowed = ([{"table": "products", "name": slots["p"], "field": "stock"}] if family == "update" else [])
+        tasks.append(Task(
+            task_id=f"{split}-{len(tasks):06d}", split=split, family=family, level=FAMILY_LEVEL[family],
+            template_id=f"{family}/{template}", template_seen=template != HELDOUT_TEMPLATE, question=question,
+            entities=entities, plan=plan, answer=solver(plan, allowed), min_calls=len(plan), allowed_writes=allowed,
+        ))
+    return tasks
+
+
+# ------------------------------------------------------------------------------------------------------------ answers
+def normalize_answer(text: object) -> str:
+    s = str(text).strip().strip("'\"").strip()
+    return " ".join(s.lower().split())
+
+
+def answers_match(given: object, truth: str, tol: float = 0.01) -> bool:
+    """Numbers match within `tol` (results are rounded to 2 decimals); text matches case- and quote-insensitively.
+
+    >>> answers_match("2884", "2884"), answers_match(" 'Blue Lamp' ", "blue lamp"), answers_match("12.3", "12.35")
+    (True, True, False)
+    """
+    if given is None:
+        return False
+    g, t = normalize_answer(given), normalize_answer(truth)
+    try:
+        return abs(float(g) - float(t)) <= tol / 2 + 1e-9
+    except ValueError:
+        return g == t and g != ""
+
+
+# ----------------------------------------------------------------------------------------------------------------- IO
+def write_tasks(tasks: list[Task], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(t.to_dict(), sort_keys=True) + "\n" for t in tasks))
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be used; the message names the file, the line and what is wrong."""
+
+
+def read_task_records(path: Path) -> list[dict]:
+    """Read JSON Lines; malformed JSON or non-object lines raise TaskFileError naming the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskFileError(f"{path}: task file not found")
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskFileError(f"{path}:{i}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(rec, dict):
+            raise TaskFileError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
+        missing = [k for k in Task.__dataclass_fields__ if k not in rec]
+        if missing:
+            raise TaskFileError(f"{path}:{i}: missing keys {missing}")
+        records.append(rec)
+    if not records:
+        raise TaskFileError(f"{path}: no tasks in file")
+    return records

@@ -1,0 +1,62 @@
+"""The rule verifier (seed 3.1): tool-usage order, parameter validity and safety constraints of one episode.
+
+It reads the episode's call log (what the environment recorded per step) and the task's plan. It judges the process,
+not the answer: correctness is the reward's job. Deliberately left out: the seed's *model* verifier (a learned judge of
+process soundness and style); the rule verifier is the only verifier here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# Outcome of one step, as the environment records it.
+OK, ANSWER = "ok", "answer"
+INVALID_ACTION, INVALID_PARAMS = "invalid_action", "invalid_params"
+TOOL_ERROR, TIMEOUT, SAFETY_VIOLATION = "tool_error", "timeout", "safety_violation"
+OUTCOMES = (OK, ANSWER, INVALID_ACTION, INVALID_PARAMS, TOOL_ERROR, TIMEOUT, SAFETY_VIOLATION)
+FAILED = frozenset({INVALID_ACTION, INVALID_PARAMS, TOOL_ERROR, TIMEOUT, SAFETY_VIOLATION})
+
+
+@dataclass(frozen=True)
+class VerifierReport:
+    order_ok: bool
+    params_ok: bool
+    safety_ok: bool
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.order_ok and self.params_ok and self.safety_ok
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def is_subsequence(needle: list[str], haystack: list[str]) -> bool:
+    """
+    >>> is_subsequence(["a", "c"], ["a", "b", "c"]), is_subsequence(["c", "a"], ["a", "b", "c"])
+    (True, False)
+    """
+    it = iter(haystack)
+    return all(any(x == y for y in it) for x in needle)
+
+
+def verify(calls: list[dict], plan: list[dict]) -> VerifierReport:
+    """`calls`: [{"tool": name or None, "outcome": one of OUTCOMES}, ...] in order; `plan`: the task's plan."""
+    problems = []
+    required = [s["tool"] for s in plan if s["tool"] != "answer"]
+    succeeded = [c["tool"] for c in calls if c["outcome"] == OK]
+    order_ok = is_subsequence(required, succeeded)
+    if not order_ok:
+        problems.append(f"tool order: needed {required} in this order among successful calls, got {succeeded}")
+    answers = [i for i, c in enumerate(calls) if c["outcome"] == ANSWER]
+    if answers and answers[-1] != len(calls) - 1:
+        order_ok = False
+        problems.append("answer is not the last call")
+    bad = [i for i, c in enumerate(calls) if c["outcome"] in (INVALID_ACTION, INVALID_PARAMS)]
+    if bad:
+        problems.append(f"invalid actions or parameters at steps {bad}")
+    unsafe = [i for i, c in enumerate(calls) if c["outcome"] == SAFETY_VIOLATION]
+    if unsafe:
+        problems.append(f"safety violations at steps {unsafe}")
+    return VerifierReport(order_ok=order_ok, params_ok=not bad, safety_ok=not unsafe, problems=problems)

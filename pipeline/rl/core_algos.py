@@ -1,0 +1,208 @@
+"""The RL maths as pure functions of tensors (seed sections 2, 3.4, 3.5).
+
+Shapes: token-level tensors are ``(batch, seq)``, where `batch` counts episodes and `seq` their (padded) token
+positions; `mask` is the rollout's action mask, 1 exactly on tokens the policy sampled and 0 on prompt, tool-output
+and padding tokens. Everything downstream respects the mask: advantages, losses and statistics are computed over
+masked positions only, so values written under the mask cannot change a result (tests prove it).
+
+Losses return ``(loss, metrics)`` with metric names namespaced as the tracker logs them. Estimators are picked from
+:data:`ADVANTAGE_ESTIMATORS` by name, and an unknown name fails listing the valid ones.
+
+References: PPO clipped surrogate and value clipping (Schulman et al. 2017; cleanrl `ppo.py`); GAE (Schulman et al.
+2016), computed over action tokens only, skipping observation tokens as verl does for multi-turn rollouts; GRPO group
+baseline (Shao et al. 2024) and RLOO leave-one-out baseline (Ahmadian et al. 2024); approximate KL ``k3``
+(Schulman, "Approximating KL divergence", 2020); truncated importance sampling ``w = min(c, π_train/π_sample)``
+(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (seed 1.4, 2.3).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x − mean)/std over masked positions; masked-out positions are returned as 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def token_rewards(episode_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each episode's scalar reward on its last action token. (batch,) , (batch, seq) -> (batch, seq)."""
+    seq = mask.shape[1]
+    positions = torch.arange(seq, device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=episode_rewards.dtype, device=mask.device)
+    has = last >= 0
+    out[has, last[has]] = episode_rewards[has]
+    return out
+
+
+def turn_rewards_to_tokens(turn_rewards: list[list[float]], turn_ends: list[list[int]], shape: tuple[int, int],
+                           dtype=torch.float32) -> torch.Tensor:
+    """Per-turn rewards placed on the last token of each turn's action (per-turn credit assignment, seed 2.2)."""
+    out = torch.zeros(shape, dtype=dtype)
+    for b, (rs, ends) in enumerate(zip(turn_rewards, turn_ends)):
+        for r, t in zip(rs, ends):
+            out[b, t] += r
+    return out
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over action tokens only.
+
+    Args: rewards, values, mask: (batch, seq). Positions with mask 0 (prompt, observations, padding) are skipped: the
+    recursion jumps from one action token to the next action token, so an observation in between neither
+    discounts nor bootstraps. After the last action token the episode is over (value 0).
+    Returns: (advantages, returns), both (batch, seq), zero where mask is 0.
+    """
+    batch, seq = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
+    lastgaelam = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
+    m = mask.to(rewards.dtype)
+    for t in reversed(range(seq)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        gae_t = delta + gamma * lam * lastgaelam
+        # Where the token is not an action, carry the running quantities through unchanged.
+        lastgaelam = m[:, t] * gae_t + (1 - m[:, t]) * lastgaelam
+        next_value = m[:, t] * values[:, t] + (1 - m[:, t]) * next_value
+        adv[:, t] = gae_t * m[:, t]
+    returns = (adv + values) * m
+    return adv, returns
+
+
+def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
+                     scale_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Critic-free advantages relative to the other rollouts of the same task.
+
+    Args: scores (batch,) episode returns; group_ids (batch,) integer group of each episode.
+    `grpo`: (score − group mean) / (group std + eps) (std only if `scale_by_std`);
+    `rloo`: score − mean of the *other* members of the group (leave-one-out).
+    Returns: (advantages (batch,), zero_variance (batch,) bool: the episode's group had all-equal scores, so it
+    carries no learning signal).
+    """
+    if estimator not in ("grpo", "rloo"):
+        raise ValueError(f"unknown group estimator {estimator!r}; choose one of 'grpo', 'rloo'")
+    adv = torch.zeros_like(scores)
+    zero_var = torch.zeros_like(scores, dtype=torch.bool)
+    for g in torch.unique(group_ids):
+        idx = group_ids == g
+        s = scores[idx]
+        n = s.numel()
+        if n < 2:
+            zero_var[idx] = True
+            continue
+        if estimator == "grpo":
+            a = s - s.mean()
+            if scale_by_std:
+                a = a / (s.std(unbiased=True) + eps)
+        else:
+            a = s - (s.sum() - s) / (n - 1)
+        adv[idx] = a
+        zero_var[idx] = bool((s.max() - s.min()).abs() < 1e-9)
+    return adv, zero_var
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """R_t = Σ_{t'≥t} γ^(t'−t) r_t' along the last dimension (per-turn credit, seed 2.2)."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[..., t] + gamma * running
+        out[..., t] = running
+    return out
+
+
+def truncated_importance_weights(logp_train: torch.Tensor, logp_sample: torch.Tensor, mask: torch.Tensor,
+                                 c: float) -> tuple[torch.Tensor, dict]:
+    """w = min(c, π_train/π_sample) per token, no gradient (a correction factor, not a learned quantity).
+
+    Returns the weights (batch, seq), 0 where mask is 0, and their statistics.
+    """
+    with torch.no_grad():
+        ratio = torch.exp((logp_train - logp_sample).clamp(max=20.0))
+        w = torch.clamp(ratio, max=c) * mask
+        m = mask > 0
+        stats = {
+            "offpolicy/is_weight_mean": float(w[m].mean()) if m.any() else 1.0,
+            "offpolicy/is_weight_max": float(ratio[m].max()) if m.any() else 1.0,
+            "offpolicy/is_truncated_frac": float((ratio[m] > c).float().mean()) if m.any() else 0.0,
+        }
+    return w, stats
+
+
+def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    clip_eps: float, is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate: mean over action tokens of max(−A·r, −A·clip(r, 1−ε, 1+ε)), r = π/π_old.
+
+    `is_weights` (optional, no grad) multiply each token's term: the truncated importance correction for rollouts
+    sampled by a stale policy (`old_logp` is then the behaviour policy's log-probability).
+    """
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = torch.max(pg_loss1, pg_loss2)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    loss = masked_mean(per_token, mask)
+    with torch.no_grad():
+        approx_kl = masked_mean((ratio - 1) - log_ratio, mask)  # k3 estimator
+        clipfrac = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), mask)
+    return loss, {"losses/policy_loss": float(loss.detach()), "losses/approx_kl": float(approx_kl),
+                  "losses/clipfrac": float(clipfrac)}
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float | None) -> tuple[torch.Tensor, dict]:
+    """0.5 · max((V − R)², (V_clipped − R)²) over action tokens; V_clipped = V_old + clip(V − V_old, ±ε)."""
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        per_token = unclipped
+    else:
+        clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+        per_token = torch.max(unclipped, (clipped - returns) ** 2)
+    loss = 0.5 * masked_mean(per_token, mask)
+    return loss, {"losses/value_loss": float(loss.detach())}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical over the last dimension: (..., vocab) -> (...)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """k3 estimate of KL(π ‖ π_ref) per token, averaged over action tokens (non-negative, low variance)."""
+    log_ratio = ref_logp - logp
+    per_token = torch.exp(log_ratio) - 1 - log_ratio
+    loss = masked_mean(per_token, mask)
+    return loss, {"losses/kl_ref": float(loss.detach())}
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var[R − V] / Var[R] over action tokens (cleanrl's `explained_var`); nan when Var[R] = 0."""
+    var_r = masked_var(returns, mask)
+    if float(var_r) == 0.0:
+        return float("nan")
+    return float(1 - masked_var(returns - values, mask) / var_r)

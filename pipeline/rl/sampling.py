@@ -1,0 +1,143 @@
+"""Sampling state of the RL phase (seed 2.1, 2.2, 3.2, 3.4): reward normalisation, adaptive entropy coefficient,
+curriculum with success-following level weights, and count-based goal sampling.
+
+Each is a small class with explicit state, `state_dict()`/`load_state_dict()` so checkpoints restore it exactly,
+and no hidden randomness: callers pass a `numpy.random.Generator`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class RewardNormalizer:
+    """R' = (R − μ)/σ over the last `window` episode returns (seed 2.2, dynamic reward reshaping)."""
+
+    def __init__(self, window: int, eps: float = 1e-6):
+        if window < 2:
+            raise ValueError(f"reward normalisation window must be at least 2, got {window}")
+        self.window, self.eps = window, eps
+        self.history: deque[float] = deque(maxlen=window)
+
+    def update(self, rewards) -> None:
+        self.history.extend(float(r) for r in rewards)
+
+    def normalize(self, rewards) -> np.ndarray:
+        r = np.asarray(rewards, dtype=np.float64)
+        if len(self.history) < 2:
+            return r
+        h = np.asarray(self.history)
+        return (r - h.mean()) / (h.std() + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"window": self.window, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window = state["window"]
+        self.history = deque(state["history"], maxlen=self.window)
+
+
+class AdaptiveEntropyCoef:
+    """λ of L = L_RL − λ·H(π): rises (×`rate`) while entropy is below `target`, decays back towards `init` above it,
+    kept within [`min_coef`, `max_coef`] (seed 2.1: λ in 0.01–0.1; 4.2: a dynamic entropy coefficient)."""
+
+    def __init__(self, init: float, target: float, rate: float = 1.5, min_coef: float = 0.0, max_coef: float = 0.1):
+        self.value, self.init, self.target, self.rate = init, init, target, rate
+        self.min_coef, self.max_coef = min_coef, max_coef
+
+    def update(self, entropy: float) -> float:
+        if entropy < self.target:
+            self.value = max(self.value, 1e-4) * self.rate
+        else:
+            self.value = self.init + (self.value - self.init) / self.rate
+        self.value = float(np.clip(self.value, self.min_coef, self.max_coef))
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class Curriculum:
+    """Difficulty levels unlocked in order: the next level opens when recent success on the highest open level
+    passes `threshold`. Among open levels, weights follow recent failure, max(`floor`, 1 − success), so rollouts go
+    where the policy still fails (../shared/FINDINGS.md: this made RL take off in 3 runs of 3)."""
+
+    def __init__(self, levels: list[int], start_level: int, threshold: float, floor: float = 0.1, window: int = 64):
+        if start_level not in levels:
+            raise ValueError(f"start level {start_level} is not one of {levels}")
+        self.levels = sorted(levels)
+        self.max_open = start_level
+        self.threshold, self.floor, self.window = threshold, floor, window
+        self.outcomes: dict[int, deque] = {lv: deque(maxlen=window) for lv in self.levels}
+
+    @property
+    def open_levels(self) -> list[int]:
+        return [lv for lv in self.levels if lv <= self.max_open]
+
+    def success(self, level: int) -> float | None:
+        o = self.outcomes[level]
+        return sum(o) / len(o) if o else None
+
+    def update(self, levels, successes) -> None:
+        for lv, s in zip(levels, successes):
+            self.outcomes[int(lv)].append(float(s))
+        top = self.success(self.max_open)
+        if (top is not None and len(self.outcomes[self.max_open]) >= min(16, self.window)
+                and top >= self.threshold and self.max_open < self.levels[-1]):
+            self.max_open = self.levels[self.levels.index(self.max_open) + 1]
+
+    def weights(self) -> dict[int, float]:
+        w = {}
+        for lv in self.open_levels:
+            s = self.success(lv)
+            w[lv] = max(self.floor, 1.0 - (s if s is not None else 0.0))
+        total = sum(w.values())
+        return {lv: v / total for lv, v in w.items()}
+
+    def sample_levels(self, n: int, rng: np.random.Generator) -> list[int]:
+        """Stratified: each open level gets round(n·weight) draws (largest remainders fill the rest)."""
+        w = self.weights()
+        exact = {lv: n * p for lv, p in w.items()}
+        counts = {lv: int(np.floor(x)) for lv, x in exact.items()}
+        for lv in sorted(exact, key=lambda lv: exact[lv] - counts[lv], reverse=True)[: n - sum(counts.values())]:
+            counts[lv] += 1
+        out = [lv for lv, c in counts.items() for _ in range(c)]
+        rng.shuffle(out)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"max_open": self.max_open, "outcomes": {lv: list(o) for lv, o in self.outcomes.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.max_open = state["max_open"]
+        self.outcomes = {int(lv): deque(o, maxlen=self.window) for lv, o in state["outcomes"].items()}
+
+
+class GoalSampler:
+    """p(g) ∝ 1/(count(g) + 1) over the tasks of a level (seed 3.2: goal sampling towards rarely tried goals)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def probabilities(self, task_ids: list[str]) -> np.ndarray:
+        inv = np.array([1.0 / (self.counts.get(t, 0) + 1) for t in task_ids])
+        return inv / inv.sum()
+
+    def sample(self, task_ids: list[str], n: int, rng: np.random.Generator) -> list[str]:
+        p = self.probabilities(task_ids)
+        picks = rng.choice(len(task_ids), size=n, replace=n > len(task_ids), p=p)
+        chosen = [task_ids[i] for i in picks]
+        for t in chosen:
+            self.counts[t] = self.counts.get(t, 0) + 1
+        return chosen
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = dict(state["counts"])

@@ -1,0 +1,74 @@
+#!/usr/bin/env python
+"""Print the README's configuration table: every params.yaml key with its type, default and description.
+
+The rows come from the pydantic models' field descriptions (the single source of the documentation), so regenerate the
+table whenever a model changes:  python scripts/params_table.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.env.config import BuildEnvConfig, EnvConfig  # noqa: E402
+
+# params.yaml section -> model; a new phase adds its section here.
+SECTIONS: dict[str, type[BaseModel]] = {"env": EnvConfig, "build_env": BuildEnvConfig}
+
+
+def _type_name(annotation: Any) -> str:
+    name = getattr(annotation, "__name__", None)
+    return name if name and not getattr(annotation, "__args__", None) else str(annotation).replace("typing.", "")
+
+
+def _default(value: Any) -> str:
+    """The default as it is written in params.yaml (YAML flow style)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_default(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)  # numbers; true/false as YAML spells them
+
+
+def _bounds(metadata: list[Any]) -> str:
+    """Numeric bounds declared on the field (annotated_types Ge/Gt/Le/Lt), e.g. '≥ 1, ≤ 64'."""
+    marks = []
+    for item in metadata:
+        for attr, sign in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<")):
+            if getattr(item, attr, None) is not None:
+                marks.append(f"{sign} {getattr(item, attr)}")
+    return ", ".join(marks)
+
+
+def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str, str]]:
+    out = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}.{name}"
+        annotation = field.annotation
+        default = field.get_default(call_default_factory=True)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            out.append((key, "section", "", "", field.description or ""))
+            out.extend(rows(annotation, key))
+        else:
+            out.append((key, _type_name(annotation), _default(default), _bounds(field.metadata), field.description or ""))
+    return out
+
+
+def table() -> str:
+    lines = ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
+    for section, model in SECTIONS.items():
+        lines.append(f"| `{section}` | section | | | {(model.__doc__ or '').strip().splitlines()[0]} |")
+        for key, typ, default, bounds, desc in rows(model, section):
+            shown = f"`{default}`" if default else ""
+            lines.append(f"| `{key}` | {typ} | {shown} | {bounds} | {desc.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -1,0 +1,20 @@
+"""Shared fixtures.
+
+`mlflow_tmp_uri` is autouse: no test writes into the repository's own `mlflow.db`/`mlartifacts`, whichever phase it
+runs. A test that needs a store of its own can still point MLFLOW_TRACKING_URI elsewhere with monkeypatch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mlflow_tmp_uri(tmp_path_factory: pytest.TempPathFactory):
+    """A SQLite MLflow store in a session temp dir, exported as MLFLOW_TRACKING_URI for the whole test session."""
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
+        yield uri

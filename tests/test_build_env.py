@@ -1,0 +1,113 @@
+"""The build_env phase: outputs, validation at the boundary, atomic publish, and bad input at the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.env.config import BuildEnvConfig, EnvConfig
+from pipeline.errors import AgentRLError
+from pipeline.phases.build_env import build, validate_outputs
+
+TINY = BuildEnvConfig(n_products=60, n_suppliers=12, tasks_per_split={"train": 80, "validation": 24, "test": 24},
+                      demos={"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.5}})
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    metrics = build(TINY, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
+    return root, metrics
+
+
+def test_outputs_metrics_and_baselines(built):
+    root, metrics = built
+    for rel in ("env/world.sqlite", "env/corpus.jsonl", "env/entities.json", "tasks/train.jsonl",
+                "tasks/validation.jsonl", "tasks/test.jsonl", "demos/train.jsonl"):
+        assert (root / "data" / rel).is_file(), rel
+    on_disk = json.loads((root / "metrics" / "build_env.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    assert metrics["counts"]["tasks_train"] == 80 and metrics["validation"]["expectations_failed"] == 0
+    for split in ("train", "validation", "test"):
+        assert metrics["baselines"][f"{split}/expert"]["success_rate"] == 1.0
+        assert metrics["baselines"][f"{split}/random"]["success_rate"] < 0.05
+    assert set(metrics["checksums"]) >= {"data/tasks/train.jsonl", "data/env/world.sqlite"}
+    assert not list((root / "data").glob(".staging*"))
+
+
+def test_same_seed_gives_identical_data(built, tmp_path):
+    root, metrics = built
+    again = build(TINY, EnvConfig(), tmp_path / "data", tmp_path / "m.json")
+    assert again["checksums"] == metrics["checksums"]
+
+
+def test_data_failing_validation_stops_the_phase_and_keeps_the_previous_outputs(built, tmp_path):
+    root, _ = built
+    first = build(TINY, EnvConfig(), tmp_path / "data", tmp_path / "metrics.json")
+    before = {p: p.read_bytes() for p in (tmp_path / "data").rglob("*") if p.is_file()}
+
+    def corrupting_validator(stage: Path):
+        path = stage / "tasks" / "test.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        rows[3]["level"] = 9
+        rows[5]["answer"] = ""
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return validate_outputs(stage)
+
+    other = TINY.model_copy(update={"seed": 5})
+    with pytest.raises(AgentRLError) as err:
+        build(other, EnvConfig(), tmp_path / "data", tmp_path / "metrics.json", validator=corrupting_validator)
+    msg = str(err.value)
+    assert "previous outputs are left untouched" in msg
+    assert "test-000003" in msg and "level" in msg and "test-000005" in msg
+    after = {p: p.read_bytes() for p in (tmp_path / "data").rglob("*") if p.is_file()}
+    assert after == before
+    assert json.loads((tmp_path / "metrics.json").read_text())["checksums"] == first["checksums"]
+
+
+def _agentrl(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_eval_cli_scores_the_expert_and_refuses_a_corrupt_task_file(built, tmp_path):
+    root, _ = built
+    (root / "params.yaml").write_text("env:\n  max_steps: 8\n")
+    out = _agentrl("eval", "--policy", "expert", "--tasks", "data/tasks/test.jsonl", "--out", str(tmp_path / "e.json"),
+                   cwd=root)
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["overall"]["success_rate"] == 1.0 and set(result["per_level"]) <= {"1", "2", "3", "4"}
+    for key in ("mean_return", "mean_correctness", "mean_efficiency", "mean_safety", "mean_user_experience",
+                "mean_tool_calls", "safety_violations"):
+        assert key in result["overall"]
+
+    bad = tmp_path / "bad.jsonl"
+    lines = (root / "data/tasks/test.jsonl").read_text().splitlines()
+    bad.write_text(lines[0] + "\n{not json\n")
+    out = _agentrl("eval", "--policy", "expert", "--tasks", str(bad), "--out", str(tmp_path / "x.json"), cwd=root)
+    assert out.returncode == 2 and f"{bad}:2" in out.stderr and "not valid JSON" in out.stderr
+    row = json.loads(lines[0])
+    row["family"] = "teleport"
+    bad.write_text(json.dumps(row) + "\n")
+    out = _agentrl("eval", "--policy", "expert", "--tasks", str(bad), "--out", str(tmp_path / "x.json"), cwd=root)
+    assert out.returncode == 2 and "family" in out.stderr and row["task_id"] in out.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_build_env_cli_refuses_bad_params_and_keeps_data(built, tmp_path):
+    root, _ = built
+    before = (root / "data/tasks/train.jsonl").read_bytes()
+    (root / "params.yaml").write_text("env:\n  reward:\n    correctness: -1\n")
+    out = _agentrl("build-env", cwd=root)
+    assert out.returncode == 2 and "env.reward.correctness" in out.stderr
+    (root / "params.yaml").write_text("build_env:\n  n_prodcts: 10\n")
+    out = _agentrl("build-env", cwd=root)
+    assert out.returncode == 2 and "did you mean 'n_products'" in out.stderr
+    (root / "params.yaml").write_text("build_env: [1, 2\n")
+    out = _agentrl("build-env", cwd=root)
+    assert out.returncode == 2 and "line" in out.stderr
+    assert (root / "data/tasks/train.jsonl").read_bytes() == before

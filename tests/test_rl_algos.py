@@ -1,0 +1,201 @@
+"""Known-answer and invariance tests of the RL maths (pure tensor functions, milliseconds each)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.rl import core_algos as A
+from pipeline.rl.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
+
+
+def test_gae_matches_a_hand_computed_case():
+    # Two action tokens at t=0 and t=2 with an observation token at t=1 in between (skipped).
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.9, 0.8]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    gamma, lam = 0.9, 0.8
+    # t=2: delta = 1 + 0 - 0.8 = 0.2 ; A2 = 0.2
+    # t=0: delta = 0 + 0.9*0.8 - 0.5 = 0.22 ; A0 = 0.22 + 0.9*0.8*0.2 = 0.364
+    adv, ret = A.compute_gae(rewards, values, mask, gamma, lam)
+    assert torch.allclose(adv, torch.tensor([[0.364, 0.0, 0.2]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0.864, 0.0, 1.0]]), atol=1e-6)
+
+
+def test_gae_with_lambda_one_gamma_one_is_return_minus_value():
+    rewards = torch.tensor([[0.0, 0.5, 0.0, 2.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    mask = torch.ones(1, 4)
+    adv, ret = A.compute_gae(rewards, values, mask, 1.0, 1.0)
+    assert torch.allclose(ret, torch.tensor([[2.5, 2.5, 2.0, 2.0]]), atol=1e-6)
+    assert torch.allclose(adv, ret - values, atol=1e-6)
+
+
+def test_values_under_the_mask_change_nothing():
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g)
+    mask = (torch.rand(4, 12, generator=g) > 0.4).float()
+    logp, old = torch.randn(4, 12, generator=g), torch.randn(4, 12, generator=g)
+    adv, ret = A.compute_gae(rewards * mask, values, mask, 0.99, 0.95)
+    noise = torch.randn(4, 12, generator=g) * 100 * (1 - mask)
+    adv2, ret2 = A.compute_gae(rewards * mask, values + noise, mask, 0.99, 0.95)
+    assert torch.allclose(adv, adv2) and torch.allclose(ret, ret2)
+    l1, _ = A.ppo_policy_loss(logp, old, adv, mask, 0.2)
+    l2, _ = A.ppo_policy_loss(logp + noise, old - noise, adv + noise, mask, 0.2)
+    assert torch.allclose(l1, l2)
+    v1, _ = A.value_loss(values, values * 0.9, ret, mask, 0.2)
+    v2, _ = A.value_loss(values + noise, values * 0.9 - noise, ret + noise, mask, 0.2)
+    assert torch.allclose(v1, v2)
+
+
+def test_gae_looped_equals_per_episode():
+    g = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(3, 9, generator=g), torch.randn(3, 9, generator=g)
+    mask = (torch.rand(3, 9, generator=g) > 0.3).float()
+    adv, _ = A.compute_gae(rewards, values, mask, 0.97, 0.9)
+    for b in range(3):
+        idx = mask[b].nonzero().flatten().tolist()
+        a_ref, last, nv = {}, 0.0, 0.0
+        for t in reversed(idx):
+            delta = float(rewards[b, t]) + 0.97 * nv - float(values[b, t])
+            last = delta + 0.97 * 0.9 * last
+            a_ref[t], nv = last, float(values[b, t])
+        for t in idx:
+            assert abs(float(adv[b, t]) - a_ref[t]) < 1e-5
+
+
+def test_clipped_surrogate_on_hand_made_tensors():
+    mask = torch.ones(1, 3)
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, m = A.ppo_policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    # token 0: r=1.5, A=1  -> max(-1.5, -1.2) = -1.2 (clipped)
+    # token 1: r=0.5, A=1  -> max(-0.5, -0.8) = -0.5
+    # token 2: r=1.1, A=-1 -> max(1.1, 1.1) = 1.1
+    assert float(loss) == pytest.approx((-1.2 - 0.5 + 1.1) / 3, abs=1e-6)
+    assert m["losses/clipfrac"] == pytest.approx(2 / 3)
+    assert m["losses/approx_kl"] > 0
+
+
+def test_value_clipping_on_hand_made_tensors():
+    mask = torch.ones(1, 2)
+    loss, _ = A.value_loss(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 1.0]]), mask, 0.5)
+    # token 0: max((1-0)^2, (0.5-0)^2) = 1 ; token 1: max(1, 1) = 1 ; 0.5 * mean = 0.5
+    assert float(loss) == pytest.approx(0.5)
+
+
+def test_truncated_importance_weights():
+    logp_train = torch.log(torch.tensor([[0.5, 0.9, 0.1]]))
+    logp_sample = torch.log(torch.tensor([[0.25, 0.3, 0.2]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w, s = A.truncated_importance_weights(logp_train, logp_sample, mask, c=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 2.0, 0.0]]))  # ratios 2, 3 -> truncated to 2; masked token 0
+    assert s["offpolicy/is_truncated_frac"] == pytest.approx(0.5)
+    w, _ = A.truncated_importance_weights(logp_train, logp_sample, mask, c=10.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 3.0, 0.0]]), atol=1e-5)
+
+
+def test_group_advantages_and_zero_variance_groups():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    adv, zero = A.group_advantages(scores, groups, "rloo")
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    assert torch.all(adv[4:] == 0) and zero.tolist() == [False] * 4 + [True] * 4
+    adv, _ = A.group_advantages(scores, groups, "grpo")
+    assert float(adv[:4].sum()) == pytest.approx(0.0, abs=1e-6) and float(adv[0]) == pytest.approx(0.75 / 0.5, rel=1e-4)
+    with pytest.raises(ValueError, match="rloo"):
+        A.group_advantages(scores, groups, "ppo")
+
+
+def test_discounted_returns_and_token_rewards():
+    r = torch.tensor([[1.0, 0.0, 2.0]])
+    assert torch.allclose(A.discounted_returns(r, 0.5), torch.tensor([[1.5, 1.0, 2.0]]))
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0]])
+    tr = A.token_rewards(torch.tensor([3.0, 5.0]), mask)
+    assert tr.tolist() == [[0, 0, 0, 0, 3.0, 0], [0] * 6]
+
+
+def test_loss_with_gradient_accumulation_equals_the_full_batch():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5)
+    x = torch.randn(8, 6, 8)
+    actions = torch.randint(0, 5, (8, 6))
+    old = torch.randn(8, 6) * 0.1 - 1.6
+    adv = torch.randn(8, 6)
+    mask = torch.ones(8, 6)
+
+    def loss_of(xb, ab, ob, advb, mb):
+        logp = torch.log_softmax(lin(xb), -1).gather(-1, ab[..., None])[..., 0]
+        return A.ppo_policy_loss(logp, ob, advb, mb, 0.2)[0]
+
+    lin.zero_grad()
+    loss_of(x, actions, old, adv, mask).backward()
+    full = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    for i in range(8):  # 8 micro-batches of 1, equal token counts, so the mean of means equals the mean
+        (loss_of(x[i:i + 1], actions[i:i + 1], old[i:i + 1], adv[i:i + 1], mask[i:i + 1]) / 8).backward()
+    for g_full, p in zip(full, lin.parameters()):
+        assert torch.allclose(g_full, p.grad, atol=1e-6)
+
+
+def test_kl_entropy_explained_variance():
+    logits = torch.zeros(2, 3, 4)
+    assert torch.allclose(A.entropy_from_logits(logits), torch.full((2, 3), float(np.log(4))))
+    mask = torch.ones(2, 3)
+    lp = torch.randn(2, 3)
+    kl, _ = A.kl_penalty(lp, lp, mask)
+    assert float(kl) == 0.0
+    kl, _ = A.kl_penalty(lp, lp - 0.5, mask)
+    assert float(kl) > 0
+    ret = torch.randn(2, 3)
+    assert A.explained_variance(ret, ret, mask) == pytest.approx(1.0)
+
+
+def test_reward_normalizer_window():
+    n = RewardNormalizer(window=4)
+    n.update([0, 0, 10, 10, 2, 4])  # window keeps 10, 10, 2, 4
+    h = np.array([10, 10, 2, 4.0])
+    assert n.normalize([4.0])[0] == pytest.approx((4 - h.mean()) / (h.std() + 1e-6))
+    m = RewardNormalizer(window=4)
+    m.load_state_dict(n.state_dict())
+    assert m.normalize([1.0]) == pytest.approx(n.normalize([1.0]))
+    with pytest.raises(ValueError):
+        RewardNormalizer(window=1)
+
+
+def test_adaptive_entropy_rises_when_entropy_collapses():
+    c = AdaptiveEntropyCoef(init=0.01, target=1.0, rate=2.0, max_coef=0.1)
+    assert c.update(0.2) == pytest.approx(0.02) and c.update(0.2) == pytest.approx(0.04)
+    for _ in range(5):
+        c.update(0.1)
+    assert c.value == pytest.approx(0.1)
+    for _ in range(20):
+        c.update(2.0)
+    assert c.value == pytest.approx(0.01, rel=1e-3)
+
+
+def test_curriculum_opens_levels_and_follows_failure():
+    cur = Curriculum([1, 2, 3, 4], start_level=2, threshold=0.8, floor=0.1, window=20)
+    assert cur.open_levels == [1, 2]
+    cur.update([1] * 20 + [2] * 20, [1] * 20 + [1] * 17 + [0] * 3)
+    assert cur.open_levels == [1, 2, 3]
+    w = cur.weights()
+    assert w[3] > w[2] > w[1] and sum(w.values()) == pytest.approx(1.0)
+    levels = cur.sample_levels(40, np.random.default_rng(0))
+    assert len(levels) == 40 and set(levels) <= {1, 2, 3}
+    assert levels.count(3) == round(40 * w[3]) or abs(levels.count(3) - 40 * w[3]) <= 1
+    other = Curriculum([1, 2, 3, 4], 1, 0.8, window=20)
+    other.load_state_dict(cur.state_dict())
+    assert other.weights() == w
+
+
+def test_goal_sampler_prefers_rare_goals():
+    gs = GoalSampler()
+    rng = np.random.default_rng(0)
+    gs.counts = {"a": 9, "b": 0}
+    p = gs.probabilities(["a", "b"])
+    assert p[1] / p[0] == pytest.approx(10.0)
+    picks = gs.sample(["a", "b", "c"], 300, rng)
+    assert picks.count("a") < picks.count("b")
