@@ -17,6 +17,9 @@ def use_project_prefect_home(root: str | Path) -> None:
     os.environ.setdefault("PREFECT_HOME", str(home))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(home / "storage"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The temporary server's first start runs its database migrations: about 11 s on an idle 2-core machine, and
+    # past Prefect's default 20 s limit on a loaded one (seen in CI). Give it room.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def project_params(params_path: str | Path) -> Path:
