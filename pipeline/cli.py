@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from pipeline.config import DEFAULT_PARAMS, ConfigError
 from pipeline.errors import AgentRLError
 
-EVAL_POLICIES = ("expert", "random")
 USER_ERROR = 2
 
 
@@ -25,6 +24,27 @@ def _cmd_build_env(args: argparse.Namespace) -> int:
     from pipeline.phases import build_env
 
     build_env.main(args.params)
+    return 0
+
+
+def _cmd_adapt(args: argparse.Namespace) -> int:
+    from pipeline.phases import adapt
+
+    adapt.main(args.params)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.phases import train
+
+    train.main(args.params)
+    return 0
+
+
+def _cmd_check_drift(args: argparse.Namespace) -> int:
+    from pipeline.phases import check_drift
+
+    check_drift.main(args.params)
     return 0
 
 
@@ -83,13 +103,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_build_env)
 
     p = sub.add_parser(
+        "adapt",
+        help="adapt the base model: tokenizer, optional continued pre-training, adapter fine-tuning, capability gate",
+        description="Build (or load) the base model, optionally continue pre-training on the environment's corpus, "
+        "fine-tune it on the demonstrations with adapters, evaluate its capabilities on the validation split, apply "
+        "the capability gate, and save models/adapted and metrics/adapt.json. Reads `env`, `model`, `rollout`, `adapt`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_adapt)
+
+    p = sub.add_parser(
+        "train",
+        help="RL training from the adapted model with DeepSpeed (train.num_ranks processes)",
+        description="Train the adapted policy with RL (PPO or a group baseline) inside DeepSpeed engines launched with "
+        "the deepspeed launcher; write the best policy to models/policy, metrics/train.json and "
+        "metrics/train_curve.csv. Resumes from checkpoints/train when present. Reads `env`, `rollout`, `train`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "check-drift",
+        help="drift and state-representation checks (train/serve consistency, data and behaviour drift)",
+        description="Compare the current data (data/incoming/ or the validation split) and the policy's behaviour "
+        "with the reference it was trained on, check that training and serving preprocess observations identically, "
+        "and write metrics/drift.json with a verdict per check. Reads `check_drift`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_check_drift)
+
+    p = sub.add_parser(
         "eval",
         help="evaluate a policy on a task file",
         description="Run a policy on every task of a task file (JSON Lines, the schema build-env writes) and write "
         "success rate, mean return, mean reward components, mean tool calls and safety violations, overall and per "
         "level, as JSON. A task file that breaks the schema is refused before anything runs.",
     )
-    p.add_argument("--policy", required=True, choices=EVAL_POLICIES, help="policy to evaluate")
+    p.add_argument("--policy", required=True, metavar="POLICY",
+                   help="'expert', 'random', or a model directory (e.g. models/adapted, models/policy)")
     p.add_argument("--tasks", required=True, metavar="FILE", help="task file (JSON Lines), e.g. data/tasks/test.jsonl")
     p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the results")
     params_option(p)

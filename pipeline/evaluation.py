@@ -4,7 +4,8 @@
 `summarize` turns episode records into the metrics every phase reports. The language-model policy of later phases
 produces the same episode records from its batched rollout engine and reuses `summarize`.
 
-Entry point: ``agentrl eval --policy expert|random --tasks FILE --out FILE.json``. The task file is checked against
+Entry point: ``agentrl eval --policy expert|random|MODEL_DIR --tasks FILE --out FILE.json`` (a model directory is
+evaluated greedily through the batched rollout engine, with the `rollout` section's settings). The task file is checked against
 the task schema (Great Expectations suite ``tasks``) before any episode runs.
 """
 
@@ -75,9 +76,25 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def evaluate(policy_name: str, tasks: list[Task], runtime: WorldRuntime, env_cfg: EnvConfig, seed: int = 0) -> tuple[dict, list[dict]]:
+def evaluate_model(path: str | Path, tasks: list[Task], runtime: WorldRuntime, env_cfg: EnvConfig, rollout_cfg=None,
+                   seed: int = 0, greedy: bool = True) -> tuple[dict, list[dict]]:
+    """A language-model policy (a folder written by `save_policy`) through the batched rollout engine."""
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+
+    model, tokenizer, _ = load_policy(path)
+    engine = RolloutEngine(model, tokenizer, runtime, env_cfg, rollout_cfg)
+    records = engine.run(tasks, [seed + i for i in range(len(tasks))], greedy=greedy)
+    return summarize(records), records
+
+
+def evaluate(policy_name: str, tasks: list[Task], runtime: WorldRuntime, env_cfg: EnvConfig, seed: int = 0,
+             rollout_cfg=None) -> tuple[dict, list[dict]]:
+    """Evaluate 'expert', 'random' or a model directory (greedy) on `tasks`."""
     if policy_name not in POLICIES:
-        raise AgentRLError(f"unknown policy {policy_name!r}; policies are {', '.join(POLICIES)} (model directories come with the adapt phase)")
+        if Path(policy_name).is_dir():
+            return evaluate_model(policy_name, tasks, runtime, env_cfg, rollout_cfg, seed)
+        raise AgentRLError(f"unknown policy {policy_name!r}: not one of {', '.join(POLICIES)} and not a model directory")
     rng = np.random.default_rng(seed)
     policy = ExpertPolicy() if policy_name == "expert" else RandomPolicy([p["name"] for p in runtime.world.products], rng)
     env = ToolTasksEnv(world=runtime, tasks=tasks, config=env_cfg)
@@ -106,6 +123,13 @@ def load_task_file(path: str | Path) -> list[Task]:
 def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", seed: int = 0,
          world_dir: str = "data/env") -> dict:
     env_cfg = load_section(EnvConfig, "env", params_path)
+    rollout_cfg = None
+    if policy not in POLICIES:
+        from pipeline.policy.config import RolloutConfig
+
+        rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+        if not Path(policy).is_dir():
+            raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
     task_list = load_task_file(tasks)
     try:
         world = load_world(Path(world_dir))
@@ -113,7 +137,7 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
         raise AgentRLError(str(exc)) from None
     runtime = WorldRuntime(world)
     try:
-        metrics, _ = evaluate(policy, task_list, runtime, env_cfg, seed)
+        metrics, _ = evaluate(policy, task_list, runtime, env_cfg, seed, rollout_cfg)
     finally:
         runtime.close()
     result = {"policy": policy, "tasks": str(tasks), "seed": seed, **metrics}

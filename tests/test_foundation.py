@@ -166,9 +166,9 @@ def _sections_read_by(module_path: Path, sections: set[str]) -> set[str]:
     found = set()
     for node in ast.walk(tree):
         args: list[ast.AST] = []
-        if isinstance(node, ast.Call):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "load_section":
             args = [*node.args, *(kw.value for kw in node.keywords)]
-        elif isinstance(node, ast.Subscript):
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", "") == "params":
             args = [node.slice]
         found |= {a.value for a in args if isinstance(a, ast.Constant) and a.value in sections}
     return found
@@ -179,6 +179,8 @@ def test_every_section_a_phase_reads_is_declared_in_its_stage():
     checked = 0
     for stage in load_stages(ROOT / "dvc.yaml"):
         phase_files = [ROOT / d for d in stage.deps if d.startswith("pipeline/phases/") and d.endswith(".py")]
+        if stage.name == "train":  # the phase launches DeepSpeed ranks; each rank's entry point reads the params
+            phase_files.append(ROOT / "pipeline/rl/worker.py")
         declared = {key.split(".")[0] for _, key in stage.params}
         for path in phase_files:
             if not path.exists():
@@ -208,7 +210,7 @@ def test_help_exits_zero_and_lists_every_command(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for command in ("build-env", "eval", "run", "stages"):
+    for command in ("build-env", "adapt", "train", "check-drift", "eval", "run", "stages"):
         assert command in out
 
 
@@ -229,14 +231,14 @@ def test_installed_entry_point_runs():
     exe = Path(sys.executable).parent / "agentrl"
     proc = subprocess.run([str(exe), "eval", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "--policy" in proc.stdout and "{expert,random}" in proc.stdout
+    assert "--policy" in proc.stdout and "model directory" in proc.stdout
 
 
-def test_eval_refuses_an_unknown_policy(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["eval", "--policy", "oracle", "--tasks", "t.jsonl", "--out", "o.json"])
-    assert exit_.value.code == 2
-    assert "invalid choice: 'oracle'" in capsys.readouterr().err
+def test_eval_refuses_an_unknown_policy(capsys, tmp_path):
+    params = write(tmp_path / "params.yaml", "env: {}\n")
+    code = main(["eval", "--policy", "oracle", "--tasks", "t.jsonl", "--out", "o.json", "--params", str(params)])
+    assert code == 2
+    assert "unknown policy 'oracle': not one of expert, random and not a model directory" in capsys.readouterr().err
 
 
 def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys):

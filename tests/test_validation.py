@@ -421,7 +421,7 @@ def test_a_new_suite_registers_and_flattens(monkeypatch):
     def derive(df):
         return {"n_tokens": [len(t) for t in df["tokens"]]}
 
-    @register_suite("trajectories", id_column="episode_id", derive=derive)
+    @register_suite("example_rollouts", id_column="episode_id", derive=derive)
     def trajectories_suite(max_tokens: int = 4):
         """Rollout trajectories."""
         import great_expectations.expectations as gxe
@@ -429,14 +429,14 @@ def test_a_new_suite_registers_and_flattens(monkeypatch):
         return [gxe.ExpectColumnValuesToBeBetween(column="n_tokens", min_value=1, max_value=max_tokens)]
 
     records = [{"episode_id": "e0", "tokens": [1, 2]}, {"episode_id": "e1", "tokens": [1, 2, 3, 4, 5]}]
-    frame = flatten_records(records, "trajectories")
+    frame = flatten_records(records, "example_rollouts")
     assert frame["tokens"].tolist() == ["[1, 2]", "[1, 2, 3, 4, 5]"]  # nested lists become JSON strings
     assert frame["_row"].tolist() == [0, 1]
-    report = validate_records(records, "trajectories", "rollouts")
+    report = validate_records(records, "example_rollouts", "rollouts")
     assert_fails(report, "expect_column_values_to_be_between", "n_tokens", "e1", id_key="episode_id")
-    assert validation.SUITES["trajectories"].description == "Rollout trajectories."
+    assert validation.SUITES["example_rollouts"].description == "Rollout trajectories."
     with pytest.raises(ValueError, match="already registered"):
-        register_suite("trajectories", id_column="episode_id")(trajectories_suite)
+        register_suite("example_rollouts", id_column="episode_id")(trajectories_suite)
 
 
 def test_concurrent_validations_do_not_interfere():

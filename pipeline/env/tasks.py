@@ -1,7 +1,7 @@
 """Tasks: a seeded generator of families × difficulty levels, each task with its plan and ground-truth answer.
 
 A task carries a *plan*: the minimal sequence of tool calls that solves it, whose parameters may refer to earlier
-results (``"{0}"`` is the result of step 0; ``"{0:quoted}"`` the last quoted name inside it). Running the plan against
+results (``"{0}"`` is the result of step 0; ``"{0:quoted}"`` the last double-quoted name inside it). Running the plan against
 the world (:func:`run_plan`) gives the ground truth; the scripted expert runs the same plan inside the environment,
 reading each result from its observation. `min_calls` is the plan's length, the final `answer` included.
 
@@ -19,7 +19,11 @@ level  family                plan                                          min_c
 =====  ====================  ===========================================  =========
 
 Generalisation: every family has five question templates. The first four are used by train and validation; the fifth
-is *held out* and used only in test (`template_seen` = False), next to the seen ones. Entities are partitioned by
+is *held out* and used only in test (`template_seen` = False), next to the seen ones.
+
+Entity names are written in double quotes everywhere a policy reads them (questions, documents), exactly as they
+appear inside a JSON call: the token before a name is then the same in the question and in the call, which is what
+lets a small model learn to copy names it never saw in training (../shared/FINDINGS.md, pitfalls). Entities are partitioned by
 `pipeline.env.world`, so validation and test tasks name only products and suppliers that no training task names.
 """
 
@@ -44,46 +48,46 @@ UNIT_WORDS = {"lb": "pounds", "g": "grams", "oz": "ounces"}
 
 TEMPLATES: dict[str, tuple[str, ...]] = {
     "lookup": (
-        "What is the {f} of '{p}'?",
-        "Look up the {f} of '{p}'.",
-        "Find the {f} for '{p}'.",
-        "I need the {f} of '{p}'.",
-        "For the product '{p}', what is its {f}?",
+        "What is the {f} of \"{p}\"?",
+        "Look up the {f} of \"{p}\".",
+        "Find the {f} for \"{p}\".",
+        "I need the {f} of \"{p}\".",
+        "For the product \"{p}\", what is its {f}?",
     ),
     "lookup_calc": (
-        "How much do {n} units of '{p}' cost?",
-        "What is the total price of {n} '{p}'?",
-        "What would {n} of '{p}' cost in total?",
-        "Compute the cost of buying {n} units of '{p}'.",
-        "If I order {n} pieces of '{p}', what do I pay?",
+        "How much do {n} units of \"{p}\" cost?",
+        "What is the total price of {n} \"{p}\"?",
+        "What would {n} of \"{p}\" cost in total?",
+        "Compute the cost of buying {n} units of \"{p}\".",
+        "If I order {n} pieces of \"{p}\", what do I pay?",
     ),
     "lookup_convert": (
-        "What does '{p}' weigh in {u}?",
-        "Give the weight of '{p}' in {u}.",
-        "How heavy is '{p}' in {u}?",
-        "Convert the weight of '{p}' to {u}.",
-        "Tell me the mass of one '{p}' expressed in {u}.",
+        "What does \"{p}\" weigh in {u}?",
+        "Give the weight of \"{p}\" in {u}.",
+        "How heavy is \"{p}\" in {u}?",
+        "Convert the weight of \"{p}\" to {u}.",
+        "Tell me the mass of one \"{p}\" expressed in {u}.",
     ),
     "two_lookup": (
-        "What is the combined {f} of '{p}' and '{q}'?",
-        "Add up the {f} of '{p}' and of '{q}'.",
-        "What is the total {f} of '{p}' plus '{q}'?",
-        "Sum the {f} of '{p}' and '{q}'.",
-        "Taken together, what {f} do '{p}' and '{q}' have?",
+        "What is the combined {f} of \"{p}\" and \"{q}\"?",
+        "Add up the {f} of \"{p}\" and of \"{q}\".",
+        "What is the total {f} of \"{p}\" plus \"{q}\"?",
+        "Sum the {f} of \"{p}\" and \"{q}\".",
+        "Taken together, what {f} do \"{p}\" and \"{q}\" have?",
     ),
     "update": (
-        "We received {n} more units of '{p}'. Update its stock and report the new stock.",
-        "A delivery of {n} '{p}' arrived: add it to the stock and tell me the new stock.",
-        "Add {n} to the stock of '{p}' and give the new stock.",
-        "Restock '{p}' with {n} units and report the resulting stock.",
-        "Book an incoming shipment of {n} '{p}' and say how many are in stock afterwards.",
+        "We received {n} more units of \"{p}\". Update its stock and report the new stock.",
+        "A delivery of {n} \"{p}\" arrived: add it to the stock and tell me the new stock.",
+        "Add {n} to the stock of \"{p}\" and give the new stock.",
+        "Restock \"{p}\" with {n} units and report the resulting stock.",
+        "Book an incoming shipment of {n} \"{p}\" and say how many are in stock afterwards.",
     ),
     "search_lookup_calc": (
-        "What do {n} units of the flagship product of '{s}' cost?",
-        "How much are {n} of the flagship product of '{s}'?",
-        "Find the flagship product of '{s}' and give the price of {n} of them.",
-        "What is the total price of {n} units of the flagship product of '{s}'?",
-        "The supplier '{s}' has a flagship product; what would {n} of it cost?",
+        "What do {n} units of the flagship product of \"{s}\" cost?",
+        "How much are {n} of the flagship product of \"{s}\"?",
+        "Find the flagship product of \"{s}\" and give the price of {n} of them.",
+        "What is the total price of {n} units of the flagship product of \"{s}\"?",
+        "The supplier \"{s}\" has a flagship product; what would {n} of it cost?",
     ),
 }
 
@@ -115,7 +119,7 @@ class Task:
 
 # -------------------------------------------------------------------------------------------------------------- plans
 _REF = re.compile(r"\{(\d+)(?::quoted)?\}")
-_QUOTED = re.compile(r"'([^']+)'")
+_QUOTED = re.compile(r'"([^"]+)"')
 
 
 def resolve(value: object, results: list[str]) -> object:

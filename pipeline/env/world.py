@@ -144,11 +144,11 @@ def generate_world(seed: int, n_products: int, n_suppliers: int, heldout_fractio
         })
     corpus = [
         {"doc_id": f"sup-{s['supplier_id']:05d}", "title": s["name"],
-         "text": f"'{s['name']}' is a supplier from {s['city']}. Its flagship product is '{s['flagship']}'."}
+         "text": f'"{s["name"]}" is a supplier from {s["city"]}. Its flagship product is "{s["flagship"]}".'}
         for s in suppliers
     ] + [
         {"doc_id": f"prod-{p['product_id']:05d}", "title": p["name"],
-         "text": f"'{p['name']}' is a {p['category']} product supplied by '{p['supplier']}'."}
+         "text": f'"{p["name"]}" is a {p["category"]} product supplied by "{p["supplier"]}".'}
         for p in products
     ]
     return World(products, suppliers, corpus, product_split, supplier_split)

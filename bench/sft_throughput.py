@@ -1,0 +1,171 @@
+"""SFT training throughput of the policy as achieved FLOP/s against this machine's measured matrix-multiply peak.
+
+    python bench/sft_throughput.py [--steps 8] [--batch 32] [--seq 128] [--threads N] [--modes full,lora]
+
+For each dtype (fp32; bf16 autocast where the CPU supports it) and each mode (full fine-tuning; LoRA as the adapt
+stage trains it), one child process builds the default policy model (``ModelConfig()``; vocabulary sized like the
+built-in tokenizer), times ``--steps`` AdamW steps of the adapt stage's own loop (:func:`pipeline.policy.sft.train_lm`)
+on full-length batches of random tokens (no padding, so every token counts), and reports its peak resident memory.
+In the same run, the peak is measured with square ``torch.mm`` in the same dtype (best of several sizes and repeats).
+
+How FLOPs are counted (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1):
+
+- **model FLOPs = 6·N·T** for full fine-tuning: N counts the weights that take part in a matrix multiply (every
+  ``nn.Linear``, the output projection included; the embedding lookup is not a matmul, and with tied embeddings the
+  shared matrix is counted once, as the output projection), T the tokens processed. 2·N·T forward, 4·N·T backward.
+- **LoRA**: frozen weights need no weight gradient, so 4·N·T for the base plus 6·N_lora·T for the adapters.
+- **attention**: the score and value matmuls add 12·L·S·d per token (S the sequence length, full S×S as the CPU SDPA
+  kernel computes it); reported separately and included in the "with attention" ratio.
+
+Utilisation = achieved FLOP/s ÷ measured matmul peak FLOP/s of the same dtype. Goal: at least 40 %. The machines are
+shared and noisy (../shared/STACK.md): trust ratios measured in one run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def matmul_peak(dtype_name: str, threads: int, seconds: float = 1.0) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+    best = {"flops": 0.0}
+    for n in (512, 1024, 2048):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        for _ in range(2):
+            torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 3:
+            torch.mm(a, b)
+            reps += 1
+        dt = time.perf_counter() - t0
+        flops = 2 * n ** 3 * reps / dt
+        if flops > best["flops"]:
+            best = {"flops": flops, "n": n}
+    return best
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
+
+
+def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int, threads: int, vocab: int) -> None:
+    import warnings
+
+    import torch
+    from torch import nn
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # peft's deprecation notices, not ours
+    from pipeline.policy import adapters, sft
+    from pipeline.policy.config import AdapterConfig, ModelConfig
+    from pipeline.policy.model import autocast_context
+
+    torch.set_num_threads(threads)
+    mcfg = ModelConfig(dtype=dtype_name)
+    tok = _FakeTokenizer(vocab)
+    from pipeline.policy.model import build_policy
+
+    model = build_policy(mcfg, tok)
+    lin = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
+    n_matmul = sum(w.numel() for w in lin.values())
+    wrapped = adapters.apply_adapter(model, AdapterConfig(kind="none" if mode == "full" else "lora"))
+    n_lora = sum(p.numel() for n, p in wrapped.named_parameters() if "lora_" in n)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": (ids := torch.randint(7, vocab, (batch, seq), generator=g)),
+             "attention_mask": torch.ones_like(ids), "labels": ids} for _ in range(4)]
+    stream = (data[i % 4] for i in range(10 ** 9))
+    rss0 = _rss_mb()
+    sft.train_lm(wrapped, stream, 2, 1e-4, autocast=lambda: autocast_context(mcfg))  # warm-up (allocator, kernels)
+    res = sft.train_lm(wrapped, stream, steps, 1e-4, autocast=lambda: autocast_context(mcfg))
+    tokens = res.tokens
+    L, d = mcfg.n_layers, mcfg.d_model
+    model_flops = (6 * n_matmul * tokens) if mode == "full" else (4 * n_matmul * tokens + 6 * n_lora * tokens)
+    attn_flops = 12 * L * seq * d * tokens
+    q.put({"dtype": dtype_name, "mode": mode, "tokens_per_s": tokens / res.seconds, "seconds": res.seconds,
+           "n_matmul_params": n_matmul, "n_lora_params": n_lora, "model_flops_per_s": model_flops / res.seconds,
+           "attn_flops_per_s": attn_flops / res.seconds, "rss_before_mb": rss0,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+class _FakeTokenizer:
+    """Just enough of a tokenizer for build_policy (vocabulary size and the special tokens' ids)."""
+
+    def __init__(self, n: int):
+        from pipeline.policy.tokenizer import SPECIAL_TOKENS
+
+        self.n, self.special = n, {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+        self.pad_token, self.pad_token_id = "<pad>", 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.special[text]] if text in self.special else [7]
+
+
+def run_in_child(target, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(q, *args))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
+def peak_child(q, dtype_name: str, threads: int) -> None:
+    q.put(matmul_peak(dtype_name, threads))
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--modes", default="full,lora")
+    ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size (the built-in tokenizer's is about 1000)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    import torch
+
+    from pipeline.policy.model import supports_bf16
+
+    threads = args.threads or torch.get_num_threads()
+    dtypes = ["fp32"] + (["bf16"] if supports_bf16() else [])
+    rows = []
+    print(f"SFT throughput: default policy model, batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
+          f"{threads} threads")
+    for dt in dtypes:
+        peak = run_in_child(peak_child, dt, threads)
+        for mode in args.modes.split(","):
+            r = run_in_child(train_child, dt, mode, args.steps, args.batch, args.seq, threads, args.vocab)
+            r["peak_matmul_flops_per_s"] = peak["flops"]
+            r["utilisation"] = r["model_flops_per_s"] / peak["flops"]
+            r["utilisation_with_attention"] = (r["model_flops_per_s"] + r["attn_flops_per_s"]) / peak["flops"]
+            # the peak again, right after, to show how much the shared machine moved during the run
+            r["peak_after_flops_per_s"] = run_in_child(peak_child, dt, threads)["flops"]
+            rows.append(r)
+            print(f"  {dt:4s} {mode:4s}: {r['tokens_per_s']:8.0f} tokens/s  {r['model_flops_per_s'] / 1e9:6.1f} GFLOP/s "
+                  f"(+{r['attn_flops_per_s'] / 1e9:.1f} attention) vs matmul peak {peak['flops'] / 1e9:6.1f} "
+                  f"(after: {r['peak_after_flops_per_s'] / 1e9:.1f}) GFLOP/s = {r['utilisation']:.0%} "
+                  f"({r['utilisation_with_attention']:.0%} with attention); peak RSS {r['peak_rss_mb']:.0f} MB "
+                  f"({r['rss_before_mb']:.0f} MB before training)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

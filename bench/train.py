@@ -1,0 +1,117 @@
+"""Benchmark of the RL phase, in one run on the same adapted model and tasks:
+
+- the time split between rollout and learning per update;
+- learning throughput as FLOP/s against the machine's matrix-multiply peak measured here, in the learner's dtype;
+- 1 rank against 2 DeepSpeed ranks (episodes/s);
+- synchronous against asynchronous rollouts under a tool latency of 20 ms (episodes/s; goal: async ≥ 2×);
+- peak memory of each run.
+
+    python bench/train.py [--updates 4] [--tasks 8] [--group 8]
+
+Needs `models/adapted` and `data/` (run `dvc repro adapt` first). Runs write only under a temporary folder.
+FLOPs are counted as 2·N·T for the no-grad forward (π_old, V_old) plus 6·N·T for each training forward+backward, with
+N the parameter count and T the tokens in the padded batch (attention's extra FLOPs are ignored: sequences are short).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, overrides: dict, env_over: dict) -> dict:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"].update({"updates": updates, "tasks_per_update": tasks, "group_size": group, "num_ranks": ranks,
+                            "eval_every": 10_000, "checkpoint_every": 10_000, "eval_tasks": 16, "test_tasks": 16,
+                            "deepspeed_config": str(REPO / params["train"]["deepspeed_config"]), **overrides})
+    params["env"].update(env_over)
+    d = tmp / name
+    d.mkdir()
+    (d / "params.yaml").write_text(yaml.safe_dump(params))
+    args = ["--params", str(d / "params.yaml"), "--out", str(d / "policy"), "--ckpt", str(d / "ckpt"),
+            "--metrics", str(d / "train.json"), "--curve", str(d / "curve.csv")]
+    if ranks > 1:
+        from pipeline.phases.train import launcher_command
+        from pipeline.rl.distributed import _free_port
+
+        cmd = launcher_command(str(d / "params.yaml"), ranks, _free_port(), args[2:])
+    else:
+        cmd = [sys.executable, "-m", "pipeline.rl.worker", *args]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    rows = [line.split(",") for line in (d / "curve.csv").read_text().splitlines()]
+    head, rows = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]][1:]  # the first update warms up
+    roll = sum(float(r["sys_rollout_s"]) for r in rows)
+    learn = sum(float(r["sys_learn_s"]) for r in rows)
+    metrics = json.loads((d / "train.json").read_text())
+    return {"name": name, "rollout_s": roll, "learn_s": learn, "updates": len(rows),
+            "episodes_per_s": len(rows) * tasks * group / max(1e-9, sum(float(r["sys_rollout_s"]) + float(r["sys_learn_s"]) for r in rows)),
+            "peak_mib": peak, "world_size": metrics["world_size"],
+            "tokens": sum(int(r["train_batch_tokens"]) for r in rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--updates", type=int, default=4)
+    ap.add_argument("--tasks", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    args = ap.parse_args()
+    if not (REPO / "models/adapted").is_dir():
+        raise SystemExit("models/adapted not found: run `dvc repro adapt` first")
+    from pipeline.policy.model import load_policy, n_parameters, supports_bf16
+
+    model, _, _ = load_policy(REPO / "models/adapted")
+    n_params = n_parameters(model)
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        base = run("sync-1rank", tmp, args.updates, args.tasks, args.group, 1, {}, {})
+        two = run("sync-2ranks", tmp, args.updates, args.tasks, args.group, 2, {}, {})
+        lat_sync = run("sync-latency20ms", tmp, args.updates, args.tasks, args.group, 1, {}, {"tool_latency_s": 0.02})
+        lat_async = run("async-latency20ms", tmp, args.updates, args.tasks, args.group, 1,
+                        {"async_rollouts": True, "max_staleness": 1}, {"tool_latency_s": 0.02})
+    dtype = torch.bfloat16 if supports_bf16() else torch.float32
+    peak = matmul_peak(dtype)
+    print(f"RL benchmark: {n_params / 1e6:.2f}M-parameter policy, {args.tasks} tasks x {args.group} rollouts per "
+          f"update, {args.updates} updates (first one excluded as warm-up)")
+    print(f"{'run':20s} {'rollout s':>10s} {'learn s':>8s} {'rollout %':>10s} {'episodes/s':>11s} {'peak MiB':>9s}")
+    for r in (base, two, lat_sync, lat_async):
+        share = 100 * r["rollout_s"] / max(1e-9, r["rollout_s"] + r["learn_s"])
+        print(f"{r['name']:20s} {r['rollout_s']:10.1f} {r['learn_s']:8.1f} {share:9.1f}% {r['episodes_per_s']:11.2f} "
+              f"{r['peak_mib']:9.0f}")
+    print(f"2 ranks / 1 rank episodes/s: {two['episodes_per_s'] / base['episodes_per_s']:.2f}x")
+    print(f"async / sync episodes/s at 20 ms tool latency: "
+          f"{lat_async['episodes_per_s'] / lat_sync['episodes_per_s']:.2f}x (goal: >= 2x)")
+    epochs = yaml.safe_load((REPO / "params.yaml").read_text())["train"].get("epochs", 1)
+    flops = (2 + 6 * epochs) * n_params * base["tokens"]  # a no-grad forward, then forward+backward per epoch
+    print(f"learning: {flops / base['learn_s'] / 1e9:.1f} GFLOP/s vs {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s "
+          f"({100 * flops / base['learn_s'] / peak:.1f}% of peak)")
+
+
+if __name__ == "__main__":
+    main()

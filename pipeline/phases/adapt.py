@@ -1,0 +1,291 @@
+"""Phase 2, `adapt`: base-model adaptation. Build or load the base, continue pre-training on the environment's text,
+fine-tune on the demonstrations with an adapter, evaluate capabilities, apply the gate, publish atomically.
+
+Steps (each a library call; this module only does I/O and wiring):
+
+1. read and validate the inputs: the training tasks and the evaluation split (suite ``tasks``), the demonstrations
+   (suite ``demos``); a file that breaks its schema stops the phase before any training;
+2. the base: ``model.base: builtin`` trains the byte-level BPE tokenizer on the training text
+   (:func:`pipeline.policy.tokenizer.corpus_texts`) and builds the small Llama; a directory written by
+   :func:`~pipeline.policy.model.save_policy` is loaded with its tokenizer (a tokenizer that does not fit the model is
+   refused); any other local model directory or cached hub id is loaded with its own tokenizer plus the protocol markers;
+3. continued pre-training (``adapt.pretrain``, full parameters, every token in the loss) on the documents and training
+   questions: the domain's language and names, no demonstrations;
+4. SFT (``adapt.sft``) with the adapter (``adapt.adapter``: LoRA merged afterwards, bottleneck kept, or full), loss on
+   action tokens only; the loss curve goes to MLflow;
+5. capability evaluation (:mod:`pipeline.policy.capability`) on the validation split: success per level greedy and
+   sampled, tool selection, parameters, recovery after injected tool errors;
+6. the gate (``adapt.gate``): a model below it raises :class:`~pipeline.policy.capability.CapabilityGateError` and is
+   not published;
+7. only then is the model saved to ``models/adapted`` (``save_policy`` writes a temporary sibling and swaps it in) and
+   ``metrics/adapt.json`` written (temporary file, then rename).
+
+Any failure before step 7 (bad input, a model that does not load, the gate) leaves an existing ``models/adapted`` and
+``metrics/adapt.json`` exactly as they were.
+
+Deliberately left out: hyper-parameter search (DVC experiments do that: ``dvc exp run -S adapt.sft.lr=...``), and
+DeepSpeed (SFT of the default model takes minutes on two cores; the RL phase owns distributed training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.config import load_section
+from pipeline.env.config import LEVELS, EnvConfig
+from pipeline.errors import AgentRLError
+from pipeline.policy.config import AdaptConfig, ModelConfig, RolloutConfig
+
+PHASE = "adapt"
+EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artefact
+
+
+# ----------------------------------------------------------------------------------------------------------- inputs
+
+
+def load_inputs(data_dir: Path, split: str) -> dict:
+    """Training tasks, evaluation tasks and demonstrations, each validated against its schema."""
+    from pipeline.evaluation import load_task_file
+    from pipeline.policy.sft import load_demos
+
+    train_path = data_dir / "tasks" / "train.jsonl"
+    eval_path = data_dir / "tasks" / f"{split}.jsonl"
+    for p in (train_path, eval_path):
+        if not p.is_file():
+            raise AgentRLError(f"{p} not found; run `agentrl build-env` (DVC stage build_env) first")
+    train = load_task_file(train_path)
+    evaluation = load_task_file(eval_path)
+    demos = load_demos(data_dir / "demos" / "train.jsonl", task_ids=[t.task_id for t in train])
+    return {"train": train, "eval": evaluation, "demos": demos}
+
+
+def base_policy(model_cfg: ModelConfig, data_dir: Path):
+    """(model, tokenizer, description) of the base to adapt; see step 2 of the module docstring."""
+    from pipeline.policy.model import build_policy, check_pair, load_base_tokenizer, load_policy
+    from pipeline.policy.model import POLICY_JSON
+    from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
+
+    import pipeline.policy.adapters  # noqa: F401  (registers the bottleneck model class for a bottleneck base)
+
+    if model_cfg.base == "builtin":
+        tokenizer = train_tokenizer(corpus_texts(data_dir), model_cfg.vocab_size)
+        model = build_policy(model_cfg, tokenizer)
+        source = "builtin"
+    elif (Path(model_cfg.base) / POLICY_JSON).is_file():
+        model, tokenizer, _ = load_policy(model_cfg.base)
+        source = f"policy:{model_cfg.base}"
+    else:
+        tokenizer = load_base_tokenizer(model_cfg)
+        model = build_policy(model_cfg, tokenizer)
+        source = f"hf:{model_cfg.base}"
+    check_pair(model, tokenizer, f"model.base={model_cfg.base!r}")
+    return model, tokenizer, source
+
+
+def check_base_exists(model_cfg: ModelConfig) -> None:
+    """Refuse a base that is neither 'builtin', nor an existing path, nor shaped like a hub id ('org/name'), early."""
+    base = model_cfg.base
+    looks_like_path = base.startswith((".", "/", "~")) or base.count("/") != 1
+    if base != "builtin" and looks_like_path and not Path(base).expanduser().exists():
+        raise AgentRLError(f"model.base={base!r}: no such directory (give 'builtin', a local model directory, or a "
+                           f"hub id already in the local cache)")
+
+
+def baselines(metrics_path: Path, split: str) -> dict | None:
+    """Expert and random success on the evaluation split, from build_env's metrics (None when absent)."""
+    if not metrics_path.is_file():
+        return None
+    try:
+        data = json.loads(metrics_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    out = {}
+    for policy in ("expert", "random"):
+        b = data.get("baselines", {}).get(f"{split}/{policy}")
+        if b:
+            out[policy] = {"success": b["success_rate"], "mean_return": b["mean_return"],
+                           "per_level_success": b["per_level_success"]}
+    return out or None
+
+
+def data_version(metrics_path: Path) -> dict:
+    if not metrics_path.is_file():
+        return {}
+    try:
+        return json.loads(metrics_path.read_text()).get("checksums", {})
+    except json.JSONDecodeError:
+        return {}
+
+
+# ------------------------------------------------------------------------------------------------------------ phase
+
+
+def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, env_cfg: EnvConfig, data_dir: Path,
+          out_dir: Path, metrics_path: Path, build_metrics: Path, run=None) -> dict:
+    """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
+    from pipeline.env.core import WorldRuntime
+    from pipeline.env.world import load_world
+    from pipeline.policy import adapters, capability, sft
+    from pipeline.policy.model import autocast_context, n_parameters, save_policy, supports_bf16
+
+    t0 = time.perf_counter()
+    seconds: dict[str, float] = {}
+    capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
+    check_base_exists(model_cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    inputs = load_inputs(data_dir, cfg.eval.split)
+    eval_tasks = inputs["eval"][: cfg.eval.max_tasks] if cfg.eval.max_tasks else inputs["eval"]
+    try:
+        world = load_world(data_dir / "env")
+    except (FileNotFoundError, ValueError) as exc:
+        raise AgentRLError(f"{data_dir / 'env'}: {exc}; run `agentrl build-env` first") from None
+
+    t = time.perf_counter()
+    model, tokenizer, source = base_policy(model_cfg, data_dir)
+    seconds["base"] = time.perf_counter() - t
+    n_base = n_parameters(model)
+    autocast = lambda: autocast_context(model_cfg)  # noqa: E731
+    rng = np.random.default_rng([cfg.seed, 2])
+    log = run.log_metrics if run is not None else (lambda *a, **k: None)
+
+    # continued pre-training: full parameters, every token
+    pre_summary = None
+    if cfg.pretrain.steps > 0:
+        t = time.perf_counter()
+        texts = sft.pretraining_texts(data_dir, [{"question": t.question} for t in inputs["train"]]
+                                      if cfg.pretrain.include_questions else None)
+        pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
+                           cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
+                           autocast=autocast, log=lambda s, m: log({f"pretrain/{k}": v for k, v in m.items()}, step=s),
+                           log_every=cfg.sft.log_every)
+        pre_summary = {**res.summary(), "texts": len(texts)}
+        seconds["pretrain"] = time.perf_counter() - t
+
+    # SFT with the adapter
+    t = time.perf_counter()
+    pool = sft.NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
+    sampler = sft.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
+                              env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool)
+    examples = [e for exs in sampler.plain for e in exs]
+    trainable_model = adapters.apply_adapter(model, cfg.adapter)
+    counts = adapters.trainable_summary(trainable_model)
+    curve: list[list[float]] = []
+
+    def sft_log(step: int, m: dict) -> None:
+        curve.append([step, round(m["loss"], 5)])
+        log({f"sft/{k}": v for k, v in m.items()}, step=step)
+
+    res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
+                                                         tokenizer.pad_token_id),
+                       cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
+                       grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every)
+    model = adapters.finalize(trainable_model)
+    sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
+                   "demos": len(inputs["demos"]), "loss_curve": curve,
+                   "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in LEVELS},
+                   "loss_tokens_per_epoch": sum(sum(e.loss_mask) for e in examples),
+                   "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
+                   "entity_augmentation": cfg.sft.entity_augmentation}
+    seconds["sft"] = time.perf_counter() - t
+
+    # capability evaluation and gate
+    t = time.perf_counter()
+    runtime = WorldRuntime(world)
+    try:
+        cap, episodes = capability.evaluate_capabilities(model, tokenizer, runtime, eval_tasks, env_cfg, rollout_cfg,
+                                                         cfg.eval)
+    finally:
+        runtime.close()
+    seconds["evaluate"] = time.perf_counter() - t
+    shortfalls = capability.check_gate(cap, cfg.gate.min) if cfg.gate.enabled else []
+    seconds["total"] = time.perf_counter() - t0
+    metrics = {
+        "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
+                 "bf16": model_cfg.dtype == "bf16" or (model_cfg.dtype == "auto" and supports_bf16())},
+        "adapter": {"kind": cfg.adapter.kind, **counts},
+        "pretrain": pre_summary,
+        "sft": sft_summary,
+        "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
+        "per_level": capability.per_level_table(cap),
+        "baselines": baselines(build_metrics, cfg.eval.split),
+        "eval": {"split": cfg.eval.split, "tasks": len(eval_tasks), "sampled_per_task": cfg.eval.sampled_per_task,
+                 "temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p,
+                 "recovery_failure_rate": cfg.eval.recovery_failure_rate},
+        "gate": {"enabled": cfg.gate.enabled, "passed": (not shortfalls) if cfg.gate.enabled else None,
+                 "min": dict(cfg.gate.min),
+                 "shortfalls": [{"metric": k, "value": v, "min": lo} for k, v, lo in shortfalls]},
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+    }
+    if run is not None:
+        _log_run(run, metrics, cap, episodes)
+    if cfg.gate.enabled:
+        capability.enforce_gate(cap, cfg.gate.min, PHASE)
+
+    # publish: the model (atomic swap), then the metrics (temp file + rename)
+    meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
+            "adapt_config": cfg.model_dump(), "base": source, "adapter": cfg.adapter.kind,
+            "step": cfg.pretrain.steps + cfg.sft.steps,
+            "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
+    save_policy(model, tokenizer, out_dir, meta)
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = metrics_path.with_name(f".{metrics_path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(metrics_path)
+    if run is not None:
+        run.log_artifact(str(metrics_path))
+    return metrics
+
+
+def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
+    flat = {k: v for k, v in cap.items() if np.isfinite(v)}
+    for part in ("pretrain", "sft"):
+        if metrics[part]:
+            flat.update({f"{part}/{k}": v for k, v in metrics[part].items() if isinstance(v, (int, float))})
+    flat.update({f"model/{k}": v for k, v in metrics["adapter"].items() if isinstance(v, (int, float))})
+    flat.update({f"sys/{k}_seconds": v for k, v in metrics["seconds"].items()})
+    if metrics["gate"]["passed"] is not None:
+        flat["eval/gate_passed"] = float(metrics["gate"]["passed"])
+    run.log_metrics(flat)
+    run.log_dict({k: v for k, v in metrics.items() if k != "capability"}, "adapt_summary.json")
+    samples = []
+    for lv in LEVELS:
+        eps = [e for e in episodes["greedy"] if e["level"] == lv][:EXAMPLES_PER_LEVEL]
+        samples += [{"task_id": e["task_id"], "level": lv, "success": e["success"],
+                     "steps": e["steps"], "ground_truth": e["ground_truth"]} for e in eps]
+    run.log_dict(samples, "greedy_transcripts.json")
+
+
+def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str = "models/adapted",
+         metrics_path: str = "metrics/adapt.json", build_metrics: str = "metrics/build_env.json") -> dict:
+    """Entry point of `agentrl adapt` and of the DVC stage `adapt`."""
+    from pipeline.tracking import Tracker
+
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    model_cfg = load_section(ModelConfig, "model", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    cfg = load_section(AdaptConfig, "adapt", params_path)
+    params = {"env": env_cfg.model_dump(), "model": model_cfg.model_dump(), "rollout": rollout_cfg.model_dump(),
+              "adapt": cfg.model_dump()}
+    with Tracker().run(PHASE, params=params) as run:
+        metrics = adapt(cfg, model_cfg, rollout_cfg, env_cfg, Path(data_dir), Path(out_dir), Path(metrics_path),
+                        Path(build_metrics), run)
+    pl = metrics["per_level"]
+    gate = {True: "passed", False: "failed", None: "off"}[metrics["gate"]["passed"]]
+    levels = " ".join(f"L{lv} {pl[str(lv)]['greedy_success']:.2f}/{pl[str(lv)]['sampled_success']:.2f}" for lv in LEVELS
+                      if pl[str(lv)]["greedy_success"] is not None)
+    print(f"adapt: {metrics['adapter']['kind']} on {metrics['base']['source']} "
+          f"({metrics['base']['n_parameters'] / 1e6:.2f}M parameters, {metrics['adapter']['trainable_fraction']:.1%} "
+          f"trained); {metrics['eval']['split']} success greedy/sampled: {levels}; gate {gate}; "
+          f"{metrics['seconds']['total']:.0f}s -> {out_dir}")
+    return metrics

@@ -1,0 +1,48 @@
+"""Phase 3, `train`: DeepSpeed-distributed RL from the adapted policy (see :mod:`pipeline.rl.trainer`).
+
+`main` launches ``train.num_ranks`` processes with the ``deepspeed`` launcher (each one
+:mod:`pipeline.rl.worker`), or runs the single rank in this process when `num_ranks` is 1. Outputs:
+``models/policy`` (the best policy by validation success), ``metrics/train.json``, ``metrics/train_curve.csv``;
+checkpoints in ``checkpoints/train`` (a rerun resumes from the last one; delete the folder to start over).
+
+Multi-node: the same worker runs under ``deepspeed --hostfile hosts --num_nodes K --num_gpus G --module
+pipeline.rl.worker --params params.yaml`` (see the README); nothing in the library changes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.config import load_section
+from pipeline.errors import AgentRLError
+from pipeline.rl.config import TrainConfig
+
+
+def launcher_command(params_path: str, num_ranks: int, port: int, extra: list[str] | None = None) -> list[str]:
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", str(port), "--module", "pipeline.rl.worker",
+            "--params", params_path, *(extra or [])]
+
+
+def main(params_path: str = "params.yaml", stop_after: int | None = None) -> None:
+    cfg = load_section(TrainConfig, "train", params_path)
+    if not Path("models/adapted").is_dir():
+        raise AgentRLError("train: models/adapted not found; run the adapt stage first (`agentrl adapt`)")
+    extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
+    if cfg.num_ranks == 1:
+        from pipeline.rl.worker import run_worker
+
+        run_worker(params_path, stop_after=stop_after)
+        return
+    from pipeline.rl.distributed import _free_port
+
+    cmd = launcher_command(params_path, cfg.num_ranks, _free_port(), extra)
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+    sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("[")))
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        raise AgentRLError(f"train: the DeepSpeed launcher exited with {proc.returncode}; last lines:\n{tail}")

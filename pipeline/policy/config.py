@@ -1,0 +1,137 @@
+"""Configs of the policy model (`model` section) and of the rollout engine (`rollout` section).
+
+Each mirrors its `params.yaml` section key for key (pydantic, ``extra="forbid"``, see :mod:`pipeline.config`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config import PhaseConfig
+
+
+class ModelConfig(PhaseConfig):
+    """The policy model: the built-in small Llama (../shared/FINDINGS.md sizes) or a local Hugging Face model."""
+
+    base: str = Field("builtin", min_length=1, description="'builtin' for the small Llama built from this config with a tokenizer trained on the environment's text, or a local model directory / hub id already in the local cache (loaded with local_files_only: nothing is downloaded).")
+    vocab_size: int = Field(1024, ge=320, le=65536, description="Target vocabulary of the built-in byte-level BPE tokenizer (256 bytes + 7 special tokens + merges; training stops earlier when no pair repeats). The model's embedding is sized to the tokenizer actually trained.")
+    d_model: int = Field(256, ge=16, le=8192, description="Built-in model: hidden size.")
+    n_layers: int = Field(4, ge=1, le=64, description="Built-in model: decoder layers.")
+    n_heads: int = Field(4, ge=1, le=128, description="Built-in model: attention heads (d_model must be divisible by it).")
+    n_kv_heads: int | None = Field(None, ge=1, le=128, description="Built-in model: key/value heads (grouped-query attention); null means n_heads.")
+    d_ff: int = Field(672, ge=16, le=65536, description="Built-in model: feed-forward (SwiGLU) hidden size.")
+    max_positions: int = Field(4096, ge=256, le=131072, description="Built-in model: max_position_embeddings. RoPE has no position parameters, so this costs nothing; it bounds one token segment of an episode (the rollout engine re-bases an episode that would outgrow it).")
+    tie_embeddings: bool = Field(True, description="Built-in model: share the input embedding and the output projection.")
+    rope_theta: float = Field(10000.0, gt=0, description="Built-in model: RoPE base frequency.")
+    dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="Compute dtype for training and evaluation forwards: 'auto' is bf16 autocast where the CPU (or GPU) supports bf16, else fp32; 'fp32'; 'bf16' (autocast; weights stay fp32).")
+    seed: int = Field(0, description="Seed of the built-in model's weight initialisation.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} (each head gets "
+                             f"d_model / n_heads dimensions)")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv} (grouped-query attention "
+                             f"shares each key/value head among n_heads / n_kv_heads query heads)")
+        return self
+
+
+class RolloutConfig(PhaseConfig):
+    """How the rollout engine samples actions (see pipeline.policy.rollout)."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (logits / T). RL keeps 1.0 so the recorded log-probabilities are the policy's own.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (renormalised); 1.0 disables it.")
+    max_new_tokens: int = Field(48, ge=1, le=1024, description="Most tokens the policy may write for one action; an action without </call> by then is sent to the environment as it is (an invalid action).")
+    batch_size: int = Field(64, ge=1, le=4096, description="Episodes decoded together; when one ends, the next task takes its slot (continuous batching).")
+    greedy: bool = Field(False, description="Decode greedily (argmax) instead of sampling: evaluation sets it. RolloutEngine.run(greedy=...) overrides it per call.")
+    dtype: Literal["auto", "fp32", "bf16"] = Field("fp32", description="Rollout compute dtype. 'fp32': everything in fp32, recorded log-probabilities equal a fp32 forward's. 'bf16' ('auto': where the CPU supports it): prompt and observation prefills under bf16 autocast (faster), single-token decode steps still fp32 (bench/rollout.py: faster than bf16 on this CPU); log-probabilities then move by ~1e-2.")
+    num_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads while rolling out (the process setting is restored afterwards); 0 keeps the process setting. The small model's decode matrices are tiny: on a loaded 2-core machine 1 thread was many times faster than 2 (OpenMP barrier waits).")
+
+
+# ==================================================================================================================
+# The `adapt` phase (base-model adaptation). Appended by the adapt stage's owner; the classes above are the policy
+# model's and the rollout engine's.
+
+ADAPTER_KINDS = ("lora", "bottleneck", "none")
+LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class AdapterConfig(PhaseConfig):
+    """How the base is adapted: LoRA (peft), the seed's bottleneck adapter, or full fine-tuning (pipeline.policy.adapters)."""
+
+    kind: Literal["lora", "bottleneck", "none"] = Field("lora", description="'lora' (peft; merged into the weights after training), 'bottleneck' (h' = h + W2·σ(W1·h) after each decoder layer's MLP, r ≪ d; kept as adapter modules) or 'none' (full fine-tuning).")
+    lora_r: int = Field(32, ge=1, le=1024, description="LoRA rank r.")
+    lora_alpha: float = Field(64.0, gt=0, description="LoRA scale α (the update is (α/r)·B·A).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
+    lora_target_modules: list[str] = Field(default_factory=lambda: list(LLAMA_PROJECTIONS), min_length=1, description="Module names LoRA wraps (every attention and MLP projection of a Llama by default).")
+    bottleneck_dim: int = Field(64, ge=1, description="Bottleneck adapter width r (must be < the model's hidden size).")
+    bottleneck_activation: Literal["gelu", "relu", "silu", "tanh"] = Field("gelu", description="Bottleneck adapter non-linearity σ.")
+    train_also: list[str] = Field(default_factory=list, description="Base parameters trained next to the adapter: a name component (e.g. 'embed_tokens', 'norm') or a regex over the full parameter name. Ignored for kind 'none' (everything trains).")
+
+
+class PretrainConfig(PhaseConfig):
+    """Continued pre-training on the environment's documents and training questions (seed 3.3.2.1); full parameters."""
+
+    steps: int = Field(150, ge=0, description="Optimizer steps; 0 skips continued pre-training.")
+    batch_size: int = Field(64, ge=1, description="Sequences per step.")
+    lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    max_len: int = Field(128, ge=8, description="Longest pre-training sequence in tokens (longer texts are cut).")
+    include_questions: bool = Field(True, description="Add the training tasks' questions to the documents (text the policy reads in every prompt; no actions or answers).")
+
+
+class SFTConfig(PhaseConfig):
+    """Supervised fine-tuning on the demonstrations: loss on the action tokens only."""
+
+    steps: int = Field(400, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Sequences (demonstration segments) per step.")
+    lr: float = Field(2e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
+    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on matrices (not on biases and norms).")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
+    max_len: int = Field(1024, ge=16, description="Longest training segment in tokens; a longer one is cut at the end (counted in metrics as sft/truncated_examples).")
+    entity_augmentation: float = Field(0.5, ge=0, le=1, description="Chance that a drawn demonstration has its entity names replaced by fictitious ones (built from training names' words, never a real entity), everywhere in its text: forces copying names from the question and tool results instead of memorising the few hundred training names (pipeline.policy.sft.augment_names).")
+    log_every: int = Field(10, ge=1, description="Log the loss curve every this many steps.")
+
+
+class CapabilityConfig(PhaseConfig):
+    """Capability evaluation after adaptation (seed 3.3.1), through the rollout engine."""
+
+    split: Literal["validation", "test"] = Field("validation", description="Task split evaluated (validation: the test split stays untouched until the final evaluation phase).")
+    max_tasks: int | None = Field(None, ge=1, description="Evaluate only the first this many tasks of the split (null: all).")
+    sampled_per_task: int = Field(4, ge=1, le=64, description="Sampled episodes per task (seeds differ): more samples resolve a hard level's few-percent success and its group hit rate.")
+    recovery_failure_rate: float = Field(0.25, gt=0, lt=1, description="env.tool_failure_rate of the recovery run (injected transient tool errors); success is measured among episodes that hit one.")
+    seed: int = Field(0, description="Base seed of the evaluation episodes.")
+
+
+class GateConfig(PhaseConfig):
+    """The capability gate: an adapted model below any minimum stops the pipeline with a report of what fell short."""
+
+    enabled: bool = Field(True, description="Apply the gate (false: only report).")
+    min: dict[str, float] = Field(
+        default_factory=lambda: {
+            "eval/greedy/success_L1": 0.8,
+            "eval/greedy/success_L2": 0.5,
+            "eval/greedy/success_L3": 0.2,
+            "eval/sampled/success_L4": 0.01,
+            "eval/greedy/tool_first_acc": 0.8,
+            "eval/greedy/param_acc": 0.6,
+        },
+        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts).",
+    )
+
+
+class AdaptConfig(PhaseConfig):
+    """The `adapt` phase: continued pre-training, SFT with adapters, capability evaluation and gate."""
+
+    seed: int = Field(0, description="Seed of data order and dropout (the model's initialisation has model.seed).")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (null: torch's default, one per core).")
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Continued pre-training.")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Adapter used for SFT.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on the demonstrations.")
+    eval: CapabilityConfig = Field(default_factory=CapabilityConfig, description="Capability evaluation.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Capability gate.")

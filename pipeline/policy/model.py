@@ -1,0 +1,244 @@
+"""The policy model: build the built-in small Llama or load a local Hugging Face model; save and load policies.
+
+- :func:`build_policy` builds ``LlamaForCausalLM`` from :class:`ModelConfig` (d_model 256, 4 layers, 4 heads, SwiGLU
+  672, tied embeddings: about 3M parameters with the ~1k-token vocabulary, the size ../shared/FINDINGS.md trained on
+  this CPU), or loads ``cfg.base`` with ``local_files_only=True`` (nothing is downloaded) and sizes its embeddings to
+  the tokenizer.
+- :func:`save_policy` writes ``save_pretrained`` weights and tokenizer plus ``policy.json`` (config, data version,
+  git commit, step, anything the caller adds) into a temporary sibling folder, then swaps it in with renames: a failed
+  save never leaves a partial model where a good one stood.
+- :func:`load_policy` loads such a folder back and refuses, with an :class:`AgentRLError` that says what to fix, a
+  missing path, a folder that is not a model, and a tokenizer that does not fit the model's embedding.
+- :func:`autocast_context` gives bf16 autocast (weights stay fp32) or a null context, per ``cfg.dtype``.
+
+Weights are always kept in fp32: training needs fp32 master weights and the rollout engine's log-probabilities are
+compared with fp32 forwards. bf16 is a compute dtype only (autocast).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import AgentRLError
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.tokenizer import MARKERS, marker_ids
+
+POLICY_JSON = "policy.json"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+# ------------------------------------------------------------------------------------------------------------- dtype
+def supports_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether bf16 compute is fast on `device` (CPU: oneDNN's bf16 check, true with AVX512-BF16 or AMX)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' -> bf16 where supported else fp32; 'fp32'; 'bf16'."""
+    if dtype == "auto":
+        return torch.bfloat16 if supports_bf16(device) else torch.float32
+    if dtype in ("fp32", "float32"):
+        return torch.float32
+    if dtype in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    raise AgentRLError(f"unknown dtype {dtype!r}; dtypes are auto, fp32, bf16")
+
+
+def autocast_context(cfg: ModelConfig | str, device: str | torch.device = "cpu"):
+    """``torch.autocast(device, bfloat16)`` when the config's dtype resolves to bf16, else a null context.
+
+    `cfg` is a :class:`ModelConfig` (or any object with a `dtype` field) or a dtype name."""
+    name = cfg if isinstance(cfg, str) else cfg.dtype
+    device = torch.device(device)
+    if resolve_dtype(name, device) == torch.bfloat16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------------------- build
+def builtin_config(cfg: ModelConfig, tokenizer):
+    from transformers import LlamaConfig
+
+    ids = marker_ids(tokenizer)
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads or cfg.n_heads, max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta, rms_norm_eps=1e-5,
+        bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"],
+        attn_implementation="sdpa",
+    )
+
+
+def build_policy(cfg: ModelConfig, tokenizer):
+    """The policy model for `tokenizer`: the built-in Llama initialised from ``cfg.seed`` (the global RNG is left as it
+    was), or ``cfg.base`` loaded locally with its embeddings resized to the tokenizer when they differ."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    marker_ids(tokenizer)  # the protocol markers must be single tokens
+    if cfg.base == "builtin":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = LlamaForCausalLM(builtin_config(cfg, tokenizer))
+        return model.float().eval()
+    try:
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(cfg.base, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise AgentRLError(f"model.base={cfg.base!r}: cannot load it locally ({str(exc).splitlines()[0][:200]}); give "
+                           f"a local model directory or a hub id already in the local cache, or 'builtin'") from None
+    n_embed = model.get_input_embeddings().num_embeddings
+    if n_embed != len(tokenizer):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    ids = marker_ids(tokenizer)
+    model.config.pad_token_id = ids["<pad>"] if tokenizer.pad_token is None else tokenizer.pad_token_id
+    return model.float().eval()
+
+
+def load_base_tokenizer(cfg: ModelConfig):
+    """The tokenizer of a non-built-in base, with the protocol markers added as special tokens (single ids), a pad
+    token and left padding. (The built-in base trains its own: pipeline.policy.tokenizer.train_tokenizer.)"""
+    from transformers import AutoTokenizer
+
+    if cfg.base == "builtin":
+        raise AgentRLError("the built-in base has no tokenizer to load; train one with "
+                           "train_tokenizer(corpus_texts(...))")
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise AgentRLError(f"model.base={cfg.base!r}: cannot load its tokenizer locally ({str(exc)[:200]})") from None
+    missing = [m for m in MARKERS if len(tok.encode(m, add_special_tokens=False)) != 1]
+    if missing:
+        tok.add_special_tokens({"additional_special_tokens": list(MARKERS)})
+    if tok.pad_token is None:
+        tok.add_special_tokens({"pad_token": "<pad>"})
+    tok.padding_side = "left"
+    return tok
+
+
+def n_parameters(model) -> int:
+    """Unique parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+# ---------------------------------------------------------------------------------------------------- save and load
+def git_commit(cwd: str | Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def check_pair(model, tokenizer, where: str) -> None:
+    """A tokenizer fits a model when every one of its ids has an embedding row (and, for our own policies, exactly)."""
+    n_embed = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) != n_embed:
+        raise AgentRLError(f"{where}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+                           f"{n_embed} rows; save and load a model together with the tokenizer it was trained with")
+    marker_ids(tokenizer)
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    """Hide transformers' weight-loading/saving progress bars for the duration (restored afterwards)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) -> Path:
+    """Write model, tokenizer and ``policy.json`` to `path`, atomically (temp folder, then renames).
+
+    `meta` is stored under ``policy.json``; conventional keys: ``data_version`` (checksums of the data the model was
+    trained on), ``step``, ``phase``, ``model_config``. ``git_commit``, ``saved_at``, ``n_parameters`` and the HF
+    config are added here. Returns the final path."""
+    path = Path(path)
+    check_pair(model, tokenizer, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    info = {
+        **(meta or {}),
+        "git_commit": (meta or {}).get("git_commit") or git_commit(),
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "n_parameters": n_parameters(model),
+        "vocab_size": len(tokenizer),
+        "hf_config": model.config.to_dict(),
+    }
+    try:
+        with _quiet_progress():
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / POLICY_JSON).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
+    """Load ``(model, tokenizer, meta)`` from a folder written by :func:`save_policy` (or any local HF causal-LM folder
+    with its tokenizer; `meta` is then ``{}``). The model is returned in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not path.exists():
+        raise AgentRLError(f"policy path {path} does not exist")
+    if not path.is_dir():
+        raise AgentRLError(f"policy path {path} is not a directory (a policy is a folder written by save_policy)")
+    missing = [n for n in ("config.json",) if not (path / n).is_file()]
+    if missing or not any((path / w).is_file() for w in WEIGHT_FILES):
+        what = "config.json" if missing else f"weights ({' or '.join(WEIGHT_FILES[:3:2])})"
+        raise AgentRLError(f"{path} is not a model directory: {what} missing")
+    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        raise AgentRLError(f"{path} has no tokenizer (tokenizer.json); save the model with its tokenizer")
+    meta: dict = {}
+    if (path / POLICY_JSON).is_file():
+        try:
+            meta = json.loads((path / POLICY_JSON).read_text())
+        except json.JSONDecodeError as exc:
+            raise AgentRLError(f"{path / POLICY_JSON}: not valid JSON ({exc.msg})") from None
+    try:  # any failure here is a broken input folder (corrupt weights raise safetensors' own error type)
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise AgentRLError(f"{path}: cannot load the model ({type(exc).__name__}: "
+                           f"{(str(exc).splitlines() or [''])[0][:300]})") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise AgentRLError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {str(exc)[:200]})") from None
+    tokenizer.padding_side = "left"
+    check_pair(model, tokenizer, str(path))
+    return model.eval(), tokenizer, meta

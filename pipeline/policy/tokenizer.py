@@ -1,0 +1,164 @@
+"""The policy's tokenizer: byte-level BPE trained locally on the environment's training text.
+
+Decisions (../shared/FINDINGS.md, "Pitfalls"):
+
+- **Byte-level BPE** over the full byte alphabet, so *any* text encodes (hostile unicode, control characters, emoji
+  go through their UTF-8 bytes); no unknown token exists. Lone surrogates, which UTF-8 cannot represent, are replaced
+  by '?' in :func:`encodable` (the encode helpers below apply it).
+- **Digits one per token** (`Digits(individual_digits=True)` before the byte-level split): numbers are what the policy
+  copies from tool results into its next call, and per-digit tokens make copying a digit-by-digit skill.
+- **Special tokens, one id each**: ``<pad>`` (0), ``<bos>`` (1), ``<eos>`` (2) and the protocol markers ``<call>``,
+  ``</call>``, ``<obs>``, ``</obs>`` (3-6; imported from :mod:`pipeline.env.protocol`). The rollout engine detects the
+  end of an action by the ``</call>`` *id*, never by decoding text. Because the markers are split off before BPE, a
+  context encodes to the concatenation of its pieces: ``encode(before + action + observation) == encode(before) +
+  encode(action) + encode(observation)`` whenever the pieces start and end at markers or newlines, which is what the
+  prompt format guarantees (:mod:`pipeline.env.prompt`). That is what lets the engine keep its KV cache across turns.
+- **Quoted names tokenize alike in questions and calls**: the GPT-2 split regex separates a quote from the letters that
+  follow it (its contractions are lower-case only and names are capitalised), so ``'Polar Kettle'`` in a question and
+  ``"Polar Kettle"`` in a call both give the tokens of ``Polar`` and `` Kettle``.
+- **No normaliser** and ``clean_up_tokenization_spaces=False``: ``decode(encode(text)) == text`` for every valid
+  string, so the engine can compare the decoded action with the environment's echo of it.
+- ``<bos>`` is prepended by the post-processor when ``add_special_tokens=True`` (the default) -- a context starts with
+  it -- and is absent for continuations (``add_special_tokens=False``). Use :func:`encode_context` /
+  :func:`encode_continuation` so training and rollout tokenize identically.
+- ``padding_side="left"``: generation batches are left-padded.
+
+Measured on the default data (build_env defaults): training takes under a second and saturates at 998 tokens with
+``vocab_size=1024`` (merges run out), an expert episode is ~135 tokens (prompt ~64, an action ~15).
+
+Deliberately left out: a chat template (the environment's context *is* the prompt, seed 3.3) and any text normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from pipeline.env.prompt import render_header
+from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
+from pipeline.env.tools import default_tools, signature
+from pipeline.errors import AgentRLError
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+MARKERS = (CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE)
+SPECIAL_TOKENS = (PAD, BOS, EOS, *MARKERS)
+DEFAULT_VOCAB_SIZE = 1024
+
+
+def _backend(vocab_size: int) -> tuple[Tokenizer, trainers.BpeTrainer]:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    return tok, trainer
+
+
+def wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """Wrap a backend tokenizer holding :data:`SPECIAL_TOKENS` as the transformers tokenizer the policy uses."""
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=list(MARKERS), padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer described in the module docstring on `texts`.
+
+    `vocab_size` counts the 256 byte symbols and the 7 special tokens; the rest are merges (training stops earlier
+    when no pair occurs twice). Deterministic for the same texts in the same order.
+    """
+    n_base = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < n_base:
+        raise AgentRLError(f"vocab_size={vocab_size} leaves no room for merges: the byte alphabet and special tokens "
+                           f"alone take {n_base} ids")
+    tok, trainer = _backend(vocab_size)
+    tok.train_from_iterator(texts, trainer=trainer)
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert ids == list(range(len(SPECIAL_TOKENS))), ids  # fixed ids: pad 0, bos 1, eos 2, markers 3-6
+    return wrap(tok)
+
+
+def marker_ids(tokenizer) -> dict[str, int]:
+    """Ids of the special tokens by name; raises AgentRLError if the tokenizer lacks one as a single token."""
+    out = {}
+    for t in SPECIAL_TOKENS:
+        ids = tokenizer.encode(t, add_special_tokens=False)
+        if len(ids) != 1:
+            raise AgentRLError(f"tokenizer does not hold {t!r} as a single token (got ids {ids}); the policy's "
+                               f"tokenizer must contain the protocol markers {list(MARKERS)} as special tokens")
+        out[t] = ids[0]
+    return out
+
+
+def encodable(text: str) -> str:
+    """`text` with anything UTF-8 cannot represent (lone surrogates) replaced by '?'; every other string is returned
+    unchanged. The Rust tokenizer refuses such strings, so every encode in the policy goes through this."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def encode_context(tokenizer, text: str) -> list[int]:
+    """Token ids of a context (the start of a policy input): ``<bos>`` + the text."""
+    return tokenizer.encode(encodable(text), add_special_tokens=True)
+
+
+def encode_continuation(tokenizer, text: str) -> list[int]:
+    """Token ids of text appended to a context (an action or an observation): no ``<bos>``."""
+    return tokenizer.encode(encodable(text), add_special_tokens=False)
+
+
+def encode_turns(tokenizer, context: str, steps: Iterable[tuple[str, str]]) -> tuple[list[int], list[int]]:
+    """Ids and action mask of a context followed by (action_text, observation_text) pairs, as the rollout engine lays
+    them out (mask 1 on action tokens, 0 on the context and observations). For SFT on demonstrations; it does not fold
+    history (an episode longer than `history_window` would be re-based by the engine, see pipeline.policy.rollout)."""
+    ids = encode_context(tokenizer, context)
+    mask = [0] * len(ids)
+    for action, obs in steps:
+        a, o = encode_continuation(tokenizer, action), encode_continuation(tokenizer, obs)
+        ids += a + o
+        mask += [1] * len(a) + [0] * len(o)
+    return ids, mask
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    if not path.is_file():
+        raise AgentRLError(f"{path}: not found (run `agentrl build-env` first)")
+    with path.open() as fh:
+        for i, line in enumerate(fh, start=1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise AgentRLError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+
+
+def corpus_texts(data_dir: str | Path = "data") -> Iterator[str]:
+    """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``),
+    the prompt header of every training question (``tasks/train.jsonl``; the header is in every policy input, so its
+    words deserve merges) and the demonstrations' actions and
+    observations (``demos/train.jsonl``). Validation and test files are never read."""
+    data_dir = Path(data_dir)
+    signatures = [signature(t) for t in default_tools()]
+    for doc in _jsonl(data_dir / "env" / "corpus.jsonl"):
+        yield f"{doc.get('title', '')}\n{doc.get('text', '')}"
+    for task in _jsonl(data_dir / "tasks" / "train.jsonl"):
+        yield render_header(task["question"], signatures)
+    for demo in _jsonl(data_dir / "demos" / "train.jsonl"):
+        for step in demo["steps"]:
+            yield step["action"] + step["observation"]

@@ -1,0 +1,72 @@
+"""Config of the `train` phase (the `train` section of params.yaml): the RL algorithm, its stabilisers, sampling,
+off-policy correction and the DeepSpeed engine. Every field is documented; combinations that cannot work are refused
+with the reason."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config import PhaseConfig
+
+
+class TrainConfig(PhaseConfig):
+    """RL training of the adapted policy (seed 1.4, 2, 3.2, 3.4, 3.5)."""
+
+    seed: int = Field(0, description="Seed of task sampling, rollouts and initialisation of the value head.")
+    algorithm: Literal["ppo", "grpo", "rloo"] = Field("rloo", description="'ppo': clipped surrogate with a value head and GAE; 'grpo': group baseline (score − group mean)/group std; 'rloo': leave-one-out group baseline.")
+    updates: int = Field(40, ge=1, le=100_000, description="Policy updates (one batch of rollouts each).")
+    tasks_per_update: int = Field(8, ge=1, description="Distinct tasks per update, over all ranks (a multiple of the number of ranks).")
+    group_size: int = Field(8, ge=1, description="Rollouts per task (the group of a group baseline; ≥ 2 for grpo/rloo).")
+    epochs: int = Field(1, ge=1, le=16, description="Passes over each batch of rollouts (PPO epochs).")
+    minibatches: int = Field(1, ge=1, le=64, description="Shuffled minibatches per epoch (one optimizer step each).")
+    lr: float = Field(3e-4, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay (seed 5.2 against overfitting).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm (DeepSpeed `gradient_clipping`).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO ratio clip ε.")
+    value_clip: float | None = Field(0.2, gt=0, description="PPO value clipping ε (null disables).")
+    vf_coef: float = Field(0.5, ge=0, description="Weight of the value loss (PPO only).")
+    gamma: float = Field(1.0, gt=0, le=1, description="Discount γ: GAE over action tokens (PPO) and per-turn credit.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ (PPO).")
+    turn_credit: bool = Field(False, description="Per-turn credit assignment (seed 2.2): each turn's tokens get the discounted return from that turn on, R_t = Σ γ^(t'−t) r_t', minus the baseline, instead of the episode return.")
+    entropy_coef: float = Field(0.0, ge=0, le=1, description="Initial entropy-bonus coefficient λ of L = L_RL − λ·H(π).")
+    entropy_target: float | None = Field(0.2, gt=0, description="Adaptive entropy: λ rises when the mean policy entropy (nats/token) falls below this target (null: λ fixed).")
+    entropy_coef_max: float = Field(0.1, ge=0, le=1, description="Upper bound of the adaptive λ (seed 2.1: 0.01–0.1).")
+    bc_coef: float = Field(0.0, ge=0, description="Weight of the behaviour-cloning loss on retained demonstrations (seed 2.1); 0 disables.")
+    bc_batch: int = Field(8, ge=1, description="Demonstrations in the behaviour-cloning term of each update.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty (k3) to the adapted reference policy; 0 disables (no reference copy is kept).")
+    reward_norm_window: int = Field(0, ge=0, description="R' = (R − μ)/σ over the last K episode returns (seed 2.2); 0 disables.")
+    curriculum_start_level: int = Field(4, ge=1, le=4, description="Highest level open at the start; the next opens when recent success on the highest open level passes the threshold.")
+    curriculum_threshold: float = Field(0.8, gt=0, le=1, description="Success rate that opens the next level.")
+    level_weight_floor: float = Field(0.1, ge=0, le=1, description="Open levels are sampled with weight max(floor, 1 − recent success): rollouts go where the policy still fails.")
+    level_success_window: int = Field(64, ge=4, description="Episodes per level in the recent-success window.")
+    goal_sampling: bool = Field(True, description="Within a level, sample tasks with p(g) ∝ 1/(count(g)+1) (seed 3.2).")
+    skip_zero_variance_groups: bool = Field(True, description="Groups whose returns are all equal carry no signal: leave them out of the loss (they are counted either way).")
+    max_staleness: int = Field(0, ge=0, description="Rollouts may come from a policy up to this many versions behind the learner (0: synchronous, on-policy).")
+    is_clip: float = Field(2.0, ge=1, description="c of the truncated importance weight w = min(c, π_train/π_sample).")
+    async_rollouts: bool = Field(False, description="Rollout worker generates with a weight snapshot while the learner trains; the snapshot syncs every `sync_every` updates.")
+    sync_every: int = Field(1, ge=1, description="Updates between weight syncs of the asynchronous rollout worker.")
+    rollout_workers: int = Field(4, ge=1, le=64, description="Rollout threads of the asynchronous mode; they share one weight snapshot, each decodes its share of the batch, and slow tools in one overlap with decoding in the others.")
+    num_ranks: int = Field(2, ge=1, le=1024, description="DeepSpeed processes launched on this machine (CPU ranks here; GPUs where present).")
+    deepspeed_config: str = Field("configs/deepspeed_zero2.json", description="DeepSpeed config file (ZeRO stage, bf16). Batch sizes and clipping come from this section; a file that contradicts them is refused.")
+    checkpoint_every: int = Field(10, ge=1, description="Updates between checkpoints (engine state plus curriculum, sampler, normaliser and RNG state).")
+    eval_every: int = Field(10, ge=1, description="Updates between greedy evaluations on the validation split.")
+    eval_tasks: int = Field(200, ge=1, description="Validation tasks per evaluation (greedy, fixed seeds).")
+    test_tasks: int = Field(400, ge=1, description="Test tasks in the final SFT-versus-RL comparison (greedy).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.algorithm in ("grpo", "rloo") and self.group_size < 2:
+            raise ValueError(f"algorithm {self.algorithm!r} compares rollouts within a group, so group_size must be "
+                             f"at least 2 (got {self.group_size})")
+        if self.tasks_per_update % self.num_ranks:
+            raise ValueError(f"tasks_per_update={self.tasks_per_update} must be a multiple of num_ranks="
+                             f"{self.num_ranks}: every rank generates the groups of its own tasks")
+        if self.async_rollouts and self.max_staleness < self.sync_every:
+            raise ValueError(f"async_rollouts with sync_every={self.sync_every} produces batches up to "
+                             f"{self.sync_every} versions old, so max_staleness must be at least that (got "
+                             f"{self.max_staleness}); otherwise every such batch would be dropped")
+        if self.entropy_target is not None and self.entropy_coef_max < self.entropy_coef:
+            raise ValueError("entropy_coef_max must be at least entropy_coef")
+        return self

@@ -1,0 +1,575 @@
+"""The RL training loop: rollouts from the rollout engine, advantages and losses from :mod:`pipeline.rl.core_algos`,
+optimisation inside a DeepSpeed engine. A small loop, not a trainer class that owns everything (STYLE.md).
+
+One update, on every rank:
+
+1. **Sample** (seed 3.2, 3.4): all ranks draw the same task plan from a shared generator: levels from the
+   curriculum's success-following weights, stratified; tasks within a level by goal sampling p(g) ∝ 1/(count(g)+1).
+   Each rank takes its share of the tasks and plays `group_size` rollouts of each (its groups stay on the rank).
+2. **Score**: episode returns, optionally normalised over the last K episodes (R' = (R − μ)/σ); group advantages
+   (GRPO/RLOO) or GAE over action tokens with a value head (PPO). Groups with all-equal returns are counted and, by
+   default, left out of the loss.
+3. **Learn**: π_old and V_old from one no-grad forward of the learner; truncated importance weights
+   w = min(c, π_old/π_sample) correct rollouts sampled by an older (or numerically different) policy; the clipped
+   surrogate, value loss, adaptive entropy bonus, KL to the reference and behaviour cloning on demonstrations.
+   DeepSpeed averages the gradients over ranks and clips them.
+4. **Watch** (seed 2.2.1, 3.8.2, 5.1): entropy, advantage variance, reward spread, gradient norm, clip fraction,
+   approximate KL, explained variance, zero-variance share, tool usage and its diversity, parameters without
+   gradient, samples/s and tokens/s; a warning when entropy, reward spread or advantage variance collapses.
+
+Every `checkpoint_every` updates: the DeepSpeed engine state plus the curriculum, goal sampler, normaliser, entropy
+coefficient and RNG states, so a killed run resumes and continues as if it had not stopped.
+
+Asynchronous mode (seed 1.4): a rollout thread generates with a snapshot of the weights while the learner trains on
+the previous batch; the snapshot is refreshed every `sync_every` updates, and a batch older than `max_staleness`
+versions is dropped. Staleness, importance-weight statistics and idle time are logged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.env.config import EnvConfig
+from pipeline.env.core import WorldRuntime
+from pipeline.env.tasks import Task
+from pipeline.errors import AgentRLError
+from pipeline.evaluation import summarize
+from pipeline.rl import core_algos as A
+from pipeline.rl.config import TrainConfig
+from pipeline.rl.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
+
+COLLAPSE = {"entropy": 0.05, "reward_spread": 1e-6, "advantage_var": 1e-8}
+
+
+# ------------------------------------------------------------------------------------------------------------ model
+class ActorCritic(torch.nn.Module):
+    """The policy LM plus (for PPO) a scalar value head on the last hidden state."""
+
+    def __init__(self, policy: torch.nn.Module, with_value: bool):
+        super().__init__()
+        self.policy = policy
+        hidden = policy.config.get_text_config(decoder=True).hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1) if with_value else None
+        if self.value_head is not None:
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
+                          output_hidden_states=self.value_head is not None, use_cache=False)
+        values = None
+        if self.value_head is not None:
+            values = self.value_head(out.hidden_states[-1]).squeeze(-1).float()
+        return out.logits, values
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(token_t | tokens_<t) at every position t ≥ 1 (position 0 gets 0): (B, T, V), (B, T) -> (B, T)."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return F.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.pad(A.entropy_from_logits(logits[:, :-1] / temperature), (1, 0))
+
+
+# ------------------------------------------------------------------------------------------------------------ batch
+@dataclass
+class Batch:
+    """Right-padded rows (one per token segment of an episode): all tensors (rows, T)."""
+
+    ids: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor
+    sample_logp: torch.Tensor
+    episode: torch.Tensor  # (rows,) index of the episode each row belongs to
+    token_reward: torch.Tensor = field(default=None)
+
+    @property
+    def n_rows(self) -> int:
+        return self.ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "Batch":
+        return Batch(self.ids[rows], self.attn[rows], self.mask[rows], self.sample_logp[rows], self.episode[rows],
+                     None if self.token_reward is None else self.token_reward[rows])
+
+
+def collate_records(records: list[dict], pad_id: int) -> Batch:
+    rows = []
+    for e, r in enumerate(records):
+        starts = list(r.get("segments") or [0]) + [len(r["token_ids"])]
+        for a, b in zip(starts[:-1], starts[1:]):
+            if b > a:
+                rows.append((e, r["token_ids"][a:b], r["action_mask"][a:b], r["logprobs"][a:b]))
+    T = max(len(ids) for _, ids, _, _ in rows)
+    n = len(rows)
+    ids = torch.full((n, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, T, dtype=torch.long)
+    mask = torch.zeros(n, T)
+    logp = torch.zeros(n, T)
+    ep = torch.zeros(n, dtype=torch.long)
+    for i, (e, t, m, lp) in enumerate(rows):
+        ids[i, : len(t)] = torch.tensor(t)
+        attn[i, : len(t)] = 1
+        mask[i, : len(t)] = torch.tensor(m, dtype=torch.float32)
+        logp[i, : len(t)] = torch.tensor(lp, dtype=torch.float32)
+        ep[i] = e
+    return Batch(ids, attn, mask, logp * mask, ep)
+
+
+# --------------------------------------------------------------------------------------------------------- sampling
+@dataclass
+class SamplerState:
+    """Everything the task sampling depends on; checkpointed with the engine."""
+
+    curriculum: Curriculum
+    goals: GoalSampler
+    normalizer: RewardNormalizer | None
+    entropy: AdaptiveEntropyCoef
+    rng: np.random.Generator
+
+    def state_dict(self) -> dict:
+        return {"curriculum": self.curriculum.state_dict(), "goals": self.goals.state_dict(),
+                "normalizer": self.normalizer.state_dict() if self.normalizer else None,
+                "entropy": self.entropy.state_dict(), "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.curriculum.load_state_dict(s["curriculum"])
+        self.goals.load_state_dict(s["goals"])
+        if self.normalizer is not None and s["normalizer"] is not None:
+            self.normalizer.load_state_dict(s["normalizer"])
+        self.entropy.load_state_dict(s["entropy"])
+        self.rng.bit_generator.state = s["rng"]
+
+
+def make_sampler_state(cfg: TrainConfig) -> SamplerState:
+    return SamplerState(
+        curriculum=Curriculum([1, 2, 3, 4], cfg.curriculum_start_level, cfg.curriculum_threshold,
+                              cfg.level_weight_floor, cfg.level_success_window),
+        goals=GoalSampler(),
+        normalizer=RewardNormalizer(cfg.reward_norm_window) if cfg.reward_norm_window else None,
+        entropy=AdaptiveEntropyCoef(cfg.entropy_coef, cfg.entropy_target or 0.0, max_coef=cfg.entropy_coef_max),
+        rng=np.random.default_rng([cfg.seed, 7]),
+    )
+
+
+def plan_update(state: SamplerState, tasks_by_level: dict[int, list[Task]], cfg: TrainConfig) -> list[Task]:
+    """The update's tasks (same on every rank, since the state is): stratified levels, goal-sampled tasks."""
+    levels = state.curriculum.sample_levels(cfg.tasks_per_update, state.rng)
+    chosen = []
+    for lv in levels:
+        pool = tasks_by_level.get(lv) or []
+        if not pool:
+            raise AgentRLError(f"no training task of level {lv}; the curriculum cannot sample it")
+        ids = [t.task_id for t in pool]
+        if cfg.goal_sampling:
+            tid = state.goals.sample(ids, 1, state.rng)[0]
+        else:
+            tid = ids[int(state.rng.integers(len(ids)))]
+        chosen.append(next(t for t in pool if t.task_id == tid))
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------------------ advantages
+def episode_scores(records: list[dict], state: SamplerState) -> torch.Tensor:
+    returns = np.array([r["return"] for r in records], dtype=np.float64)
+    if state.normalizer is not None:
+        scores = state.normalizer.normalize(returns)
+        state.normalizer.update(returns)
+    else:
+        scores = returns
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def group_ids_of(records: list[dict]) -> torch.Tensor:
+    keys = {}
+    return torch.tensor([keys.setdefault(r["group"], len(keys)) for r in records])
+
+
+# ------------------------------------------------------------------------------------------------------ diagnostics
+def tool_usage(records: list[dict]) -> dict:
+    counts = Counter(c.get("tool") or "invalid" for r in records for c in r["calls"])
+    total = sum(counts.values()) or 1
+    probs = np.array([v / total for v in counts.values()])
+    out = {f"tools/share_{k}": v / total for k, v in sorted(counts.items())}
+    out["tools/entropy"] = float(-(probs * np.log(probs)).sum()) if len(probs) else 0.0
+    seqs = Counter(tuple(c.get("tool") for c in r["calls"]) for r in records)
+    out["tools/distinct_sequences_share"] = len(seqs) / max(1, len(records))
+    return out
+
+
+def params_without_grad(module: torch.nn.Module) -> int:
+    return sum(1 for p in module.parameters() if p.requires_grad and (p.grad is None or not torch.any(p.grad != 0)))
+
+
+# ------------------------------------------------------------------------------------------------------ async worker
+class AsyncRollouts:
+    """Rollout threads that generate with a weight snapshot while the learner trains (seed 1.4).
+
+    The snapshot is one copy of the policy shared by `n_workers` threads, each with its own rollout engine and its
+    share of the batch: decoding releases the GIL inside torch, and a slow tool (`env.tool_latency_s`) sleeps in one
+    thread while the others decode, so tool latency overlaps with generation and with learning. `sync` copies the
+    learner's weights into the snapshot between batches (never while one is being generated). Batches carry the
+    snapshot's version, so the learner knows their staleness.
+    """
+
+    def __init__(self, make_engine, policy: torch.nn.Module, n_workers: int = 1):
+        self.snapshot = copy.deepcopy(policy).eval()
+        for p in self.snapshot.parameters():
+            p.requires_grad_(False)
+        self.version = 0
+        self.n = n_workers
+        self.requests = [queue.Queue() for _ in range(n_workers)]
+        self.results = [queue.Queue() for _ in range(n_workers)]
+        self.threads = [threading.Thread(target=self._loop, args=(make_engine(self.snapshot), i), daemon=True,
+                                         name=f"rollout-worker-{i}") for i in range(n_workers)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, engine, i: int) -> None:
+        while True:
+            item = self.requests[i].get()
+            if item is None:
+                return
+            tasks, seeds, version = item
+            try:
+                records = engine.run(tasks, seeds, greedy=False, policy_version=version) if tasks else []
+                self.results[i].put((records, None))
+            except Exception as exc:  # surfaced in the learner's thread
+                self.results[i].put((None, exc))
+
+    def submit(self, tasks: list[Task], seeds: list[int]) -> None:
+        self._t0 = time.perf_counter()
+        for i in range(self.n):
+            self.requests[i].put((tasks[i::self.n], seeds[i::self.n], self.version))
+
+    def collect(self) -> tuple[list[dict], float]:
+        parts = []
+        for q in self.results:
+            records, exc = q.get()
+            if exc is not None:
+                raise exc
+            parts.append(records)
+        seconds = time.perf_counter() - self._t0
+        out = [None] * sum(len(p) for p in parts)  # undo the interleaved split: episode order is the plan's order
+        for i, p in enumerate(parts):
+            out[i::self.n] = p
+        return out, seconds
+
+    def sync(self, policy: torch.nn.Module, version: int) -> None:
+        self.snapshot.load_state_dict(policy.state_dict())
+        self.version = version
+
+    def close(self) -> None:
+        for q in self.requests:
+            q.put(None)
+        for t in self.threads:
+            t.join(timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------------------ loop
+def _fingerprint(module: torch.nn.Module, meta: dict) -> str:
+    import hashlib
+
+    shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in module.state_dict().items())
+    base = json.dumps({k: meta.get(k) for k in ("model_config", "tokenizer", "data", "vocab_size")}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256((shapes + base).encode()).hexdigest()[:16]
+
+
+def _evaluate(rollout, tasks: list[Task], dist, seed: int) -> dict:
+    """Greedy evaluation split over ranks; returns `summarize` of all records (every rank gets the same)."""
+    mine = tasks[dist.rank::dist.world_size]
+    seeds = [seed + i for i in range(len(tasks))][dist.rank::dist.world_size]
+    records = rollout.run(mine, seeds, greedy=True) if mine else []
+    light = [{k: v for k, v in r.items() if k not in ("token_ids", "logprobs", "action_mask", "steps", "actions")}
+             for r in records]
+    gathered = [r for part in dist.all_gather(light) for r in part]
+    return summarize(gathered)
+
+
+def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
+          val_tasks: list[Task], runtime: WorldRuntime, out_dir: Path, ckpt_dir: Path, dist, run,
+          demo_examples: list | None = None, stop_after: int | None = None, log=print) -> dict:
+    """Train from the adapted policy in `policy_dir`; the best policy (by validation success) goes to `out_dir`.
+
+    `stop_after` ends the run after that many updates *of this call* (without a final checkpoint beyond the
+    periodic ones): tests use it to stop a run midway and resume it.
+    Returns the learning curve and the evaluation history (rank 0 also logs them to `run`).
+    """
+    from pipeline.policy.model import autocast_context, load_policy, save_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.rl.distributed import make_engine, resolve_ds_config
+
+    if rollout_cfg.top_p != 1.0:
+        raise AgentRLError("rollout.top_p must be 1.0 for RL: the learner's log-probabilities are those of the full "
+                           "distribution, and a nucleus-truncated sampler would bias the importance ratios")
+    torch.manual_seed(cfg.seed + dist.rank)
+    model, tokenizer, meta = load_policy(policy_dir)
+    pad_id = marker_ids(tokenizer)[PAD]
+    actor = ActorCritic(model, with_value=cfg.algorithm == "ppo")
+    actor.train()
+    ref = None
+    if cfg.kl_coef > 0:
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    per_rank_tasks = cfg.tasks_per_update // dist.world_size
+    episodes_per_rank = per_rank_tasks * cfg.group_size
+    micro = max(1, math.ceil(episodes_per_rank / cfg.minibatches))
+    ds_cfg = resolve_ds_config(cfg.deepspeed_config, micro_batch=micro, grad_accum=1, world_size=dist.world_size,
+                               max_grad_norm=cfg.max_grad_norm, device=dist.device)
+    optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    engine = make_engine(actor, optimizer, ds_cfg, dist)
+    policy = engine.module.policy
+    new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
+    rollout = new_engine(policy)
+    state = make_sampler_state(cfg)
+    fingerprint = _fingerprint(engine.module, meta)
+    tasks_by_level: dict[int, list[Task]] = {}
+    for t in train_tasks:
+        tasks_by_level.setdefault(t.level, []).append(t)
+
+    start, history, evals, best = 0, [], [], {"success": -1.0, "update": None}
+    if (ckpt_dir / "latest").is_file():
+        try:
+            path, client = engine.load_checkpoint(str(ckpt_dir), load_optimizer_states=True)
+        except Exception as exc:  # a mismatched checkpoint fails deep inside torch/DeepSpeed
+            raise AgentRLError(f"cannot resume from {ckpt_dir}: {str(exc).splitlines()[0][:300]} (a checkpoint from "
+                               f"another model? delete {ckpt_dir} to start over)") from None
+        if client is None or client.get("fingerprint") != fingerprint:
+            raise AgentRLError(f"checkpoint in {ckpt_dir} was written for another model or configuration "
+                               f"(fingerprint {client and client.get('fingerprint')} != {fingerprint}); delete it "
+                               f"to start over")
+        state.load_state_dict(client["sampler"])
+        torch.set_rng_state(torch.tensor(client["torch_rng"], dtype=torch.uint8))
+        start, history, evals, best = client["update"], client["history"], client["evals"], client["best"]
+        log(f"resumed from {path} at update {start}")
+
+    worker = AsyncRollouts(new_engine, policy, cfg.rollout_workers) if cfg.async_rollouts else None
+    bc_rng = np.random.default_rng([cfg.seed, 11, dist.rank])
+
+    def plan(u: int) -> tuple[list[Task], list[int]]:
+        tasks = plan_update(state, tasks_by_level, cfg)
+        mine = tasks[dist.rank * per_rank_tasks:(dist.rank + 1) * per_rank_tasks]
+        ep_tasks = [t for t in mine for _ in range(cfg.group_size)]
+        base = (cfg.seed * 1_000_003 + u * 7919) * 64 + dist.rank * episodes_per_rank
+        return ep_tasks, [base + i for i in range(len(ep_tasks))]
+
+    pending = None
+    if worker is not None and start < cfg.updates:
+        pending = plan(start)
+        worker.submit(*pending)
+    done_here = 0
+    try:
+        for u in range(start, cfg.updates):
+            if stop_after is not None and done_here >= stop_after:
+                break
+            t0 = time.perf_counter()
+            idle = 0.0
+            if worker is None:
+                ep_tasks, seeds = plan(u)
+                records = rollout.run(ep_tasks, seeds, greedy=False, policy_version=u)
+                t_rollout = time.perf_counter() - t0
+            else:
+                ep_tasks, seeds = pending
+                records, t_rollout = worker.collect()
+                idle = time.perf_counter() - t0
+                if u + 1 < cfg.updates:  # next batch is generated while this one trains
+                    if (u + 1) % cfg.sync_every == 0:
+                        worker.sync(policy, u)
+                    pending = plan(u + 1)
+                    worker.submit(*pending)
+            staleness = u - min(r["policy_version"] for r in records)
+            for i, r in enumerate(records):
+                r["group"] = i // cfg.group_size
+            # curriculum sees every rank's outcomes, so the shared sampling state stays identical on all ranks
+            outcomes = dist.all_gather([(r["level"], r["success"]) for r in records])
+            flat = [o for part in outcomes for o in part]
+            state.curriculum.update([lv for lv, _ in flat], [s for _, s in flat])
+
+            t1 = time.perf_counter()
+            stale_everywhere = dist.all_gather(staleness > cfg.max_staleness)
+            if any(stale_everywhere):  # too old to correct reliably: drop the batch on every rank, count it
+                metrics = {"offpolicy/dropped_stale_batch": 1.0}
+                if dist.is_main:
+                    log(f"update {u + 1}: dropped a batch {staleness} versions old (max_staleness={cfg.max_staleness})")
+            else:
+                metrics = _learn(cfg, engine, ref, records, state, pad_id, rollout_cfg.temperature, u, staleness,
+                                 demo_examples, bc_rng, autocast_context, dist)
+            t_learn = time.perf_counter() - t1
+            n_tokens = sum(sum(r["action_mask"]) for r in records)
+            metrics.update({
+                "sys/rollout_s": t_rollout, "sys/learn_s": t_learn, "sys/idle_s": idle,
+                "sys/update_s": time.perf_counter() - t0,
+                "charts/episodes_per_s": len(records) * dist.world_size / max(1e-9, time.perf_counter() - t0),
+                "charts/sampled_tokens_per_s": n_tokens * dist.world_size / max(1e-9, t_rollout),
+                "offpolicy/staleness": staleness,
+                "rollout/success": float(np.mean([s for _, s in flat])),
+                "rollout/return": float(np.mean([r["return"] for r in records])),
+                "rollout/reward_spread": float(np.std([r["return"] for r in records])),
+                "rollout/tool_calls": float(np.mean([r["n_calls"] for r in records])),
+                "curriculum/max_open_level": state.curriculum.max_open,
+                **{f"curriculum/weight_l{lv}": w for lv, w in state.curriculum.weights().items()},
+                **tool_usage(records),
+            })
+            for name, key in (("entropy", "policy/entropy"), ("reward_spread", "rollout/reward_spread"),
+                              ("advantage_var", "policy/advantage_var")):
+                if key in metrics and metrics[key] < COLLAPSE[name]:
+                    metrics[f"alarms/{name}_collapse"] = 1.0
+                    if dist.is_main:
+                        log(f"warning: update {u}: {name} collapsed ({metrics[key]:.3g} < {COLLAPSE[name]})")
+            history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+            if (u + 1) % cfg.eval_every == 0 or u + 1 == cfg.updates:
+                summary = _evaluate(rollout if worker is None else new_engine(policy), val_tasks[:cfg.eval_tasks],
+                                    dist, seed=10_000)
+                val = summary["overall"]["success_rate"]
+                entry = {"update": u + 1, "val_success": val, **{f"val_success_l{lv}": s["success_rate"]
+                                                                 for lv, s in summary["per_level"].items()}}
+                evals.append(entry)
+                metrics.update({f"eval/{k}": v for k, v in entry.items() if k != "update"})
+                if val > best["success"]:
+                    best = {"success": val, "update": u + 1}
+                    if dist.is_main:
+                        save_policy(policy, tokenizer, out_dir, {**meta, "rl_update": u + 1, "val_success": val,
+                                                                  "algorithm": cfg.algorithm})
+                dist.barrier()
+            if dist.is_main:
+                run.log_metrics(metrics, step=u + 1)
+                log(f"update {u + 1}/{cfg.updates}: success {metrics['rollout/success']:.3f} return "
+                    f"{metrics['rollout/return']:.3f} loss {metrics.get('losses/total', float('nan')):.4f} "
+                    f"rollout {t_rollout:.1f}s learn {t_learn:.1f}s"
+                    + (f" | val {metrics['eval/val_success']:.3f}" if "eval/val_success" in metrics else ""))
+            done_here += 1
+            if (u + 1) % cfg.checkpoint_every == 0 or u + 1 == cfg.updates:
+                engine.save_checkpoint(str(ckpt_dir), tag=f"update-{u + 1}", client_state={
+                    "update": u + 1, "sampler": state.state_dict(), "fingerprint": fingerprint,
+                    "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best})
+    finally:
+        if worker is not None:
+            worker.close()
+    return {"history": history, "evals": evals, "best": best, "fingerprint": fingerprint,
+            "completed": len(history) >= cfg.updates}
+
+
+def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, demo_examples, bc_rng,
+           autocast_context, dist) -> dict:
+    """Advantages and the optimisation steps of one update; returns its metrics."""
+    batch = collate_records(records, pad_id)
+    scores = episode_scores(records, state)
+    groups = group_ids_of(records)
+    zero_var = torch.zeros(len(records), dtype=torch.bool)
+    device = engine.device
+    with torch.no_grad(), autocast_context("auto", device):
+        old_logits, old_values = engine.module(batch.ids.to(device), batch.attn.to(device))
+        old_logp = token_logprobs(old_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
+        old_values = old_values.cpu() if old_values is not None else None
+        ref_logp = None
+        if ref is not None:
+            ref_logits = ref(input_ids=batch.ids.to(device), attention_mask=batch.attn.to(device)).logits
+            ref_logp = token_logprobs(ref_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
+        del old_logits
+    if cfg.algorithm in ("grpo", "rloo"):
+        ep_adv, zero_var = A.group_advantages(scores, groups, cfg.algorithm)
+        adv = ep_adv[batch.episode][:, None] * batch.mask
+        returns = None
+    else:
+        rewards = A.token_rewards(scores[batch.episode], batch.mask)
+        adv, returns = A.compute_gae(rewards, old_values * batch.mask, batch.mask, cfg.gamma, cfg.lam)
+        adv = A.masked_whiten(adv, batch.mask)
+    loss_mask = batch.mask.clone()
+    if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
+        loss_mask = loss_mask * (~zero_var[batch.episode]).float()[:, None]
+    is_w, is_stats = A.truncated_importance_weights(old_logp, batch.sample_logp, loss_mask, cfg.is_clip)
+
+    rng = np.random.default_rng([cfg.seed, u, dist.rank])
+    agg: dict[str, list[float]] = {}
+    ent_coef = state.entropy.value
+    skipped = 0
+    for _ in range(cfg.epochs):
+        order = torch.from_numpy(rng.permutation(batch.n_rows))
+        for rows in torch.tensor_split(order, cfg.minibatches):
+            mb = batch.select(rows)
+            m = loss_mask[rows]
+            with autocast_context("auto", device):
+                logits, values = engine(mb.ids.to(device), mb.attn.to(device))
+            logp = token_logprobs(logits, mb.ids.to(device), temperature).cpu()
+            pg, pg_m = A.ppo_policy_loss(logp, old_logp[rows], adv[rows], m, cfg.clip_eps, is_w[rows])
+            ent = A.masked_mean(token_entropy(logits, temperature).cpu(), mb.mask)
+            loss = pg - ent_coef * ent
+            mets = {**pg_m, "policy/entropy": float(ent.detach())}
+            if values is not None:
+                vl, vm = A.value_loss(values.cpu(), old_values[rows], returns[rows], mb.mask, cfg.value_clip)
+                loss = loss + cfg.vf_coef * vl
+                mets.update(vm)
+            if ref_logp is not None:
+                kl, km = A.kl_penalty(logp, ref_logp[rows], mb.mask)
+                loss = loss + cfg.kl_coef * kl
+                mets.update(km)
+            if cfg.bc_coef > 0 and demo_examples:
+                bc = _bc_loss(engine, demo_examples, cfg.bc_batch, bc_rng, pad_id, device, autocast_context)
+                loss = loss + cfg.bc_coef * bc
+                mets["losses/bc"] = float(bc.detach())
+            if float(m.sum()) == 0:  # nothing to learn on this rank: keep the collective step, contribute zero
+                loss = loss * 0.0
+            finite = torch.tensor(float(torch.isfinite(loss.detach())))
+            if not all(dist.all_gather(bool(finite))):
+                skipped += 1  # a NaN/inf loss on any rank: skip this step everywhere, never apply it
+                engine.zero_grad() if hasattr(engine, "zero_grad") else None
+                continue
+            mets["losses/total"] = float(loss.detach())
+            engine.backward(loss)
+            no_grad_params = params_without_grad(engine.module.policy)
+            engine.step()
+            gn = engine.get_global_grad_norm()
+            mets["losses/grad_norm"] = float(gn) if gn is not None else float("nan")
+            mets["diag/params_without_grad"] = no_grad_params
+            for k, v in mets.items():
+                agg.setdefault(k, []).append(v)
+    out = {k: float(np.mean(v)) for k, v in agg.items()}
+    if cfg.entropy_target is not None and "policy/entropy" in out:
+        out["policy/entropy_coef"] = state.entropy.update(out["policy/entropy"])
+    else:
+        out["policy/entropy_coef"] = ent_coef
+    masked = adv[loss_mask > 0]
+    out.update({
+        "policy/advantage_var": float(masked.var()) if masked.numel() > 1 else 0.0,
+        "rollout/zero_variance_group_share": float(zero_var.float().mean()) if cfg.algorithm != "ppo" else 0.0,
+        "train/skipped_steps_nonfinite": skipped,
+        "train/batch_tokens": int(batch.attn.sum()),
+        **is_stats,
+    })
+    if returns is not None and old_values is not None:
+        out["losses/explained_variance"] = A.explained_variance(old_values * batch.mask, returns, batch.mask)
+    return out
+
+
+def _bc_loss(engine, examples, n, rng, pad_id, device, autocast_context) -> torch.Tensor:
+    """Negative log-likelihood of demonstration action tokens (seed 2.1: a behaviour-cloning anchor)."""
+    pick = [examples[i] for i in rng.choice(len(examples), size=min(n, len(examples)), replace=False)]
+    T = max(len(e.input_ids) for e in pick)
+    ids = torch.full((len(pick), T), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(pick), T, dtype=torch.long)
+    mask = torch.zeros(len(pick), T)
+    for i, e in enumerate(pick):
+        ids[i, : len(e)] = torch.tensor(e.input_ids)
+        attn[i, : len(e)] = 1
+        mask[i, : len(e)] = torch.tensor(e.loss_mask, dtype=torch.float32)
+    with autocast_context("auto", device):
+        logits, _ = engine(ids.to(device), attn.to(device))
+    logp = token_logprobs(logits, ids.to(device), 1.0).cpu()
+    return -A.masked_mean(logp, mask)

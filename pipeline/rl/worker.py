@@ -1,0 +1,159 @@
+"""One rank of the `train` phase. Started by the DeepSpeed launcher (``deepspeed --num_gpus N --module
+pipeline.rl.worker --params params.yaml``), or in-process for a single rank by :mod:`pipeline.phases.train`.
+
+Reads the `env`, `rollout` and `train` sections, trains from ``models/adapted``, keeps the best policy (by validation
+success) in ``models/policy``, and on rank 0 writes ``metrics/train.json`` (SFT against RL on the test split, per
+level) and ``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import load_section
+from pipeline.env.config import EnvConfig
+from pipeline.env.core import WorldRuntime, load_tasks
+from pipeline.env.world import load_world
+from pipeline.errors import AgentRLError
+from pipeline.rl.config import TrainConfig
+
+CURVE_KEYS = ("update", "rollout/success", "rollout/return", "policy/entropy", "losses/total", "losses/approx_kl",
+              "rollout/zero_variance_group_share", "sys/rollout_s", "sys/learn_s", "train/batch_tokens")
+
+
+def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, dist) -> dict:
+    """Greedy test-split metrics of each policy (same tasks, same seeds), per level."""
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.rl.trainer import _evaluate
+
+    out = {}
+    for name, path in policy_dirs.items():
+        model, tok, _ = load_policy(path)
+        out[name] = _evaluate(RolloutEngine(model, tok, runtime, env_cfg, rollout_cfg), tasks, dist, seed=20_000)
+    return out
+
+
+def deltas(sft: dict, rl: dict) -> dict:
+    d = {"overall_success": rl["overall"]["success_rate"] - sft["overall"]["success_rate"]}
+    for lv in sft["per_level"]:
+        d[f"level_{lv}_success"] = rl["per_level"][lv]["success_rate"] - sft["per_level"][lv]["success_rate"]
+    a, b = sft["overall"]["mean_tool_calls_solved"], rl["overall"]["mean_tool_calls_solved"]
+    d["tool_calls_per_solved_task"] = None if a is None or b is None else b - a
+    d["safety_violations"] = rl["overall"]["safety_violations"] - sft["overall"]["safety_violations"]
+    return d
+
+
+def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted", out: str = "models/policy",
+               ckpt: str = "checkpoints/train", metrics_path: str = "metrics/train.json",
+               curve_path: str = "metrics/train_curve.csv", data_dir: str = "data", stop_after: int | None = None) -> dict:
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.rl.distributed import init_dist
+    from pipeline.rl.trainer import train
+    from pipeline.tracking import NullTracker, Tracker
+
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    cfg = load_section(TrainConfig, "train", params_path)
+    dist = init_dist()
+    data = Path(data_dir)
+    try:
+        runtime = WorldRuntime(load_world(data / "env"))
+        train_tasks = load_tasks(data / "tasks" / "train.jsonl")
+        val_tasks = load_tasks(data / "tasks" / "validation.jsonl")
+        test_tasks = load_tasks(data / "tasks" / "test.jsonl")
+    except (FileNotFoundError, ValueError) as exc:
+        raise AgentRLError(f"train: {exc}") from None
+    demos = None
+    if cfg.bc_coef > 0:
+        from pipeline.policy.model import load_policy
+        from pipeline.policy.sft import demo_examples, load_demos
+
+        _, tok, _ = load_policy(adapted)
+        questions = {t.task_id: t.question for t in train_tasks}
+        demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
+                              questions, env_cfg.history_window)
+    ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size)
+    tracker = Tracker() if dist.is_main else NullTracker()
+    t0 = time.perf_counter()
+    params = {"env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump(), "train": cfg.model_dump(),
+              "world_size": dist.world_size}
+    with tracker.run("train", params=params) as run:
+        result = train(cfg, env_cfg, rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks,
+                       val_tasks=val_tasks, runtime=runtime, out_dir=Path(out), ckpt_dir=ckpt_dir, dist=dist,
+                       run=run, demo_examples=demos, stop_after=stop_after)
+        if not result["completed"]:
+            return result
+        comparison = compare({"sft": Path(adapted), "rl": Path(out)}, test_tasks[:cfg.test_tasks], runtime, env_cfg,
+                             rollout_cfg, dist)
+        if dist.is_main:
+            metrics = {
+                "algorithm": cfg.algorithm, "world_size": dist.world_size, "updates": cfg.updates,
+                "best_update": result["best"]["update"], "best_val_success": result["best"]["success"],
+                "test": comparison, "delta_rl_minus_sft": deltas(comparison["sft"], comparison["rl"]),
+                "seconds": round(time.perf_counter() - t0, 1),
+                "mean_rollout_share": _share(result["history"]),
+                "evals": result["evals"],
+            }
+            Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(metrics_path).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+            with open(curve_path, "w", newline="") as fh:
+                w = csv.writer(fh)
+                w.writerow([k.replace("/", "_") for k in CURVE_KEYS])
+                for h in result["history"]:
+                    w.writerow([h.get(k, "") for k in CURVE_KEYS])
+            flat = {f"test/{name}_success": c["overall"]["success_rate"] for name, c in comparison.items()}
+            flat.update({f"test/delta_{k}": v for k, v in metrics["delta_rl_minus_sft"].items() if v is not None})
+            run.log_metrics(flat)
+            run.log_artifact(metrics_path)
+            d = metrics["delta_rl_minus_sft"]
+            print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "
+                  f"{comparison['rl']['overall']['success_rate']:.3f} ({d['overall_success']:+.3f}); per level "
+                  + ", ".join(f"L{k.split('_')[1]} {v:+.3f}" for k, v in d.items() if k.startswith("level_")))
+    return result
+
+
+def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int) -> str:
+    """Checkpoints live in a folder named after everything the run depends on: a killed run resumes from its own
+    checkpoints, and a run with other params (or another adapted model) starts fresh instead of resuming a stranger."""
+    import hashlib
+
+    meta = Path(adapted) / "policy.json"
+    parts = [env_cfg.model_dump_json(), rollout_cfg.model_dump_json(), cfg.model_dump_json(), str(world_size),
+             meta.read_text() if meta.is_file() else ""]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def _share(history: list[dict]) -> float | None:
+    r = sum(h.get("sys/rollout_s", 0) for h in history)
+    t = sum(h.get("sys/update_s", 0) for h in history)
+    return round(r / t, 3) if t else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pipeline.rl.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--local_rank", type=int, default=None, help="set by the DeepSpeed launcher; read from the env")
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many updates (resume tests)")
+    ap.add_argument("--adapted", default="models/adapted", help="the policy to start from")
+    ap.add_argument("--out", default="models/policy", help="where the best policy goes")
+    ap.add_argument("--ckpt", default="checkpoints/train", help="checkpoint folder (resumed from when present)")
+    ap.add_argument("--metrics", default="metrics/train.json")
+    ap.add_argument("--curve", default="metrics/train_curve.csv")
+    args = ap.parse_args(argv)
+    try:
+        run_worker(args.params, adapted=args.adapted, out=args.out, ckpt=args.ckpt, metrics_path=args.metrics,
+                   curve_path=args.curve, stop_after=args.stop_after)
+    except AgentRLError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

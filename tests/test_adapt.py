@@ -1,0 +1,377 @@
+"""The adapt stage: SFT data and masks, adapters, the training loop, capability evaluation and gate, the phase's
+refusals of bad input. Tiny world, tiny model: seconds each."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.env.config import BuildEnvConfig, EnvConfig
+from pipeline.env.core import ToolTasksEnv, WorldRuntime
+from pipeline.env.tasks import Task
+from pipeline.env.world import load_world
+from pipeline.errors import AgentRLError
+from pipeline.policy import adapters, capability, sft
+from pipeline.policy.config import (AdaptConfig, AdapterConfig, CapabilityConfig, GateConfig, ModelConfig,
+                                    PretrainConfig, RolloutConfig, SFTConfig)
+from pipeline.policy.model import build_policy, load_policy, save_policy
+from pipeline.policy.tokenizer import corpus_texts, encode_context, train_tokenizer
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, vocab_size=400, dtype="fp32")
+
+
+# ------------------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A tiny build_env output (world, splits, demos, metrics) made by the real phase."""
+    from pipeline.phases.build_env import build
+
+    root = tmp_path_factory.mktemp("adapt")
+    cfg = BuildEnvConfig(n_products=40, n_suppliers=12, tasks_per_split={"train": 80, "validation": 16, "test": 8},
+                         demos={"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.5}, "wrong_order_prob": 0.3,
+                                "redundant_call_prob": 0.3})
+    build(cfg, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(data_dir):
+    return train_tokenizer(corpus_texts(data_dir), TINY.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def demos(data_dir):
+    return [json.loads(l) for l in (data_dir / "demos" / "train.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tasks(data_dir):
+    return {s: [Task.from_dict(json.loads(l)) for l in (data_dir / "tasks" / f"{s}.jsonl").read_text().splitlines()]
+            for s in ("train", "validation")}
+
+
+def tiny_adapt_config(**over) -> AdaptConfig:
+    base = dict(threads=None,
+                pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64),
+                sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2),
+                eval=CapabilityConfig(max_tasks=6, sampled_per_task=2),
+                gate=GateConfig(enabled=False))
+    base.update(over)
+    return AdaptConfig(**base)
+
+
+def run_phase(data_dir: Path, out: Path, cfg: AdaptConfig | None = None, model_cfg: ModelConfig = TINY,
+              data: Path | None = None) -> dict:
+    from pipeline.phases.adapt import adapt
+
+    return adapt(cfg or tiny_adapt_config(), model_cfg, RolloutConfig(batch_size=8, max_new_tokens=24), EnvConfig(),
+                 data or data_dir, out / "models" / "adapted", out / "metrics" / "adapt.json",
+                 data_dir.parent / "metrics" / "build_env.json")
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ data and masks
+
+
+def test_loss_mask_covers_exactly_the_action_tokens(tokenizer, demos, tasks):
+    questions = {t.task_id: t.question for t in tasks["train"]}
+    for demo in demos[:40]:
+        (prompt, pairs), = sft.demo_segments(questions[demo["task_id"]], demo["steps"], window=6)
+        ex = sft.encode_segment(tokenizer, prompt, pairs)
+        ids, mask = np.array(ex.input_ids), np.array(ex.loss_mask)
+        assert set(mask.tolist()) <= {0, 1} and len(ids) == len(mask)
+        assert tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == "".join(a for a, _ in pairs)
+        masked_out = tokenizer.decode(ids[mask == 0].tolist()[1:], skip_special_tokens=False)  # without <bos>
+        assert masked_out == prompt + "".join(o for _, o in pairs[:-1])
+        # the prompt is exactly the context the environment shows at reset, tokenized as the rollout engine does
+        first = int(np.argmax(mask))
+        assert ex.input_ids[:first] == encode_context(tokenizer, prompt)
+
+
+def test_sft_text_replays_the_environment_contexts(data_dir, demos, tasks):
+    """Replaying a demonstration's actions in the environment shows, before every step, exactly the SFT text so far."""
+    by_id = {t.task_id: t for t in tasks["train"]}
+    runtime = WorldRuntime(load_world(data_dir / "env"))
+    try:
+        env = ToolTasksEnv(world=runtime, tasks=tasks["train"], config=EnvConfig())
+        for demo in [d for d in demos if d["n_calls"] >= 3][:10]:
+            (prompt, pairs), = sft.demo_segments(by_id[demo["task_id"]].question, demo["steps"], window=6)
+            obs, _ = env.reset(seed=0, options={"task": by_id[demo["task_id"]]})
+            text = prompt
+            for action, observation in pairs:
+                assert obs["context"] == text
+                obs, *_ = env.step(action)
+                text += action + observation
+        env.close()
+    finally:
+        runtime.close()
+
+
+def test_folded_history_starts_a_new_segment_from_the_folded_context():
+    steps = [{"action": f'<call>lookup {{"name": "P{i}", "field": "price"}}</call>', "observation": f"<obs>{i}</obs>\n"}
+             for i in range(5)]
+    segs = sft.demo_segments("Q?", steps, window=2)
+    assert [len(p) for _, p in segs] == [3, 1, 1]  # folding starts once the history exceeds the window
+    assert segs[1][0].count("State: earlier calls and results") == 1
+    assert sum(len(p) for _, p in segs) == 5
+
+
+def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(data_dir, demos, tasks, tokenizer):
+    entities = json.loads((data_dir / "env" / "entities.json").read_text())
+    pool = sft.NamePool.from_entities(entities)
+    real = set(entities["products"]) | set(entities["suppliers"])
+    by_id = {t.task_id: t for t in tasks["train"]}
+    rng = np.random.default_rng(0)
+    for demo in demos[:30]:
+        task = by_id[demo["task_id"]]
+        question, steps, mapping = sft.augment_names(task.question, demo["steps"], task.entities, pool, rng)
+        assert set(mapping) == set(task.entities) and not set(mapping.values()) & real
+        text = question + "".join(s["action"] + s["observation"] for s in steps)
+        assert not any(e in text for e in task.entities)  # every occurrence replaced
+        for fake, name in {v: k for k, v in mapping.items()}.items():  # ... by the same name everywhere
+            text = text.replace(fake, name)
+        assert text == task.question + "".join(s["action"] + s["observation"] for s in demo["steps"])
+    # the sampler's augmented examples keep the mask exact: it decodes to the (renamed) actions
+    sampler = sft.DemoSampler(tokenizer, demos[:10], {t.task_id: t.to_dict() for t in tasks["train"]}, 6, 1024, 1.0, pool)
+    for i in range(10):
+        (ex,) = sampler(i, rng)
+        acts = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m], skip_special_tokens=False)
+        assert acts.count("<call>") == len(demos[i]["steps"])
+        assert not any(e in acts for e in by_id[demos[i]["task_id"]].entities)
+
+
+def test_masked_loss_ignores_masked_positions():
+    logits = torch.randn(1, 4, 7)
+    labels = torch.tensor([[5, sft.IGNORE, 3, sft.IGNORE]])
+    loss, n = sft.masked_lm_loss(logits, labels)
+    expected = torch.nn.functional.cross_entropy(logits[0, 1:2], torch.tensor([3]))
+    assert n == 1 and torch.allclose(loss, expected)
+    # changing a logit row whose next label is ignored changes nothing
+    logits2 = logits.clone()
+    logits2[0, 0] += 5.0
+    assert torch.allclose(sft.masked_lm_loss(logits2, labels)[0], loss)
+
+
+def test_demo_file_that_breaks_the_schema_is_refused(tmp_path, demos):
+    bad = [dict(d) for d in demos[:5]]
+    bad[2]["steps"] = [{"action": "<call>answer {}</call>"}]  # no observation
+    del bad[3]["level"]
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in bad))
+    with pytest.raises(AgentRLError, match="breaks the schema"):
+        sft.load_demos(path)
+
+
+# ------------------------------------------------------------------------------------------------------- adapters
+
+
+def _batch(tokenizer, demos, tasks, n=8):
+    questions = {t.task_id: t.question for t in tasks["train"]}
+    ex = sft.demo_examples(tokenizer, demos[:n], questions, 6)
+    return sft.collate(ex, tokenizer.pad_token_id)
+
+
+@pytest.mark.parametrize("kind", ["lora", "bottleneck", "none"])
+def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_loss(kind, tokenizer, demos, tasks):
+    model = build_policy(TINY, tokenizer)
+    cfg = AdapterConfig(kind=kind, lora_r=4, lora_alpha=8, bottleneck_dim=8)
+    wrapped = adapters.apply_adapter(model, cfg)
+    trainable = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in wrapped.named_parameters() if not p.requires_grad}
+    assert trainable
+    if kind != "none":
+        assert frozen and adapters.trainable_summary(wrapped)["trainable_fraction"] < 0.5
+    batch = _batch(tokenizer, demos, tasks)
+    before = sft.masked_lm_loss(wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                batch["labels"])[0].item()
+    res = sft.train_lm(wrapped, iter([batch] * 12), steps=12, lr=1e-2)
+    after = sft.masked_lm_loss(wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                               batch["labels"])[0].item()
+    assert after < before - 0.1, (before, after, res.losses)
+    params = dict(wrapped.named_parameters())
+    unchanged = [n for n, p in trainable.items() if torch.equal(params[n].detach(), p)]
+    assert not unchanged, f"trainable parameters that did not change: {unchanged}"
+    moved = [n for n, p in frozen.items() if not torch.equal(params[n].detach(), p)]
+    assert not moved, f"frozen parameters that changed: {moved}"
+
+
+@pytest.mark.parametrize("kind", ["lora", "bottleneck"])
+def test_adapted_model_saves_and_loads_with_load_policy_to_the_same_outputs(kind, tmp_path, tokenizer, demos, tasks):
+    model = build_policy(TINY, tokenizer)
+    wrapped = adapters.apply_adapter(model, AdapterConfig(kind=kind, lora_r=4, lora_alpha=8, bottleneck_dim=8))
+    batch = _batch(tokenizer, demos, tasks, n=4)
+    sft.train_lm(wrapped, iter([batch] * 3), steps=3, lr=1e-2)
+    with torch.no_grad():
+        want = wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    final = adapters.finalize(wrapped)
+    assert not any("lora" in n for n, _ in final.named_parameters())  # LoRA merged away
+    save_policy(final, tokenizer, tmp_path / "adapted", {"phase": "test"})
+    loaded, tok2, meta = load_policy(tmp_path / "adapted")
+    assert meta["phase"] == "test" and len(tok2) == len(tokenizer)
+    assert type(loaded).__name__ == ("LlamaForCausalLM" if kind == "lora" else "LlamaBottleneckForCausalLM")
+    with torch.no_grad():
+        got = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_bottleneck_starts_as_the_identity_and_refuses_a_too_wide_bottleneck(tokenizer):
+    model = build_policy(TINY, tokenizer)
+    ids = torch.tensor([encode_context(tokenizer, "What is the price of 'X'?")])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = adapters.to_bottleneck(model, 4)(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(AgentRLError, match="bottleneck_dim"):
+        adapters.to_bottleneck(model, TINY.d_model)
+
+
+def test_lora_on_missing_modules_and_unknown_train_also_are_refused(tokenizer):
+    with pytest.raises(AgentRLError, match="lora_target_modules"):
+        adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(lora_target_modules=["c_attn"]))
+    with pytest.raises(AgentRLError, match="train_also"):
+        adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(train_also=["no_such_module"]))
+
+
+# --------------------------------------------------------------------------------------------- capability and gate
+
+
+def test_capability_gate_fails_with_a_report_on_a_bad_model(data_dir, tokenizer, tasks):
+    model = build_policy(TINY, tokenizer)  # untrained: writes gibberish
+    runtime = WorldRuntime(load_world(data_dir / "env"))
+    try:
+        metrics, episodes = capability.evaluate_capabilities(
+            model, tokenizer, runtime, tasks["validation"][:6], EnvConfig(), RolloutConfig(batch_size=8, max_new_tokens=16),
+            CapabilityConfig(sampled_per_task=2))
+    finally:
+        runtime.close()
+    assert metrics["eval/greedy/success"] == 0.0 and metrics["eval/sampled/episodes"] == 12
+    assert set(metrics) <= set(capability.metric_keys())
+    gate = GateConfig().min
+    with pytest.raises(capability.CapabilityGateError) as err:
+        capability.enforce_gate(metrics, gate)
+    text = str(err.value)
+    assert "fell short" in text and all(k in text for k in gate) and "FAIL" in text
+    assert {k for k, _, _ in err.value.shortfalls} == set(gate)
+
+
+def test_episode_scores_follow_the_plan(data_dir, tasks):
+    """The expert agrees with its plan everywhere; a wrong first call is caught by tool and parameter accuracy."""
+    from pipeline.env.expert import ExpertPolicy
+    from pipeline.evaluation import run_episode
+
+    runtime = WorldRuntime(load_world(data_dir / "env"))
+    try:
+        env = ToolTasksEnv(world=runtime, tasks=tasks["validation"], config=EnvConfig())
+        for task in tasks["validation"][:8]:
+            rec = run_episode(env, ExpertPolicy(), task, seed=0)
+            s = capability.episode_scores(rec, task, capability.plan_results(runtime, task))
+            assert s["tool_first"] and all(s["tool_steps"]) and all(s["params"]) and s["param_first"]
+            bad = dict(rec, calls=[dict(rec["calls"][0], params={"name": "nothing", "field": "price"})] + rec["calls"][1:])
+            s2 = capability.episode_scores(bad, task, capability.plan_results(runtime, task))
+            assert s2["tool_first"] and not s2["param_first"]
+        env.close()
+    finally:
+        runtime.close()
+
+
+def test_gate_with_an_unknown_metric_is_refused_before_training():
+    with pytest.raises(AgentRLError, match="did you mean 'eval/greedy/success_L4'"):
+        capability.check_gate_keys({"eval/greedy/sucess_L4": 0.5})
+
+
+# ------------------------------------------------------------------------------------------------------ the phase
+
+
+def test_phase_publishes_a_loadable_model_and_metrics(good_run):
+    model, tok, meta = load_policy(good_run / "models" / "adapted")
+    assert meta["phase"] == "adapt" and meta["adapter"] == "lora" and meta["data_version"]
+    written = json.loads((good_run / "metrics" / "adapt.json").read_text())
+    assert written["per_level"].keys() == {"1", "2", "3", "4"}
+    assert written["baselines"]["expert"]["success"] == 1.0
+    assert written["sft"]["loss_curve"] and written["pretrain"]["steps"] == 3
+    assert "eval/recovery/success_after_error" in written["capability"]
+    assert written["gate"] == {"enabled": False, "passed": None, "min": GateConfig().min, "shortfalls": []}
+
+
+@pytest.fixture(scope="module")
+def good_run(data_dir, tmp_path_factory) -> Path:
+    """One good run of the phase (models/adapted and metrics/adapt.json), made once per module."""
+    out = tmp_path_factory.mktemp("good")
+    run_phase(data_dir, out)
+    return out
+
+
+@pytest.fixture
+def published(good_run, tmp_path):
+    """A copy of the good run's outputs in this test's folder; returns their digests."""
+    for name in ("models", "metrics"):
+        shutil.copytree(good_run / name, tmp_path / name)
+    return tree_digest(tmp_path / "models"), (tmp_path / "metrics" / "adapt.json").read_bytes()
+
+
+def _untouched(tmp_path, published):
+    assert tree_digest(tmp_path / "models") == published[0]
+    assert (tmp_path / "metrics" / "adapt.json").read_bytes() == published[1]
+    assert [p.name for p in (tmp_path / "models").iterdir()] == ["adapted"]  # no temporary folders left
+
+
+def test_a_model_path_that_does_not_exist_is_refused(data_dir, tmp_path, published):
+    with pytest.raises(AgentRLError, match="no-such-model"):
+        run_phase(data_dir, tmp_path, model_cfg=TINY.model_copy(update={"base": str(tmp_path / "no-such-model")}))
+    _untouched(tmp_path, published)
+
+
+def test_a_tokenizer_that_does_not_match_the_model_is_refused(data_dir, tmp_path, published, tokenizer):
+    base = tmp_path / "base"
+    shutil.copytree(tmp_path / "models" / "adapted", base)
+    other = train_tokenizer(corpus_texts(data_dir), 330)  # a different vocabulary size
+    assert len(other) != len(tokenizer)
+    other.save_pretrained(base)
+    with pytest.raises(AgentRLError, match="tokenizer has .* tokens but the model's embedding has"):
+        run_phase(data_dir, tmp_path, model_cfg=TINY.model_copy(update={"base": str(base)}))
+    _untouched(tmp_path, published)
+
+
+def test_a_demo_file_that_breaks_the_schema_is_refused_by_the_phase(data_dir, tmp_path, published):
+    bad = tmp_path / "bad-data"
+    shutil.copytree(data_dir, bad)
+    lines = (bad / "demos" / "train.jsonl").read_text().splitlines()
+    rec = json.loads(lines[0])
+    rec["flaw"] = "sloppy"
+    rec["n_calls"] = -1
+    (bad / "demos" / "train.jsonl").write_text("\n".join([json.dumps(rec)] + lines[1:]) + "\n")
+    with pytest.raises(AgentRLError, match="breaks the schema"):
+        run_phase(data_dir, tmp_path, data=bad)
+    _untouched(tmp_path, published)
+
+
+def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published):
+    cfg = tiny_adapt_config(gate=GateConfig(enabled=True, min={"eval/greedy/success_L1": 0.99}))
+    with pytest.raises(capability.CapabilityGateError, match="eval/greedy/success_L1"):
+        run_phase(data_dir, tmp_path, cfg=cfg)
+    _untouched(tmp_path, published)
+
+
+def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_path, published):
+    """model.base may name a policy folder (e.g. a previous adapted model): loaded with its own tokenizer."""
+    base = tmp_path / "base"
+    shutil.copytree(tmp_path / "models" / "adapted", base)
+    metrics = run_phase(data_dir, tmp_path / "second", cfg=tiny_adapt_config(pretrain=PretrainConfig(steps=0)),
+                        model_cfg=TINY.model_copy(update={"base": str(base)}))
+    assert metrics["base"]["source"] == f"policy:{base}" and metrics["pretrain"] is None

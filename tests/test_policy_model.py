@@ -1,0 +1,253 @@
+"""The policy's tokenizer and model: protocol markers, digits, quoted names, hostile text; build, save, load, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.env.core import ToolTasksEnv, WorldRuntime, default_world
+from pipeline.env.expert import ExpertPolicy
+from pipeline.env.prompt import render_header
+from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN, format_action
+from pipeline.env.tasks import generate_tasks
+from pipeline.env.tools import default_tools, signature
+from pipeline.errors import AgentRLError
+from pipeline.evaluation import run_episode
+from pipeline.policy.config import ModelConfig
+from pipeline.policy.model import (autocast_context, build_policy, load_policy, n_parameters,
+                                   save_policy, supports_bf16)
+from pipeline.policy.tokenizer import (SPECIAL_TOKENS, corpus_texts, encode_context, encode_continuation, encode_turns,
+                                       marker_ids, train_tokenizer)
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, seed=0)
+SIGS = [signature(t) for t in default_tools()]
+
+
+def training_texts(runtime: WorldRuntime, n_tasks: int = 60) -> list[str]:
+    tasks = generate_tasks(runtime.world, "train", n_tasks, {1: 1, 2: 1, 3: 1, 4: 1}, 0, runtime.solve)
+    texts = [f"{d['title']}\n{d['text']}" for d in runtime.world.corpus]
+    texts += [render_header(t.question, SIGS) for t in tasks]
+    env = ToolTasksEnv(world=runtime, tasks=tasks)
+    for i, t in enumerate(tasks):
+        texts += [s["action"] + s["observation"] for s in run_episode(env, ExpertPolicy(), t, i)["steps"]]
+    return texts
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from a second thread, and on a loaded machine OpenMP's barrier waits make every
+    small op cost a scheduler slice; the tests run single-threaded (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    rt = WorldRuntime(default_world())
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(runtime):
+    return train_tokenizer(training_texts(runtime), vocab_size=600)
+
+
+# ---------------------------------------------------------------------------------------------------------- tokenizer
+def test_special_tokens_are_single_ids_and_the_tokenizer_pads_left(tokenizer):
+    ids = marker_ids(tokenizer)
+    assert [ids[t] for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    text = f'{CALL_OPEN}lookup {{"name": "x"}}{CALL_CLOSE}{OBS_OPEN}12{OBS_CLOSE}\n'
+    toks = tokenizer.convert_ids_to_tokens(encode_continuation(tokenizer, text))
+    for marker in (CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE):
+        assert toks.count(marker) == 1
+    assert tokenizer.pad_token == "<pad>" and tokenizer.padding_side == "left"
+    assert encode_context(tokenizer, "hi")[0] == ids["<bos>"]
+    assert ids["<bos>"] not in encode_continuation(tokenizer, "hi")
+
+
+def test_digits_are_split_one_per_token(tokenizer):
+    toks = tokenizer.convert_ids_to_tokens(encode_continuation(tokenizer, "<obs>90417.25</obs>"))
+    assert [t for t in toks if any(c.isdigit() for c in t)] == list("9041725")
+
+
+def test_quoted_names_tokenize_alike_in_questions_calls_and_results(runtime, tokenizer):
+    for product in runtime.world.products[:40]:
+        name = product["name"]
+        name_ids = encode_continuation(tokenizer, name)
+        question = encode_continuation(tokenizer, f"What is the price of '{name}'?")
+        call = encode_continuation(tokenizer, format_action("lookup", {"name": name, "field": "price"}))
+        for seq in (question, call):
+            assert any(seq[i:i + len(name_ids)] == name_ids for i in range(len(seq))), name
+    # frequent words were merged: a seen product name is a couple of tokens, not letters
+    assert len(encode_continuation(tokenizer, runtime.world.products[0]["name"])) <= 4
+
+
+def test_context_encodes_as_the_concatenation_of_its_turns(runtime, tokenizer):
+    """What keeps the KV cache valid across turns: encode(before + action + obs) == encode(before) + ... ."""
+    tasks = generate_tasks(runtime.world, "validation", 12, {1: 1, 2: 1, 3: 1, 4: 1}, 0, runtime.solve)
+    env = ToolTasksEnv(world=runtime, tasks=tasks)
+    for i, t in enumerate(tasks):
+        rec = run_episode(env, ExpertPolicy(), t, i)
+        prompt = render_header(t.question, SIGS)
+        pairs = [(s["action"], s["observation"]) for s in rec["steps"]]
+        ids, mask = encode_turns(tokenizer, prompt, pairs)
+        assert ids == encode_context(tokenizer, prompt + "".join(a + o for a, o in pairs))
+        assert tokenizer.decode([x for x, m in zip(ids, mask) if m]) == "".join(a for a, _ in pairs)
+
+
+HOSTILE = ["", "\x00\x01\x7f", "naïve café ÆØÅ", "😀🧪\u200b\u202e", "\ud800 lone surrogate", "<call><call></obs>",
+           "\t\n\r" * 5, "١٢٣ ٤", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢" * 20]
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_hostile_text_encodes_and_round_trips(tokenizer, text):
+    ids = encode_continuation(tokenizer, text)
+    assert all(0 <= i < len(tokenizer) for i in ids)
+    expected = text.encode("utf-8", "replace").decode("utf-8")
+    assert tokenizer.decode(ids, clean_up_tokenization_spaces=False) == expected
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(max_size=80))
+def test_any_text_encodes(tokenizer, text):
+    ids = encode_context(tokenizer, text)
+    assert ids[0] == marker_ids(tokenizer)["<bos>"] and max(ids) < len(tokenizer)
+
+
+def test_corpus_texts_reads_only_training_data(tmp_path):
+    for sub, name, rec in (("env", "corpus.jsonl", {"doc_id": "d", "title": "Doc", "text": "Alpha doc"}),
+                           ("tasks", "train.jsonl", {"question": "TRAINQ 'Blue Lamp'?"}),
+                           ("tasks", "validation.jsonl", {"question": "VALQ"}),
+                           ("tasks", "test.jsonl", {"question": "TESTQ"}),
+                           ("demos", "train.jsonl",
+                            {"steps": [{"action": "<call>x</call>", "observation": "<obs>1</obs>\n"}]})):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        (tmp_path / sub / name).write_text(json.dumps(rec) + "\n")
+    text = "\n".join(corpus_texts(tmp_path))
+    assert "TRAINQ" in text and "Alpha doc" in text and "<call>x</call><obs>1</obs>" in text
+    assert "VALQ" not in text and "TESTQ" not in text
+    (tmp_path / "demos" / "train.jsonl").unlink()
+    with pytest.raises(AgentRLError, match="demos/train.jsonl"):
+        list(corpus_texts(tmp_path))
+
+
+def test_too_small_vocabulary_is_refused():
+    with pytest.raises(AgentRLError, match="vocab_size"):
+        train_tokenizer(["abc"], vocab_size=100)
+
+
+# -------------------------------------------------------------------------------------------------------------- model
+def test_builtin_default_size_and_seeded_init(tokenizer):
+    model = build_policy(ModelConfig(), tokenizer)
+    assert 2.5e6 < n_parameters(model) < 4.5e6  # ../shared/FINDINGS.md: ~3M with a ~1k vocabulary
+    assert model.config.tie_word_embeddings and model.config.vocab_size == len(tokenizer)
+    state = torch.get_rng_state()
+    a, b = build_policy(TINY, tokenizer), build_policy(TINY, tokenizer)
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG is left alone
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    c = build_policy(TINY.model_copy(update={"seed": 1}), tokenizer)
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+
+
+def test_config_refuses_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(d_model=30, n_heads=4)
+
+
+def test_save_load_round_trip_gives_identical_logits_and_metadata(tokenizer, tmp_path):
+    model = build_policy(TINY, tokenizer)
+    path = save_policy(model, tokenizer, tmp_path / "policy", {"step": 7, "data_version": {"x": "abc"}})
+    loaded, tok2, meta = load_policy(path)
+    ids = torch.tensor([encode_context(tokenizer, "What is the price of 'Blue Lamp'? <call>lookup")])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    assert tok2.encode("x <call>1</call>") == tokenizer.encode("x <call>1</call>") and tok2.padding_side == "left"
+    assert meta["step"] == 7 and meta["data_version"] == {"x": "abc"}
+    assert {"git_commit", "saved_at", "n_parameters", "hf_config", "vocab_size"} <= set(meta)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_missing_path_and_non_model_folders_are_clear_errors(tmp_path):
+    with pytest.raises(AgentRLError, match="does not exist"):
+        load_policy(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AgentRLError, match="not a model directory"):
+        load_policy(tmp_path / "empty")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(AgentRLError, match="not a directory"):
+        load_policy(tmp_path / "file")
+
+
+def test_corrupt_weights_are_a_clear_error(tokenizer, tmp_path):
+    path = save_policy(build_policy(TINY, tokenizer), tokenizer, tmp_path / "policy")
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AgentRLError, match="cannot load the model"):
+        load_policy(path)
+
+
+def test_tokenizer_that_does_not_fit_the_model_is_refused(runtime, tokenizer, tmp_path):
+    model = build_policy(TINY, tokenizer)
+    other = train_tokenizer(training_texts(runtime, 10), vocab_size=330)
+    assert len(other) != len(tokenizer)
+    with pytest.raises(AgentRLError, match="embedding"):
+        save_policy(model, other, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    path = save_policy(model, tokenizer, tmp_path / "good")
+    other.save_pretrained(path)  # someone swaps the tokenizer files
+    with pytest.raises(AgentRLError, match="tokenizer has .* tokens but the model's embedding has"):
+        load_policy(path)
+
+
+class _FailingModel:
+    """A model whose save writes part of its files and then fails (disk full, killed process...)."""
+
+    def __init__(self, real):
+        self.real, self.config = real, real.config
+
+    def get_input_embeddings(self):
+        return self.real.get_input_embeddings()
+
+    def parameters(self):
+        return self.real.parameters()
+
+    def save_pretrained(self, path, **kw):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+
+def test_failed_save_leaves_the_previous_model_in_place(tokenizer, tmp_path):
+    model = build_policy(TINY, tokenizer)
+    path = save_policy(model, tokenizer, tmp_path / "policy", {"step": 1})
+    with pytest.raises(OSError, match="disk full"):
+        save_policy(_FailingModel(build_policy(TINY.model_copy(update={"seed": 5}), tokenizer)), tokenizer, path,
+                    {"step": 2})
+    loaded, _, meta = load_policy(path)
+    assert meta["step"] == 1 and torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+
+
+def test_local_directory_as_base_loads_its_weights(tokenizer, tmp_path):
+    model = build_policy(TINY, tokenizer)
+    path = save_policy(model, tokenizer, tmp_path / "base")
+    again = build_policy(TINY.model_copy(update={"base": str(path)}), tokenizer)
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(AgentRLError, match="cannot load it locally"):
+        build_policy(TINY.model_copy(update={"base": str(tmp_path / "missing-model")}), tokenizer)
+
+
+def test_autocast_context_follows_the_dtype():
+    assert isinstance(supports_bf16(), bool)
+    with autocast_context("fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+    with autocast_context("bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with autocast_context(ModelConfig(dtype="auto")):
+        assert torch.is_autocast_enabled("cpu") == supports_bf16()

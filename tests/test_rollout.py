@@ -1,0 +1,275 @@
+"""The rollout engine: masks, batched == unbatched, recorded == recomputed log-probabilities, seeds, segments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.env.config import EnvConfig
+from pipeline.env.core import ToolTasksEnv, WorldRuntime, default_world
+from pipeline.env.expert import ExpertPolicy
+from pipeline.env.prompt import render_header
+from pipeline.env.protocol import sanitize
+from pipeline.env.tasks import generate_tasks
+from pipeline.env.tools import default_tools, signature
+from pipeline.errors import AgentRLError
+from pipeline.evaluation import run_episode, summarize
+from pipeline.policy.config import ModelConfig, RolloutConfig
+from pipeline.policy.model import build_policy
+from pipeline.policy.rollout import (ModelPolicy, RolloutEngine, filtered_logprobs, sample_tokens, sequence_logprobs,
+                                     split_segments)
+from pipeline.policy.tokenizer import encode_context, train_tokenizer
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, seed=0)
+ENV = EnvConfig(max_steps=4)
+ROLL = RolloutConfig(max_new_tokens=10, batch_size=6)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from a second thread, and on a loaded machine OpenMP's barrier waits make every
+    small op cost a scheduler slice; the tests run single-threaded (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    rt = WorldRuntime(default_world())
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def tasks(runtime):
+    return generate_tasks(runtime.world, "train", 40, {1: 1, 2: 1, 3: 1, 4: 1}, 0, runtime.solve)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(runtime, tasks):
+    sigs = [signature(t) for t in default_tools()]
+    texts = [f"{d['title']}\n{d['text']}" for d in runtime.world.corpus]
+    texts += [render_header(t.question, sigs) for t in tasks]
+    env = ToolTasksEnv(world=runtime, tasks=tasks)
+    for i, t in enumerate(tasks):
+        texts += [s["action"] + s["observation"] for s in run_episode(env, ExpertPolicy(), t, i)["steps"]]
+    return train_tokenizer(texts, vocab_size=600)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return build_policy(TINY, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def sampled(model, tokenizer, runtime, tasks):
+    engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL.model_copy(update={"temperature": 1.3}))
+    return engine.run(tasks[:10], list(range(10)), policy_version=3)
+
+
+def action_runs(rec: dict) -> list[list[int]]:
+    """Maximal runs of mask-1 tokens: one per action."""
+    runs, cur = [], []
+    for t, m in zip(rec["token_ids"], rec["action_mask"]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+# ------------------------------------------------------------------------------------------------------------ records
+def test_records_feed_summarize_and_carry_the_run_episode_fields(sampled, runtime, tasks):
+    env = ToolTasksEnv(world=runtime, tasks=tasks, config=ENV)
+    reference = run_episode(env, ExpertPolicy(), tasks[0], 0)
+    for rec in sampled:
+        assert set(reference) <= set(rec)
+        assert {"token_ids", "logprobs", "action_mask", "segments", "policy_version", "actions"} <= set(rec)
+        assert len(rec["token_ids"]) == len(rec["logprobs"]) == len(rec["action_mask"])
+        assert rec["policy_version"] == 3 and len(rec["actions"]) == len(rec["steps"]) == rec["n_calls"]
+    assert [r["task_id"] for r in sampled] == [t.task_id for t in tasks[:10]]
+    assert summarize(sampled)["overall"]["n"] == 10
+
+
+def test_mask_is_one_exactly_on_sampled_tokens_and_they_decode_to_the_actions(sampled, tokenizer):
+    for rec in sampled:
+        runs = action_runs(rec)
+        assert len(runs) == len(rec["steps"])
+        for run, step in zip(runs, rec["steps"]):
+            text = tokenizer.decode(run, clean_up_tokenization_spaces=False)
+            assert sanitize(text.strip())[:ENV.max_action_chars] == step["action"]  # the env's normalisation only
+            assert len(run) <= ROLL.max_new_tokens
+        # everything unmasked is prompt or observation: the first segment starts with the env's first context
+        unmasked = [t for t, m in zip(rec["token_ids"], rec["action_mask"]) if not m]
+        assert all(lp == 0.0 for lp, m in zip(rec["logprobs"], rec["action_mask"]) if not m)
+        assert all(lp < 0.0 for lp, m in zip(rec["logprobs"], rec["action_mask"]) if m)
+        assert tokenizer.decode(unmasked).startswith("<bos>You are an agent")
+
+
+def test_observations_follow_their_actions_in_the_token_stream(sampled, tokenizer):
+    for rec in sampled:
+        if len(rec["segments"]) > 1:
+            continue
+        stream = tokenizer.decode(rec["token_ids"][1:], clean_up_tokenization_spaces=False)
+        pos = 0
+        for step in rec["steps"][:-1]:
+            pos = stream.index(step["observation"], pos) + len(step["observation"])
+
+
+def test_recorded_logprobs_equal_a_recomputing_forward_pass(sampled, model):
+    with torch.no_grad():
+        for rec in sampled:
+            lp = sequence_logprobs(model, rec["token_ids"], rec["action_mask"], temperature=1.3,
+                                   segments=rec["segments"])
+            torch.testing.assert_close(lp, torch.tensor(rec["logprobs"]), atol=1e-4, rtol=0)
+
+
+def test_top_p_logprobs_are_those_of_the_nucleus_actually_sampled(model, tokenizer, runtime, tasks):
+    cfg = ROLL.model_copy(update={"temperature": 0.8, "top_p": 0.7})
+    recs = RolloutEngine(model, tokenizer, runtime, ENV, cfg).run(tasks[:4], [11, 12, 13, 14])
+    with torch.no_grad():
+        for rec in recs:
+            lp = sequence_logprobs(model, rec["token_ids"], rec["action_mask"], 0.8, 0.7, segments=rec["segments"])
+            torch.testing.assert_close(lp, torch.tensor(rec["logprobs"]), atol=1e-4, rtol=0)
+
+
+def test_batched_generation_equals_unbatched_generation(model, tokenizer, runtime, tasks):
+    """Left padding, per-row positions, rows finishing at different times and slot refills change nothing."""
+    run = lambda bs: RolloutEngine(model, tokenizer, runtime, ENV, ROLL.model_copy(update={"batch_size": bs})).run(
+        tasks[:8], list(range(8)), greedy=True)  # noqa: E731
+    one, many = run(1), run(5)
+    for a, b in zip(one, many):
+        assert a["token_ids"] == b["token_ids"] and a["steps"] == b["steps"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-5, rtol=0)
+
+
+def test_same_seeds_same_episodes_other_seeds_other_episodes(model, tokenizer, runtime, tasks, sampled):
+    engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL.model_copy(update={"temperature": 1.3}))
+    again = engine.run(tasks[:10], list(range(10)), policy_version=3)
+    assert [r["token_ids"] for r in again] == [r["token_ids"] for r in sampled]
+    assert [r["logprobs"] for r in again] == [r["logprobs"] for r in sampled]
+    other = engine.run(tasks[:10], list(range(100, 110)))
+    assert [r["token_ids"] for r in other] != [r["token_ids"] for r in sampled]
+    # an episode's randomness is its own: the same (task, seed) in another batch gives the same episode
+    alone = engine.run([tasks[3]], [3])[0]
+    assert alone["token_ids"] == sampled[3]["token_ids"]
+
+
+def test_folded_history_starts_a_new_segment_that_recomputes_exactly(model, tokenizer, runtime, tasks):
+    env = EnvConfig(max_steps=5, history_window=1)
+    recs = RolloutEngine(model, tokenizer, runtime, env, ROLL).run(tasks[:4], [1, 2, 3, 4])
+    folded = [r for r in recs if len(r["segments"]) > 1]
+    assert folded, "with a window of one pair every episode of 3+ steps folds"
+    with torch.no_grad():
+        for rec in folded:
+            pieces = split_segments(rec["token_ids"], rec["token_ids"], rec["segments"])
+            assert all(p[0] == tokenizer.bos_token_id for p in pieces)
+            lp = sequence_logprobs(model, rec["token_ids"], rec["action_mask"], segments=rec["segments"])
+            torch.testing.assert_close(lp, torch.tensor(rec["logprobs"]), atol=1e-4, rtol=0)
+
+
+def test_segments_never_outgrow_the_model(tokenizer, runtime, tasks):
+    small = build_policy(TINY.model_copy(update={"max_positions": 256}), tokenizer)
+    cfg = RolloutConfig(max_new_tokens=40, batch_size=3)
+    recs = RolloutEngine(small, tokenizer, runtime, EnvConfig(max_steps=8), cfg).run(tasks[:3], [0, 1, 2])
+    for rec in recs:
+        starts = rec["segments"] + [len(rec["token_ids"])]
+        assert max(b - a for a, b in zip(starts[:-1], starts[1:])) <= 256
+    with torch.no_grad():
+        lp = sequence_logprobs(small, recs[0]["token_ids"], recs[0]["action_mask"], segments=recs[0]["segments"])
+    torch.testing.assert_close(lp, torch.tensor(recs[0]["logprobs"]), atol=1e-4, rtol=0)
+
+
+def test_batch_recomputation_with_left_padding(sampled, model):
+    recs = [r for r in sampled if len(r["segments"]) == 1][:3]
+    T = max(len(r["token_ids"]) for r in recs)
+    ids = torch.zeros(len(recs), T, dtype=torch.long)
+    mask, attn = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, r in enumerate(recs):
+        n = len(r["token_ids"])
+        ids[i, T - n:], mask[i, T - n:] = torch.tensor(r["token_ids"]), torch.tensor(r["action_mask"])
+        attn[i, T - n:] = 1
+    with torch.no_grad():
+        lp = sequence_logprobs(model, ids, mask, temperature=1.3, attention_mask=attn)
+    for i, r in enumerate(recs):
+        torch.testing.assert_close(lp[i, T - len(r["token_ids"]):], torch.tensor(r["logprobs"]), atol=1e-4, rtol=0)
+
+
+def test_recomputation_is_differentiable(sampled, model):
+    rec = sampled[0]
+    lp = sequence_logprobs(model, rec["token_ids"], rec["action_mask"], segments=rec["segments"])
+    lp.sum().backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------------------- sampling
+def test_filtered_logprobs_known_answer():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    lp = filtered_logprobs(logits, 1.0, 0.7)
+    assert torch.allclose(lp[0, :2].exp(), torch.tensor([0.5 / 0.8, 0.3 / 0.8])) and lp[0, 2] == -math.inf
+    assert torch.allclose(filtered_logprobs(logits, 2.0).exp().sum(), torch.tensor(1.0))
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    logits = probs.log().expand(20000, 3)
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tok, lp = sample_tokens(logits, u, 1.0, 1.0, greedy=False)
+    freq = torch.bincount(tok, minlength=3).float() / len(tok)
+    assert torch.allclose(freq, probs, atol=0.015)
+    assert torch.allclose(lp, probs.log()[tok])
+    tok, _ = sample_tokens(logits[:4], torch.tensor([0.0, 0.099, 0.1, 0.95], dtype=torch.float64), 1.0, 1.0, False)
+    assert tok.tolist() == [0, 0, 1, 2]
+    g, glp = sample_tokens(logits[:2], u[:2], 1.0, 1.0, greedy=True)
+    assert g.tolist() == [1, 1] and torch.allclose(glp, probs.log()[1].expand(2))
+
+
+# ------------------------------------------------------------------------------------------------ single episode / misc
+def test_model_policy_plays_run_episode_and_matches_the_engine_greedily(model, tokenizer, runtime, tasks):
+    env = ToolTasksEnv(world=runtime, tasks=tasks, config=ENV)
+    policy = ModelPolicy(model, tokenizer, ROLL, greedy=True)
+    rec = run_episode(env, policy, tasks[5], 5)
+    engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run([tasks[5]], [5], greedy=True)[0]
+    # the engine keeps the policy's own tokens; ModelPolicy re-encodes the context: equal whenever the env did not
+    # have to normalise an action, which holds for the first action at least
+    assert rec["steps"][0] == engine["steps"][0]
+
+
+def test_complete_writes_one_action_per_context(model, tokenizer):
+    engine = RolloutEngine(model, tokenizer, cfg=ROLL)
+    out = engine.complete(["You are an agent.\nTask: x\n", "Task: y\n"], seeds=[0, 1], greedy=True)
+    assert len(out) == 2 and all(isinstance(o["text"], str) and sum(o["action_mask"]) >= 1 for o in out)
+    assert out[0]["token_ids"][: len(encode_context(tokenizer, out[0]["context"]))] == encode_context(
+        tokenizer, out[0]["context"])
+
+
+def test_bad_calls_are_clear_errors(model, tokenizer, runtime, tasks):
+    with pytest.raises(AgentRLError, match="one seed per episode"):
+        RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run(tasks[:2], [0])
+    with pytest.raises(AgentRLError, match="needs a WorldRuntime"):
+        RolloutEngine(model, tokenizer, cfg=ROLL).run(tasks[:1], [0])
+    assert RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run([], []) == []
+
+
+def test_bf16_rollouts_run_and_stay_close(model, tokenizer, runtime, tasks):
+    recs = RolloutEngine(model, tokenizer, runtime, ENV, ROLL.model_copy(update={"dtype": "bf16"})).run(
+        tasks[:2], [0, 1], greedy=True)
+    with torch.no_grad():
+        lp = sequence_logprobs(model, recs[0]["token_ids"], recs[0]["action_mask"], segments=recs[0]["segments"])
+    assert (lp - torch.tensor(recs[0]["logprobs"])).abs().max() < 0.1
+
+
+def test_num_threads_applies_during_the_run_only(model, tokenizer, runtime, tasks):
+    before = torch.get_num_threads()
+    seen = []
+    engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL.model_copy(update={"num_threads": 2}))
+    forward = engine._forward
+    engine._forward = lambda *a, **k: (seen.append(torch.get_num_threads()), forward(*a, **k))[1]
+    engine.run(tasks[:1], [0])
+    assert set(seen) == {2} and torch.get_num_threads() == before

@@ -1,0 +1,217 @@
+"""The RL phase end to end on tiny configurations: one learning step, DeepSpeed with 2 CPU ranks, kill and resume,
+and bad input (a contradicting DeepSpeed config, a checkpoint of another model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.env.config import BuildEnvConfig, EnvConfig
+from pipeline.errors import AgentRLError
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_YAML = """
+env:
+  max_steps: 3
+rollout:
+  max_new_tokens: 10
+  batch_size: 8
+train:
+  algorithm: {algorithm}
+  updates: {updates}
+  tasks_per_update: 2
+  group_size: 2
+  num_ranks: {ranks}
+  checkpoint_every: 2
+  eval_every: 2
+  eval_tasks: 4
+  test_tasks: 4
+  lr: 0.01
+  deepspeed_config: {repo}/configs/deepspeed_zero{stage}.json
+"""
+
+
+def make_project(root: Path, seed: int = 0, algorithm: str = "rloo", updates: int = 4, ranks: int = 1,
+                 stage: int = 2, d_model: int = 32) -> Path:
+    from pipeline.phases.build_env import build
+    from pipeline.policy.config import ModelConfig
+    from pipeline.policy.model import build_policy, save_policy
+    from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = BuildEnvConfig(n_products=40, n_suppliers=10, tasks_per_split={"train": 24, "validation": 8, "test": 8})
+    build(cfg, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
+    tok = train_tokenizer(corpus_texts(root / "data"), vocab_size=400)
+    torch.manual_seed(seed)
+    model = build_policy(ModelConfig(d_model=d_model, n_layers=1, n_heads=2, d_ff=64, max_positions=512, seed=seed), tok)
+    save_policy(model, tok, root / "models" / "adapted", {"note": "tiny random test policy"})
+    (root / "params.yaml").write_text(TRAIN_YAML.format(algorithm=algorithm, updates=updates, ranks=ranks, stage=stage,
+                                                        repo=REPO))
+    return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return make_project(tmp_path_factory.mktemp("rl"))
+
+
+@pytest.fixture()
+def in_project(project, monkeypatch):
+    monkeypatch.chdir(project)
+    return project
+
+
+def _worker(project: Path, *args: str, env_extra: dict | None = None, ranks: int = 1, popen: bool = False):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    if ranks > 1:
+        from pipeline.phases.train import launcher_command
+        from pipeline.rl.distributed import _free_port
+
+        cmd = launcher_command("params.yaml", ranks, _free_port(), list(args))
+    else:
+        cmd = [sys.executable, "-m", "pipeline.rl.worker", "--params", "params.yaml", *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_one_update_changes_the_policy_and_logs_diagnostics(in_project):
+    from pipeline.policy.model import load_policy
+    from pipeline.rl.worker import run_worker
+
+    before = {k: v.clone() for k, v in load_policy("models/adapted")[0].state_dict().items()}
+    result = run_worker("params.yaml", ckpt="ckpt-one", out="models/policy-one", stop_after=1)
+    h = result["history"][0]
+    for key in ("policy/entropy", "policy/advantage_var", "rollout/reward_spread", "losses/grad_norm",
+                "losses/clipfrac", "losses/approx_kl", "rollout/zero_variance_group_share", "tools/entropy",
+                "diag/params_without_grad", "charts/episodes_per_s", "charts/sampled_tokens_per_s",
+                "offpolicy/is_weight_mean", "sys/rollout_s", "sys/learn_s"):
+        assert key in h, key
+    assert h["policy/entropy"] > 0 and np.isfinite(h["losses/grad_norm"])
+
+
+def test_deepspeed_config_that_contradicts_the_params_is_refused(tmp_path):
+    from pipeline.rl.distributed import resolve_ds_config
+
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 2}}))
+    with pytest.raises(AgentRLError, match="gradient_clipping=5.0"):
+        resolve_ds_config(bad, micro_batch=4, grad_accum=1, world_size=2, max_grad_norm=1.0, device="cpu")
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(AgentRLError, match="stage 3"):
+        resolve_ds_config(bad, micro_batch=4, grad_accum=1, world_size=2, max_grad_norm=1.0, device="cpu")
+    bad.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    with pytest.raises(AgentRLError, match="optimizer"):
+        resolve_ds_config(bad, micro_batch=4, grad_accum=1, world_size=2, max_grad_norm=1.0, device="cpu")
+    good = resolve_ds_config(REPO / "configs/deepspeed_zero1.json", micro_batch=4, grad_accum=1, world_size=2,
+                             max_grad_norm=1.0, device="cpu")
+    assert good["train_batch_size"] == 8 and good["bf16"] == {"enabled": False}
+
+
+@pytest.mark.slow
+def test_two_deepspeed_ranks_train_and_report(project):
+    out = _worker(project, ranks=2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    metrics = json.loads((project / "metrics/train.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["updates"] == 4
+    assert set(metrics["test"]) == {"sft", "rl"} and "level_1_success" in metrics["delta_rl_minus_sft"]
+    assert (project / "models/policy/config.json").is_file()
+    assert (project / "metrics/train_curve.csv").read_text().count("\n") == 5
+    (latest,) = (project / "checkpoints/train").glob("*/latest")
+    assert latest.read_text().strip() == "update-4"
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_path):
+    # Reference: the same run without interruption.
+    ref = make_project(tmp_path / "ref")
+    out = _worker(ref)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # The same run killed (SIGKILL) once the checkpoint of update 2 exists, then started again.
+    proj = make_project(tmp_path / "killed")
+    proc = _worker(proj, popen=True)
+    deadline = time.time() + 600
+
+    def at_update_2() -> bool:
+        found = list((proj / "checkpoints/train").glob("*/latest"))
+        return bool(found) and found[0].read_text().strip() == "update-2"
+
+    while not at_update_2():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.2)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = _worker(proj)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from" in out.stdout
+    a = json.loads((ref / "metrics/train.json").read_text())
+    b = json.loads((proj / "metrics/train.json").read_text())
+    assert a["evals"] == b["evals"] and a["test"] == b["test"]
+    curve = lambda p: [line.split(",")[:5] for line in (p / "metrics/train_curve.csv").read_text().splitlines()]  # noqa: E731
+    assert curve(ref) == curve(proj)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):
+    from pipeline.rl.worker import run_worker
+
+    proj = make_project(tmp_path / "a", updates=2)
+    monkeypatch.chdir(proj)
+    run_worker("params.yaml", stop_after=2)
+    other = make_project(tmp_path / "b", updates=2, d_model=48)
+    monkeypatch.chdir(other)
+    from pipeline.config import load_section
+    from pipeline.env.config import EnvConfig as E
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.worker import run_key
+
+    # A fresh run of another model never picks up these checkpoints (its folder is keyed by model and params) ...
+    key = run_key("models/adapted", load_section(E, "env"), load_section(RolloutConfig, "rollout"),
+                  load_section(TrainConfig, "train"), 1)
+    (theirs,) = (proj / "checkpoints/train").iterdir()
+    assert key != theirs.name
+    # ... and checkpoints copied into its folder by hand are refused with a clear error, not resumed into a
+    # corrupted policy.
+    import shutil
+
+    shutil.copytree(theirs, other / "checkpoints/train" / key)
+    with pytest.raises(AgentRLError, match="another model"):
+        run_worker("params.yaml")
+
+
+def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_project):
+    from pipeline.rl.worker import run_worker
+
+    params = Path("params.yaml").read_text().replace("  algorithm: rloo", "  algorithm: rloo\n  async_rollouts: true\n"
+                                                     "  max_staleness: 1\n  rollout_workers: 2")
+    Path("params-async.yaml").write_text(params)
+    result = run_worker("params-async.yaml", ckpt="ckpt-async", out="models/policy-async", stop_after=3)
+    staleness = [h["offpolicy/staleness"] for h in result["history"]]
+    assert staleness == [0, 1, 1]  # the first batch comes from the initial snapshot; later ones lag one version
+    assert all("offpolicy/is_weight_mean" in h for h in result["history"])
+    assert all(h["sys/idle_s"] >= 0 for h in result["history"])
+
+
+def test_train_config_refuses_impossible_combinations():
+    from pipeline.config import ConfigError, parse_section
+    from pipeline.rl.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="group_size must be at least 2"):
+        parse_section(TrainConfig, {"algorithm": "grpo", "group_size": 1}, "params.yaml:train")
+    with pytest.raises(ConfigError, match="multiple of num_ranks"):
+        parse_section(TrainConfig, {"tasks_per_update": 3, "num_ranks": 2}, "params.yaml:train")
+    with pytest.raises(ConfigError, match="max_staleness must be at least"):
+        parse_section(TrainConfig, {"async_rollouts": True, "sync_every": 2, "max_staleness": 1}, "params.yaml:train")
+    with pytest.raises(ConfigError, match="did you mean 'clip_eps'"):
+        parse_section(TrainConfig, {"clip_epsilon": 0.1}, "params.yaml:train")
