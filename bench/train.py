@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -59,7 +58,9 @@ def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, 
         cmd = launcher_command(str(d / "params.yaml"), ranks, _free_port(), args[2:])
     else:
         cmd = [sys.executable, "-m", "pipeline.rl.worker", *args]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+    from pipeline.rl.distributed import child_env
+
+    env = child_env({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

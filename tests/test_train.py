@@ -4,7 +4,6 @@ and bad input (a contradicting DeepSpeed config, a checkpoint of another model).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -71,7 +70,9 @@ def in_project(project, monkeypatch):
 
 
 def _worker(project: Path, *args: str, env_extra: dict | None = None, ranks: int = 1, popen: bool = False):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    from pipeline.rl.distributed import child_env
+
+    env = child_env({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     if ranks > 1:
         from pipeline.phases.train import launcher_command
         from pipeline.rl.distributed import _free_port

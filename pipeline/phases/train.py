@@ -11,7 +11,6 @@ pipeline.rl.worker --params params.yaml`` (see the README); nothing in the libra
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -38,10 +37,10 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
 
         run_worker(params_path, stop_after=stop_after)
         return
-    from pipeline.rl.distributed import _free_port
+    from pipeline.rl.distributed import _free_port, child_env
 
     cmd = launcher_command(params_path, cfg.num_ranks, _free_port(), extra)
-    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=child_env({"PYTHONUNBUFFERED": "1"}), capture_output=True, text=True)
     sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("[")))
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])

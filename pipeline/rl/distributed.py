@@ -51,6 +51,17 @@ class Dist:
             dist.barrier()
 
 
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(extra: dict | None = None) -> dict:
+    """The environment for a new training process: this process's, without its own rank variables (a child that
+    inherited them would try to join this process's group and bind its port)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update(extra or {})
+    return env
+
+
 def _free_port() -> int:
     import socket
 
