@@ -5,37 +5,50 @@ date (and skips it), runs the stage's own command, and records `dvc.lock`; the f
 that every phase run nests under (through ``AGENTRL_PARENT_RUN_ID``), and wall times. A stage that exits non-zero fails
 its task with the tail of its output, the flow stops there, and nothing downstream runs.
 
-Deliberately left out: retries (a phase that fails is a bug or bad data, not a transient error, and training is too
-expensive to repeat blindly) and Prefect result caching (DVC already knows what is up to date).
+Lineage: the parent run and every nested phase run get the git commit (``git.commit``, ``git.dirty``) and the DVC hashes
+of the data/ and models/ versions involved (``agentrl.data.<path>``, read from `dvc.lock`; a phase run gets its own
+stage's deps and outs, the parent every output). A Prefect markdown artifact ``agentrl-pipeline-summary`` summarises
+each phase's headline figures, the gate's decision and where to look next; a progress artifact and a ``[k/n]`` line per
+stage show how far the run is. At the end the flow prints the wall time, the orchestration overhead (wall time minus
+the stages' own command time, which each ``agentrl`` command reports through ``AGENTRL_STAGE_TIMES``) and peak memory.
+
+Retries only where a failure is transient: MLflow tracking and registry calls made by the flow, and ``dvc push``.
+Deliberately left out: retrying a stage (a phase that fails is a bug or bad data, and training is too expensive to
+repeat blindly) and Prefect result caching (DVC already knows what is up to date).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows import project_params
+from flows import lineage, project_params, summary
 from pipeline.errors import AgentRLError
-from pipeline.graph import select, stage_order
+from pipeline.graph import load_stages, select
 from pipeline.tracking import PARENT_RUN_ENV, Tracker
 
 TAIL_LINES = 40
+STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # pipeline.cli appends each command's own wall time here
+STAGE_TAG = "agentrl.flow_stage"  # set by the flow on the phase runs it has tagged
+SUMMARY_KEY = "agentrl-pipeline-summary"
 
 
 class StageFailed(AgentRLError):
     """A stage's command exited non-zero; the message carries the end of its output."""
 
 
-@task(name="dvc-repro", task_run_name="{stage}", retries=0, cache_policy=NO_CACHE)
-def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: str) -> dict[str, object]:
-    """Run one stage through ``dvc repro --single-item``, echoing its output; returns wall seconds and whether it ran."""
+def stage_env(root: str, tracking_uri: str, parent_run_id: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env["MLFLOW_TRACKING_URI"] = tracking_uri
     env["PYTHONUNBUFFERED"] = "1"  # the phase's progress shows as it happens, not when its buffer fills
@@ -43,62 +56,188 @@ def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: 
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if parent_run_id:
         env[PARENT_RUN_ENV] = parent_run_id
-    args = ["dvc", "repro", "--single-item", stage]
+    else:
+        env.pop(PARENT_RUN_ENV, None)
+    return env
+
+
+@task(name="dvc-repro", task_run_name="{stage}", retries=0, cache_policy=NO_CACHE)
+def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: str,
+                force: bool = False) -> dict[str, Any]:
+    """Run one stage through ``dvc repro --single-item`` (``--force``: even when up to date), echoing its output.
+
+    Returns wall seconds, ``command_s`` (the stage command's own seconds, None when it did not run) and the status.
+    """
+    env = stage_env(root, tracking_uri, parent_run_id)
+    fd, times_path = tempfile.mkstemp(prefix=f"agentrl-{stage}-", suffix=".jsonl")
+    os.close(fd)
+    env[STAGE_TIMES_ENV] = times_path
+    args = ["dvc", "repro", "--single-item", *(["--force"] if force else []), stage]
     cmd = [sys.executable, "-m", *args]  # this environment's dvc, whatever PATH says
     tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
     skipped = False
     start = time.perf_counter()
-    with subprocess.Popen(
-        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            tail.append(line.rstrip("\n"))
-            skipped = skipped or "didn't change, skipping" in line
-    seconds = time.perf_counter() - start
+    try:
+        with subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                tail.append(line.rstrip("\n"))
+                skipped = skipped or "didn't change, skipping" in line
+        seconds = time.perf_counter() - start
+        records = [json.loads(l) for l in Path(times_path).read_text().splitlines() if l.strip()]
+    finally:
+        os.unlink(times_path)
     if proc.returncode != 0:
         raise StageFailed(
             f"stage '{stage}' failed (`{' '.join(args)}` exited {proc.returncode}); last output:\n"
             + "\n".join(tail)
         )
-    return {"seconds": seconds, "status": "up to date" if skipped else "ran"}
+    command_s = sum(r["seconds"] for r in records) if records else None
+    return {"seconds": seconds, "command_s": command_s, "status": "up to date" if skipped else "ran"}
 
 
-def _timing_table(results: dict[str, dict[str, object]], total: float) -> str:
+@task(name="mlflow-tags", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def tag_runs(tracking_uri: str, parent_run_id: str, parent_tags: dict[str, str],
+             stage: str | None = None, child_tags: dict[str, str] | None = None) -> int:
+    """Tag the parent run, and (with `stage`) every phase run nested under it that the flow has not tagged yet.
+
+    A tracking store is a network service in production: a failed call is retried. Returns the phase runs tagged.
+    """
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    if parent_tags:
+        client.log_batch(parent_run_id, tags=[RunTag(k, str(v)) for k, v in parent_tags.items()])
+    if stage is None:
+        return 0
+    exp_id = client.get_run(parent_run_id).info.experiment_id
+    children = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+    fresh = [r for r in children if STAGE_TAG not in r.data.tags]
+    for run in fresh:
+        tags = {**(child_tags or {}), STAGE_TAG: stage}
+        client.log_batch(run.info.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    return len(fresh)
+
+
+@task(name="registry-read", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def read_champion(tracking_uri: str, model_name: str) -> str | None:
+    """The version the registry's `champion` alias points to now (None: no champion, or no registered model)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:
+        return str(client.get_model_version_by_alias(model_name, "champion").version)
+    except MlflowException as exc:
+        if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
+            return None
+        raise  # anything else (a store that did not answer) is retried
+
+
+@task(name="dvc-push", retries=3, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def push_data(root: str) -> str:
+    """``dvc push`` to the default remote (.dvc/config); a remote that is briefly unreachable is retried."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", "push"], cwd=root, capture_output=True, text=True,
+                          timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`dvc push` exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "pushed"
+
+
+def _timing_table(results: dict[str, dict[str, Any]], total: float) -> str:
     width = max([len("total"), *map(len, results)])
     lines = [f"{name:<{width}}  {r['seconds']:8.1f} s  {r['status']}" for name, r in results.items()]
     lines.append(f"{'total':<{width}}  {total:8.1f} s")
     return "\n".join(lines)
 
 
+def _deploy_model_name(params: Path) -> str | None:
+    import yaml
+
+    doc = yaml.safe_load(params.read_text()) or {}
+    return (doc.get("deploy") or {}).get("model_name")
+
+
 @flow(name="agentrl-pipeline")
-def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = None) -> dict[str, dict[str, object]]:
-    """Run the `dvc.yaml` stages next to `params_path` (all, or only `stages`) in graph order; return per-stage timings."""
+def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = None, force: list[str] | None = None,
+                  push: bool = False, mlflow_parent_run_id: str | None = None,
+                  started_at: float | None = None) -> dict[str, Any]:
+    """Run the `dvc.yaml` stages next to `params_path` (all, or only `stages`) in graph order.
+
+    `force`: stages to rerun even when DVC finds them up to date (retraining). `push`: ``dvc push`` at the end.
+    `mlflow_parent_run_id`: nest this run's MLflow parent run under another (the retraining flow's).
+    `started_at`: the caller's start (``time.time()``), so the reported wall time includes Prefect's start-up.
+    Returns {"stages": per-stage timings, "cost": wall/overhead/memory, "gate": the gate's outcome or None,
+    "run_id": the MLflow parent run}.
+    """
     logger = get_run_logger()
+    wall0 = started_at if started_at is not None else time.time()
     params = project_params(params_path)  # a malformed params.yaml fails before any stage starts
     root = params.parent
-    order = select(stage_order(root / "dvc.yaml"), stages)
+    by_name = {s.name: s for s in load_stages(root / "dvc.yaml")}
+    order = select(list(by_name), stages)
+    forced = set(select(list(by_name), force)) if force else set()
+    n = len(order)
     logger.info("stages in order: %s", ", ".join(order))
 
     tracker = Tracker(root=root)
-    results: dict[str, dict[str, object]] = {}
-    start = time.perf_counter()
+    uri = tracker.tracking_uri
+    git = lineage.git_state(root)
+    results: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"stages": results, "cost": None, "gate": None, "run_id": None}
+    error: str | None = None
+    progress_id = create_progress_artifact(progress=0.0, description=f"agentrl pipeline: {n} stages")
     try:
-        with tracker.run("pipeline", params={"stages": ",".join(order), "params_path": str(params)}) as run:
-            for stage in order:
-                logger.info("stage %s: dvc repro --single-item %s", stage, stage)
+        with tracker.run("pipeline", params={"stages": ",".join(order), "params_path": str(params),
+                                             "force": ",".join(sorted(forced))},
+                         parent_run_id=mlflow_parent_run_id) as run:
+            out["run_id"] = run.run_id
+            tag_runs(uri, run.run_id, {**git, **lineage.version_tags(lineage.data_versions(root))})
+            for k, stage in enumerate(order, 1):
+                print(f"[{k}/{n}] {stage}: running `dvc repro --single-item {stage}`"
+                      + (" --force" if stage in forced else ""), flush=True)
                 began = time.perf_counter()
                 try:
-                    result = repro_stage(stage, str(root), run.run_id, tracker.tracking_uri)
-                except BaseException:
-                    results[stage] = {"seconds": time.perf_counter() - began, "status": "FAILED"}
+                    result = repro_stage(stage, str(root), run.run_id, uri, force=stage in forced)
+                except BaseException as exc:
+                    results[stage] = {"seconds": time.perf_counter() - began, "command_s": None, "status": "FAILED"}
+                    error = str(exc)
+                    run.set_tags({f"agentrl.stage.{stage}": "FAILED", "agentrl.failed_stage": stage})
                     raise
                 results[stage] = result
+                print(f"[{k}/{n}] {stage}: {result['status']} in {result['seconds']:.1f} s", flush=True)
+                update_progress_artifact(progress_id, progress=100.0 * k / n)
                 run.log_metrics({f"pipeline/{stage}_wall_s": result["seconds"]})
                 run.set_tags({f"agentrl.stage.{stage}": result["status"]})
-            run.log_metrics({"pipeline/total_wall_s": time.perf_counter() - start})
+                if result["status"] == "ran":
+                    tag_runs(uri, run.run_id, {}, stage, {**git, **lineage.version_tags(
+                        lineage.stage_versions(root, stage))})
+            tag_runs(uri, run.run_id, lineage.version_tags(lineage.data_versions(root)))
+            if push:
+                logger.info("dvc push: %s", push_data(str(root)))
+            gate = summary.gate_decision(root) if "deploy" in order else None
+            if gate is not None and gate.get("model_name"):
+                gate["champion"] = read_champion(uri, gate["model_name"])  # the registry's word, not the file's
+                run.set_tags({"agentrl.gate": "promoted" if gate["passed"] else "rejected",
+                              "agentrl.model_version": gate["version"]})
+            out["gate"] = gate
+            run.log_metrics({"pipeline/total_wall_s": time.time() - wall0})
     finally:
-        print(_timing_table(results, time.perf_counter() - start), flush=True)
-    return results
+        cost = summary.cost_figures(time.time() - wall0, results)
+        out["cost"] = cost
+        print(_timing_table(results, cost["total_s"]), flush=True)
+        print(summary.describe_cost(cost), flush=True)
+        figures = {s: summary.headlines(s, root / by_name[s].metrics[0]) for s in results if by_name[s].metrics}
+        try:
+            create_markdown_artifact(
+                key=SUMMARY_KEY, description="phases, headline figures, the gate's decision, where to look next",
+                markdown=summary.markdown("agentrl pipeline run", results, figures, out["gate"], cost, uri,
+                                          out["run_id"], error))
+        except Exception as exc:  # a summary that cannot be stored must not hide the run's own outcome
+            logger.warning("could not store the summary artifact: %s", exc)
+    return out

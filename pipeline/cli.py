@@ -11,13 +11,20 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 from pipeline.config import DEFAULT_PARAMS, ConfigError
 from pipeline.errors import AgentRLError
 
 USER_ERROR = 2
+# When set (the Prefect flow sets it for each stage it launches), every `agentrl` command appends one JSON line
+# {"command", "seconds", "rc"} to this file: the stage's own time, which the flow subtracts from its wall time to
+# report the orchestration overhead (DVC, Prefect and MLflow bookkeeping).
+STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
 
 
 def _cmd_build_env(args: argparse.Namespace) -> int:
@@ -48,6 +55,41 @@ def _cmd_check_drift(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy(args: argparse.Namespace) -> int:
+    from pipeline.phases import deploy
+
+    deploy.main(args.params)
+    return 0
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from pipeline.phases import deploy
+
+    passed = deploy.promote_main(args.params, version=args.version, alias=args.alias, dry_run=args.dry_run)
+    return 0 if passed else 1
+
+
+def _cmd_rollback(args: argparse.Namespace) -> int:
+    from pipeline.phases import deploy
+
+    deploy.rollback_main(args.params)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pipeline.phases import deploy
+
+    deploy.serve_main(args.params, model_uri=args.model_uri, host=args.host, port=args.port)
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from pipeline.phases import evaluate
+
+    evaluate.main(args.params)
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from pipeline import evaluation
 
@@ -56,6 +98,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    started = time.time()  # the reported wall time includes Prefect's start-up
     import flows
 
     params = flows.project_params(args.params)  # bad input fails here, before Prefect starts a server
@@ -63,10 +106,43 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline_flow import StageFailed, pipeline_flow
 
     try:
-        pipeline_flow(params_path=str(params), stages=args.stage)
+        pipeline_flow(params_path=str(params), stages=args.stage, push=args.push, started_at=started)
     except StageFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    import flows
+
+    params = flows.project_params(args.params)
+    root = params.parent
+    flows.use_project_prefect_home(root)  # must happen before the first `import prefect`
+    if args.once:
+        from flows.pipeline_flow import StageFailed
+        from flows.retrain_flow import retrain_flow
+
+        try:
+            retrain_flow(project=str(root), incoming=args.incoming, force=args.force)
+        except StageFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.force:
+        raise AgentRLError("--force applies to --once; a served run is forced with "
+                           "`prefect deployment run agentrl-retrain/<name> --param force=true`")
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:  # PREFECT_API_URL, from the environment or a Prefect profile
+        raise AgentRLError(
+            "agentrl schedule serves the retraining deployment on a Prefect server, so that the schedule and "
+            "`prefect deployment run` reach it: start one (`prefect server start --host 127.0.0.1 --port 4200`) and "
+            "`export PREFECT_API_URL=http://127.0.0.1:4200/api`; or run one retraining now with `agentrl schedule --once`"
+        )
+    from flows.retrain_flow import serve_retraining
+
+    serve_retraining(root, name=args.name, cron=args.cron)
     return 0
 
 
@@ -133,6 +209,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_check_drift)
 
     p = sub.add_parser(
+        "deploy",
+        help="quantise the policy, check parity, register it as challenger, run the promotion gate",
+        description="Measure fp32, bf16 and int8 variants of models/policy on the test split (success, latency per "
+        "action, throughput, size), check quantisation parity, log the policy to MLflow as a pyfunc with its world, "
+        "register it as a new version with alias `challenger`, and (deploy.promote) run the promotion gate. Writes "
+        "metrics/deploy.json. Reads `deploy`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_deploy)
+
+    p = sub.add_parser(
+        "promote",
+        help="run the promotion gate on a model version by hand (challenger -> champion)",
+        description="Judge a registered version (default: the one with alias `challenger`) with the promotion gate: "
+        "capability, safety, drift and consistency verdicts, quantisation parity, and a paired test against the "
+        "champion on the same test tasks. Every check is tagged on the version; on a pass `champion` moves to it. "
+        "Exits 0 when promoted, 1 when rejected. Reads `deploy`, `env`, `rollout`.",
+    )
+    params_option(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, metavar="N", help="model version to judge")
+    which.add_argument("--alias", metavar="A", help="alias of the version to judge (default: challenger)")
+    p.add_argument("--dry-run", action="store_true", help="show the decision and its reasons; write nothing")
+    p.set_defaults(func=_cmd_promote)
+
+    p = sub.add_parser(
+        "rollback",
+        help="point the `champion` alias back to the previous champion",
+        description="Move the registered model's `champion` alias to the version that was champion before the "
+        "current one (the history is the registered-model tag agentrl.champion_history). Reads `deploy`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_rollback)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a registered policy over HTTP (dynamic batching, cache, limits)",
+        description="Load models:/<deploy.model_name>@champion (or --model-uri) and serve POST /solve (a task in, "
+        "the answer and trajectory out), GET /health, /ready and /stats. Concurrent requests are batched; identical "
+        "requests are answered from a cache; request size and rate are limited (deploy.serve). Reads `deploy`.",
+    )
+    params_option(p)
+    p.add_argument("--model-uri", metavar="URI", help="any MLflow model URI (default: models:/NAME@champion)")
+    p.add_argument("--host", metavar="HOST", help="interface to listen on (default: deploy.serve.host)")
+    p.add_argument("--port", type=int, metavar="PORT", help="port (default: deploy.serve.port)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="evaluate the SFT and RL policies on every split: metrics with intervals, overfitting flags",
+        description="Evaluate the SFT policy (models/adapted) and the RL policy (models/policy) on a subset of the "
+        "train split and on the validation and test splits: success, return and reward components, tool calls and "
+        "safety violations, overall and per level, with bootstrap confidence intervals. Flag overfitting (train/"
+        "validation gap), failure on unseen question templates and rigid behaviour (low behaviour diversity and few "
+        "distinct solutions across seeds). Write metrics/evaluate.json and metrics/evaluate_success.csv, and log a "
+        "report to MLflow. Reads `evaluate`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_evaluate)
+
+    p = sub.add_parser(
         "eval",
         help="evaluate a policy on a task file",
         description="Run a policy on every task of a task file (JSON Lines, the schema build-env writes) and write "
@@ -161,7 +298,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="run only this stage (repeatable; run in graph order); default: every stage",
     )
+    p.add_argument("--push", action="store_true",
+                   help="`dvc push` data and models to the default DVC remote at the end (retried when it fails)")
     p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "schedule",
+        help="serve the scheduled retraining deployment of prefect.yaml (or run one retraining now: --once)",
+        description="Serve the retraining deployment defined in prefect.yaml (its cron schedule and parameters) from "
+        "this process with Prefect's flow.serve, against the Prefect server in PREFECT_API_URL, until interrupted. "
+        "Each run checks data/incoming/*.jsonl for drift against the data the champion was trained on, retrains and "
+        "re-gates (the pipeline stages from adapt on) when drift is found or when forced, and otherwise records that "
+        "nothing was needed. Trigger a run by hand with `prefect deployment run agentrl-retrain/<name>`.",
+    )
+    params_option(p)
+    p.add_argument("--name", metavar="NAME", help="deployment of prefect.yaml to serve (default: the retraining one)")
+    p.add_argument("--cron", metavar="EXPR", help="override the deployment's cron schedule, e.g. '*/30 * * * *'")
+    p.add_argument("--once", action="store_true", help="run one retraining decision now, without a server, and exit")
+    p.add_argument("--force", action="store_true", help="with --once: retrain and re-gate even without drift")
+    p.add_argument("--incoming", default="data/incoming", metavar="DIR",
+                   help="with --once: folder of incoming task files (default: %(default)s)")
+    p.set_defaults(func=_cmd_schedule)
 
     p = sub.add_parser(
         "stages",
@@ -173,16 +330,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _record_time(command: str, seconds: float, rc: int | str) -> None:
+    path = os.environ.get(STAGE_TIMES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"command": command, "seconds": seconds, "rc": rc}) + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    rc: int | str = "exception"
     try:
-        return args.func(args)
+        rc = args.func(args)
+        return rc
     except (ConfigError, AgentRLError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return USER_ERROR
+        rc = USER_ERROR
+        return rc
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        rc = 130
+        return rc
+    finally:
+        _record_time(args.command, time.perf_counter() - started, rc)
 
 
 if __name__ == "__main__":

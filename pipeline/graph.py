@@ -38,6 +38,7 @@ class Stage:
     deps: tuple[str, ...]
     outs: tuple[str, ...]  # outs, metrics and plots that are files or folders
     params: tuple[tuple[str, str], ...]  # (params file, key); the key may be a whole section ("env")
+    metrics: tuple[str, ...] = ()  # the `metrics:` files alone (also in outs): what a run summary reads
 
 
 def _norm(path: str, wdir: str) -> str:
@@ -121,6 +122,7 @@ def parse_stages(document: Any, source: str = DVC_FILE) -> list[Stage]:
                 deps=tuple(_norm(p, wdir) for p in _paths(spec.get("deps"), "deps", name)),
                 outs=tuple(_norm(p, wdir) for p in outs),
                 params=tuple(_params(spec.get("params"), name)),
+                metrics=tuple(_norm(p, wdir) for p in _paths(spec.get("metrics"), "metrics", name)),
             )
         )
     return stages

@@ -60,7 +60,8 @@ def tasks(data_dir):
 
 def tiny_adapt_config(**over) -> AdaptConfig:
     base = dict(threads=None,
-                pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64),
+                pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50),
+                adapter=AdapterConfig(kind="lora", lora_r=4, lora_alpha=8),
                 sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2),
                 eval=CapabilityConfig(max_tasks=6, sampled_per_task=2),
                 gate=GateConfig(enabled=False))
@@ -156,6 +157,17 @@ def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(dat
         assert not any(e in acts for e in by_id[demos[i]["task_id"]].entities)
 
 
+def test_copy_drills_end_in_a_json_copy_of_a_quoted_fictitious_name(data_dir):
+    entities = json.loads((data_dir / "env" / "entities.json").read_text())
+    real = set(entities["products"]) | set(entities["suppliers"])
+    texts = sft.copy_drills(sft.NamePool.from_entities(entities), 50, np.random.default_rng(0))
+    assert len(texts) >= 45
+    for text in texts:
+        body, record = text.rsplit("\n", 1)
+        values = [v for k, v in json.loads(record).items() if k != "item"]
+        assert values and all((f"'{v}'" in body or f'"{v}"' in body) and v not in real for v in values)
+
+
 def test_masked_loss_ignores_masked_positions():
     logits = torch.randn(1, 4, 7)
     labels = torch.tensor([[5, sft.IGNORE, 3, sft.IGNORE]])
@@ -241,11 +253,19 @@ def test_bottleneck_starts_as_the_identity_and_refuses_a_too_wide_bottleneck(tok
         adapters.to_bottleneck(model, TINY.d_model)
 
 
+def test_auto_adapter_is_full_fine_tuning_for_the_builtin_base_and_lora_otherwise():
+    assert adapters.resolve_kind("auto", "builtin") == "none"
+    assert adapters.resolve_kind("auto", "models/some-pretrained-llm") == "lora"
+    assert adapters.resolve_kind("bottleneck", "builtin") == "bottleneck"
+    with pytest.raises(AgentRLError, match="resolve 'auto'"):
+        adapters.apply_adapter(torch.nn.Linear(2, 2), AdapterConfig(kind="auto"))
+
+
 def test_lora_on_missing_modules_and_unknown_train_also_are_refused(tokenizer):
     with pytest.raises(AgentRLError, match="lora_target_modules"):
-        adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(lora_target_modules=["c_attn"]))
+        adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(kind="lora", lora_target_modules=["c_attn"]))
     with pytest.raises(AgentRLError, match="train_also"):
-        adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(train_also=["no_such_module"]))
+        adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(kind="lora", train_also=["no_such_module"]))
 
 
 # --------------------------------------------------------------------------------------------- capability and gate
@@ -305,6 +325,7 @@ def test_phase_publishes_a_loadable_model_and_metrics(good_run):
     assert written["per_level"].keys() == {"1", "2", "3", "4"}
     assert written["baselines"]["expert"]["success"] == 1.0
     assert written["sft"]["loss_curve"] and written["pretrain"]["steps"] == 3
+    assert written["pretrain"]["copy_drills"] > 0 and 0 <= written["pretrain"]["copy_accuracy"] <= 1
     assert "eval/recovery/success_after_error" in written["capability"]
     assert written["gate"] == {"enabled": False, "passed": None, "min": GateConfig().min, "shortfalls": []}
 

@@ -6,6 +6,8 @@ generates (world size, task counts, level mix, demonstration flaws). Both mirror
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from pipeline.config import PhaseConfig
@@ -21,6 +23,7 @@ class RewardWeights(PhaseConfig):
     efficiency: float = Field(0.5, ge=0, le=100, description="β: weight of the efficiency component (≤ 0: calls beyond the minimum).")
     safety: float = Field(1.0, ge=0, le=100, description="γ: weight of the safety component (≤ 0: −1 per violation, capped at −1).")
     user_experience: float = Field(0.1, ge=0, le=100, description="δ: weight of the user-experience component in [0, 1].")
+    shaping: Literal["on_success", "always"] = Field("on_success", description="When β·efficiency and δ·user_experience count: 'on_success' (only in an episode whose answer is correct: a failed episode's return is γ·safety alone) or 'always' (the seed's plain sum). Why: with 'always', a failed episode that answers at once earns more (+δ for answering, no wasted-call charge) than one that works through the task, so in groups where every rollout fails the group baseline taught the policy to give up early; measured on the default: validation success of level 3 fell from 0.76 to 0.04 in 10 RL updates.")
 
 
 class EnvConfig(PhaseConfig):

@@ -8,7 +8,8 @@ Each component is a small pure function with a documented range:
 - user_experience ∈ [0, 1]: the user got an answer, discounted by the share of calls that failed
   (invalid actions, schema errors, tool errors); 0 when the episode ends without an answer.
 
-The environment pays the reward per step as the change of R, so the step rewards of an episode sum to R and a
+With ``reward.shaping: on_success`` (the default) β·efficiency and δ·user_experience count only in an episode whose
+answer is correct (see :class:`pipeline.env.config.RewardWeights` for the measured reason). The environment pays the reward per step as the change of R, so the step rewards of an episode sum to R and a
 wasted or unsafe call is charged at the step it happens (per-turn credit for RL, seed 2.2).
 """
 
@@ -68,6 +69,11 @@ def composite(c: RewardComponents, w: RewardWeights) -> float:
     """
     >>> composite(RewardComponents(1, -0.25, 0, 1), RewardWeights(correctness=1, efficiency=0.4, safety=1, user_experience=0.1))
     1.0
+    >>> composite(RewardComponents(0, -0.5, 0, 1), RewardWeights(efficiency=0.4, user_experience=0.1))
+    0.0
+    >>> round(composite(RewardComponents(0, -0.5, 0, 1), RewardWeights(efficiency=0.4, user_experience=0.1, shaping="always")), 3)
+    -0.1
     """
-    return (w.correctness * c.correctness + w.efficiency * c.efficiency + w.safety * c.safety
-            + w.user_experience * c.user_experience)
+    shaped = w.shaping == "always" or c.correctness > 0  # see RewardWeights.shaping for why
+    return (w.correctness * c.correctness + w.safety * c.safety
+            + (w.efficiency * c.efficiency + w.user_experience * c.user_experience if shaped else 0.0))

@@ -9,10 +9,14 @@ Steps (each a library call; this module only does I/O and wiring):
    (:func:`pipeline.policy.tokenizer.corpus_texts`) and builds the small Llama; a directory written by
    :func:`~pipeline.policy.model.save_policy` is loaded with its tokenizer (a tokenizer that does not fit the model is
    refused); any other local model directory or cached hub id is loaded with its own tokenizer plus the protocol markers;
-3. continued pre-training (``adapt.pretrain``, full parameters, every token in the loss) on the documents and training
-   questions: the domain's language and names, no demonstrations;
-4. SFT (``adapt.sft``) with the adapter (``adapt.adapter``: LoRA merged afterwards, bottleneck kept, or full), loss on
-   action tokens only; the loss curve goes to MLflow;
+3. continued pre-training (``adapt.pretrain``, full parameters, every token in the loss) on copy drills (short texts
+   that end in a JSON copy of a quoted fictitious name: the skill held-out entities need, which SFT alone forms only
+   after a slow phase change; :func:`pipeline.policy.sft.copy_drills`), optionally with the world's documents and the
+   training questions; no demonstrations;
+4. SFT (``adapt.sft``) with the adapter (``adapt.adapter``: LoRA merged afterwards, bottleneck kept, full fine-tuning;
+   ``auto`` is full fine-tuning for the built-in from-scratch base and LoRA for a pre-trained one), loss on action
+   tokens only, entity names replaced by fictitious ones in a share of the demonstrations; the loss curve goes to
+   MLflow;
 5. capability evaluation (:mod:`pipeline.policy.capability`) on the validation split: success per level greedy and
    sampled, tool selection, parameters, recovery after injected tool errors;
 6. the gate (``adapt.gate``): a model below it raises :class:`~pipeline.policy.capability.CapabilityGateError` and is
@@ -156,12 +160,18 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
 
+    pool = sft.NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
+
     # continued pre-training: full parameters, every token
     pre_summary = None
     if cfg.pretrain.steps > 0:
         t = time.perf_counter()
         texts = sft.pretraining_texts(data_dir, [{"question": t.question} for t in inputs["train"]]
-                                      if cfg.pretrain.include_questions else None)
+                                      if cfg.pretrain.include_questions else None,
+                                      documents=cfg.pretrain.include_documents)
+        n_domain = len(texts)
+        words = sft.domain_words([t.question for t in inputs["train"]])
+        texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]), words)
         pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
         for p in model.parameters():
             p.requires_grad_(True)
@@ -169,16 +179,20 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                            cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
                            autocast=autocast, log=lambda s, m: log({f"pretrain/{k}": v for k, v in m.items()}, step=s),
                            log_every=cfg.sft.log_every)
-        pre_summary = {**res.summary(), "texts": len(texts)}
+        probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
+        pre_summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
+                       "copy_drills": len(texts) - n_domain,
+                       "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast)}
+        log({"pretrain/copy_accuracy": pre_summary["copy_accuracy"]})
         seconds["pretrain"] = time.perf_counter() - t
 
     # SFT with the adapter
     t = time.perf_counter()
-    pool = sft.NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
     sampler = sft.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
                               env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool)
     examples = [e for exs in sampler.plain for e in exs]
-    trainable_model = adapters.apply_adapter(model, cfg.adapter)
+    kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
+    trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))
     counts = adapters.trainable_summary(trainable_model)
     curve: list[list[float]] = []
 
@@ -213,7 +227,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     metrics = {
         "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
                  "bf16": model_cfg.dtype == "bf16" or (model_cfg.dtype == "auto" and supports_bf16())},
-        "adapter": {"kind": cfg.adapter.kind, **counts},
+        "adapter": {"kind": kind, "configured_kind": cfg.adapter.kind, **counts},
         "pretrain": pre_summary,
         "sft": sft_summary,
         "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
@@ -234,7 +248,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
     # publish: the model (atomic swap), then the metrics (temp file + rename)
     meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
-            "adapt_config": cfg.model_dump(), "base": source, "adapter": cfg.adapter.kind,
+            "adapt_config": cfg.model_dump(), "base": source, "adapter": kind,
             "step": cfg.pretrain.steps + cfg.sft.steps,
             "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
     save_policy(model, tokenizer, out_dir, meta)

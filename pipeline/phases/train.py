@@ -11,6 +11,7 @@ pipeline.rl.worker --params params.yaml`` (see the README); nothing in the libra
 
 from __future__ import annotations
 
+import collections
 import shutil
 import subprocess
 import sys
@@ -40,8 +41,16 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
     from pipeline.rl.distributed import _free_port, child_env
 
     cmd = launcher_command(params_path, cfg.num_ranks, _free_port(), extra)
-    proc = subprocess.run(cmd, env=child_env({"PYTHONUNBUFFERED": "1"}), capture_output=True, text=True)
-    sys.stdout.write("".join(l + "\n" for l in proc.stdout.splitlines() if not l.startswith("[")))
+    # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
+    # display); keep the last lines of everything for the error message
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    with subprocess.Popen(cmd, env=child_env({"PYTHONUNBUFFERED": "1"}), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if not line.startswith("["):
+                sys.stdout.write(line)
+                sys.stdout.flush()
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
-        raise AgentRLError(f"train: the DeepSpeed launcher exited with {proc.returncode}; last lines:\n{tail}")
+        raise AgentRLError(f"train: the DeepSpeed launcher exited with {proc.returncode}; last lines:\n"
+                           + "\n".join(tail))

@@ -10,7 +10,8 @@
   carry an ``adapter`` submodule), registered with transformers' Auto classes when this module is imported, so
   ``AutoModelForCausalLM.from_pretrained`` and :func:`pipeline.policy.model.load_policy` load it once
   ``pipeline.policy.adapters`` has been imported (:func:`load_adapted` does both).
-- **none**: full fine-tuning, every parameter trainable (a baseline, and the choice for a base too small for adapters).
+- **none**: full fine-tuning, every parameter trainable: what ``auto`` picks for the built-in from-scratch base
+  (:func:`resolve_kind`), which has no pre-trained features for an adapter to adapt.
 
 `train_also` keeps chosen base parameters trainable next to an adapter (for instance ``embed_tokens`` and ``norm``
 for a base whose vocabulary was just trained); LoRA's merge leaves them as trained.
@@ -30,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from pipeline.errors import AgentRLError
 
-ADAPTER_KINDS = ("lora", "bottleneck", "none")
+ADAPTER_KINDS = ("lora", "bottleneck", "none")  # what `auto` resolves to: see resolve_kind
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "tanh": nn.Tanh}
 BOTTLENECK_MODEL_TYPE = "llama_bottleneck"
 
@@ -162,6 +163,22 @@ def _module_names(model: nn.Module) -> set[str]:
 # ------------------------------------------------------------------------------------------------------ the switch
 
 
+def resolve_kind(kind: str, base: str) -> str:
+    """The adapter kind to use: `kind` itself, or for ``auto`` full fine-tuning ('none') on the built-in base and
+    LoRA on any pre-trained base.
+
+    Why: a from-scratch model has no pre-trained features for a low-rank update to adapt. Measured on the default
+    model and data after continued pre-training: LoRA (r=32, all projections, lr 2e-3) reached an SFT loss of 1.48
+    where full fine-tuning (lr 1e-3) reached 0.57 at the same 300 steps, and stayed unable to write valid calls.
+    """
+    if kind == "auto":
+        return "none" if base == "builtin" else "lora"
+    if kind not in ADAPTER_KINDS:
+        raise AgentRLError(f"unknown adapter kind {kind!r}; kinds are auto, {', '.join(ADAPTER_KINDS)}")
+    return kind
+
+
+
 def apply_adapter(model: nn.Module, cfg) -> nn.Module:
     """Wrap `model` for training according to `cfg` (an :class:`~pipeline.policy.config.AdapterConfig`).
 
@@ -169,7 +186,8 @@ def apply_adapter(model: nn.Module, cfg) -> nn.Module:
     gradients, except for kind ``none``, which trains everything. Undo with :func:`finalize`.
     """
     if cfg.kind not in ADAPTER_KINDS:
-        raise AgentRLError(f"unknown adapter kind {cfg.kind!r}; kinds are {', '.join(ADAPTER_KINDS)}")
+        raise AgentRLError(f"adapter kind {cfg.kind!r} is not a concrete kind ({', '.join(ADAPTER_KINDS)}); "
+                           "resolve 'auto' with resolve_kind first")
     if cfg.kind == "none":
         for p in model.parameters():
             p.requires_grad_(True)

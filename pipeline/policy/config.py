@@ -56,14 +56,14 @@ class RolloutConfig(PhaseConfig):
 # The `adapt` phase (base-model adaptation). Appended by the adapt stage's owner; the classes above are the policy
 # model's and the rollout engine's.
 
-ADAPTER_KINDS = ("lora", "bottleneck", "none")
+ADAPTER_KINDS = ("auto", "lora", "bottleneck", "none")
 LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class AdapterConfig(PhaseConfig):
     """How the base is adapted: LoRA (peft), the seed's bottleneck adapter, or full fine-tuning (pipeline.policy.adapters)."""
 
-    kind: Literal["lora", "bottleneck", "none"] = Field("lora", description="'lora' (peft; merged into the weights after training), 'bottleneck' (h' = h + W2·σ(W1·h) after each decoder layer's MLP, r ≪ d; kept as adapter modules) or 'none' (full fine-tuning).")
+    kind: Literal["auto", "lora", "bottleneck", "none"] = Field("auto", description="'lora' (peft; merged into the weights after training), 'bottleneck' (h' = h + W2·σ(W1·h) after each decoder layer's MLP, r ≪ d; kept as adapter modules), 'none' (full fine-tuning), or 'auto': 'none' for model.base 'builtin' (a from-scratch model has no pre-trained features for a low-rank update to adapt: LoRA r=32 reached an SFT loss of 1.5 where full fine-tuning reached 0.4 in the same 300 steps), 'lora' for any pre-trained base.")
     lora_r: int = Field(32, ge=1, le=1024, description="LoRA rank r.")
     lora_alpha: float = Field(64.0, gt=0, description="LoRA scale α (the update is (α/r)·B·A).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
@@ -76,25 +76,27 @@ class AdapterConfig(PhaseConfig):
 class PretrainConfig(PhaseConfig):
     """Continued pre-training on the environment's documents and training questions (seed 3.3.2.1); full parameters."""
 
-    steps: int = Field(150, ge=0, description="Optimizer steps; 0 skips continued pre-training.")
+    steps: int = Field(400, ge=0, description="Optimizer steps; 0 skips continued pre-training.")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
     lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     max_len: int = Field(128, ge=8, description="Longest pre-training sequence in tokens (longer texts are cut).")
-    include_questions: bool = Field(True, description="Add the training tasks' questions to the documents (text the policy reads in every prompt; no actions or answers).")
+    include_documents: bool = Field(False, description="Add the world's documents (data/env/corpus.jsonl: what `search` returns) to the pre-training text.")
+    include_questions: bool = Field(False, description="Add the training tasks' questions to the documents (text the policy reads in every prompt; no actions or answers).")
+    copy_drills: int = Field(20000, ge=0, description="Synthetic texts that end in a JSON field copied from a quoted (fictitious) name earlier in the text (pipeline.policy.sft.copy_drills): they form the copying circuit the policy needs for held-out names, which SFT alone forms only after about 1,000 steps. 0: none.")
 
 
 class SFTConfig(PhaseConfig):
     """Supervised fine-tuning on the demonstrations: loss on the action tokens only."""
 
-    steps: int = Field(400, ge=1, description="Optimizer steps.")
+    steps: int = Field(1000, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Sequences (demonstration segments) per step.")
-    lr: float = Field(2e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
+    lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on matrices (not on biases and norms).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     max_len: int = Field(1024, ge=16, description="Longest training segment in tokens; a longer one is cut at the end (counted in metrics as sft/truncated_examples).")
-    entity_augmentation: float = Field(0.5, ge=0, le=1, description="Chance that a drawn demonstration has its entity names replaced by fictitious ones (built from training names' words, never a real entity), everywhere in its text: forces copying names from the question and tool results instead of memorising the few hundred training names (pipeline.policy.sft.augment_names).")
+    entity_augmentation: float = Field(1.0, ge=0, le=1, description="Chance that a drawn demonstration has its entity names replaced by fictitious ones (built from training names' words, never a real entity), everywhere in its text: forces copying names from the question and tool results instead of memorising the few hundred training names (pipeline.policy.sft.augment_names).")
     log_every: int = Field(10, ge=1, description="Log the loss curve every this many steps.")
 
 

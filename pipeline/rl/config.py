@@ -54,6 +54,9 @@ class TrainConfig(PhaseConfig):
     eval_every: int = Field(10, ge=1, description="Updates between greedy evaluations on the validation split.")
     eval_tasks: int = Field(200, ge=1, description="Validation tasks per evaluation (greedy, fixed seeds).")
     test_tasks: int = Field(400, ge=1, description="Test tasks in the final SFT-versus-RL comparison (greedy).")
+    early_stopping_metric: Literal["success", "mean_return"] = Field("success", description="Validation metric (greedy, every `eval_every` updates) that picks the best policy, which becomes the stage's output, and that early stopping watches: 'success' (success rate) or 'mean_return'.")
+    early_stopping_patience: int | None = Field(3, ge=1, description="Stop after this many consecutive validation evaluations without improvement (seed 5.2.2); null never stops early (the best policy is still the output).")
+    early_stopping_min_delta: float = Field(0.0, ge=0, description="An evaluation improves only when it beats the best value so far by more than this; a tie keeps the earlier policy.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

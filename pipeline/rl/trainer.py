@@ -48,6 +48,7 @@ from pipeline.errors import AgentRLError
 from pipeline.evaluation import summarize
 from pipeline.rl import core_algos as A
 from pipeline.rl.config import TrainConfig
+from pipeline.rl.early_stopping import EarlyStopping, metric_value
 from pipeline.rl.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
 
 COLLAPSE = {"entropy": 0.05, "reward_spread": 1e-6, "advantage_var": 1e-8}
@@ -302,11 +303,14 @@ def _evaluate(rollout, tasks: list[Task], dist, seed: int) -> dict:
 
 def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
           val_tasks: list[Task], runtime: WorldRuntime, out_dir: Path, ckpt_dir: Path, dist, run,
-          demo_examples: list | None = None, stop_after: int | None = None, log=print) -> dict:
-    """Train from the adapted policy in `policy_dir`; the best policy (by validation success) goes to `out_dir`.
+          demo_examples: list | None = None, stop_after: int | None = None, log=print, evaluate=None) -> dict:
+    """Train from the adapted policy in `policy_dir`; the best policy (by the validation metric
+    `cfg.early_stopping_metric`) goes to `out_dir`, and training stops early after `cfg.early_stopping_patience`
+    evaluations without improvement (:mod:`pipeline.rl.early_stopping`).
 
     `stop_after` ends the run after that many updates *of this call* (without a final checkpoint beyond the
-    periodic ones): tests use it to stop a run midway and resume it.
+    periodic ones): tests use it to stop a run midway and resume it. `evaluate` replaces the greedy validation
+    evaluation (same signature and result as `_evaluate`): tests script a validation curve with it.
     Returns the learning curve and the evaluation history (rank 0 also logs them to `run`).
     """
     from pipeline.policy.model import autocast_context, load_policy, save_policy
@@ -345,6 +349,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         tasks_by_level.setdefault(t.level, []).append(t)
 
     start, history, evals, best = 0, [], [], {"success": -1.0, "update": None}
+    stopper = EarlyStopping(cfg.early_stopping_metric, cfg.early_stopping_patience, cfg.early_stopping_min_delta)
+    evaluate = evaluate or _evaluate
     if (ckpt_dir / "latest").is_file():
         try:
             path, client = engine.load_checkpoint(str(ckpt_dir), load_optimizer_states=True)
@@ -358,6 +364,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         state.load_state_dict(client["sampler"])
         torch.set_rng_state(torch.tensor(client["torch_rng"], dtype=torch.uint8))
         start, history, evals, best = client["update"], client["history"], client["evals"], client["best"]
+        stopper.load_state_dict(client["early_stopping"])
         log(f"resumed from {path} at update {start}")
 
     worker = AsyncRollouts(new_engine, policy, cfg.rollout_workers) if cfg.async_rollouts else None
@@ -377,7 +384,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     done_here = 0
     try:
         for u in range(start, cfg.updates):
-            if stop_after is not None and done_here >= stop_after:
+            if (stop_after is not None and done_here >= stop_after) or stopper.stopped:
                 break
             t0 = time.perf_counter()
             idle = 0.0
@@ -435,15 +442,23 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                         log(f"warning: update {u}: {name} collapsed ({metrics[key]:.3g} < {COLLAPSE[name]})")
             history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
             if (u + 1) % cfg.eval_every == 0 or u + 1 == cfg.updates:
-                summary = _evaluate(rollout if worker is None else new_engine(policy), val_tasks[:cfg.eval_tasks],
-                                    dist, seed=10_000)
+                summary = evaluate(rollout if worker is None else new_engine(policy), val_tasks[:cfg.eval_tasks],
+                                   dist, seed=10_000)
                 val = summary["overall"]["success_rate"]
                 entry = {"update": u + 1, "val_success": val, **{f"val_success_l{lv}": s["success_rate"]
                                                                  for lv, s in summary["per_level"].items()}}
+                decision = stopper.update(metric_value(cfg.early_stopping_metric, summary), u + 1)
+                entry[f"val_{cfg.early_stopping_metric}"] = decision.value
                 evals.append(entry)
                 metrics.update({f"eval/{k}": v for k, v in entry.items() if k != "update"})
-                if val > best["success"]:
-                    best = {"success": val, "update": u + 1}
+                metrics.update({"early_stopping/best_value": decision.best_value,
+                                "early_stopping/evals_since_best": decision.evals_since_best,
+                                "early_stopping/stopped": decision.stop})
+                if dist.is_main and decision.stop:
+                    log(f"early stopping: {decision.reason}")
+                    run.set_tags({"early_stopping.stopped": True, "early_stopping.reason": decision.reason})
+                if decision.improved:
+                    best = {"success": val, "update": u + 1, cfg.early_stopping_metric: decision.value}
                     if dist.is_main:
                         save_policy(policy, tokenizer, out_dir, {**meta, "rl_update": u + 1, "val_success": val,
                                                                   "algorithm": cfg.algorithm})
@@ -455,15 +470,17 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                     f"rollout {t_rollout:.1f}s learn {t_learn:.1f}s"
                     + (f" | val {metrics['eval/val_success']:.3f}" if "eval/val_success" in metrics else ""))
             done_here += 1
-            if (u + 1) % cfg.checkpoint_every == 0 or u + 1 == cfg.updates:
+            if (u + 1) % cfg.checkpoint_every == 0 or u + 1 == cfg.updates or stopper.stopped:
                 engine.save_checkpoint(str(ckpt_dir), tag=f"update-{u + 1}", client_state={
                     "update": u + 1, "sampler": state.state_dict(), "fingerprint": fingerprint,
-                    "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best})
+                    "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best,
+                    "early_stopping": stopper.state_dict()})
     finally:
         if worker is not None:
             worker.close()
-    return {"history": history, "evals": evals, "best": best, "fingerprint": fingerprint,
-            "completed": len(history) >= cfg.updates}
+    completed = len(history) >= cfg.updates or stopper.stopped
+    return {"history": history, "evals": evals, "best": best, "fingerprint": fingerprint, "completed": completed,
+            "early_stopping": stopper.summary(completed_all=len(history) >= cfg.updates)}
 
 
 def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, demo_examples, bc_rng,

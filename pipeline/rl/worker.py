@@ -1,9 +1,11 @@
 """One rank of the `train` phase. Started by the DeepSpeed launcher (``deepspeed --num_gpus N --module
 pipeline.rl.worker --params params.yaml``), or in-process for a single rank by :mod:`pipeline.phases.train`.
 
-Reads the `env`, `rollout` and `train` sections, trains from ``models/adapted``, keeps the best policy (by validation
-success) in ``models/policy``, and on rank 0 writes ``metrics/train.json`` (SFT against RL on the test split, per
-level) and ``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``).
+Reads the `env`, `rollout` and `train` sections, trains from ``models/adapted``, keeps the best policy (by the
+validation metric ``train.early_stopping_metric``; training stops early after ``early_stopping_patience`` evaluations
+without improvement) in ``models/policy``, and on rank 0 writes ``metrics/train.json`` (SFT against RL on the test
+split, per level, and the early-stopping decision with its reason) and ``metrics/train_curve.csv`` (the learning curve
+for ``dvc plots show``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                 "seconds": round(time.perf_counter() - t0, 1),
                 "mean_rollout_share": _share(result["history"]),
                 "evals": result["evals"],
+                "early_stopping": result["early_stopping"],
             }
             Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
             Path(metrics_path).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
@@ -109,7 +112,12 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                     w.writerow([h.get(k, "") for k in CURVE_KEYS])
             flat = {f"test/{name}_success": c["overall"]["success_rate"] for name, c in comparison.items()}
             flat.update({f"test/delta_{k}": v for k, v in metrics["delta_rl_minus_sft"].items() if v is not None})
+            es = result["early_stopping"]
+            flat.update({"early_stopping/stopped": es["stopped"], "early_stopping/stop_update": es["stop_update"] or 0,
+                         "early_stopping/best_update": es["best_update"] or 0})
             run.log_metrics(flat)
+            run.set_tags({"early_stopping.stopped": es["stopped"], "early_stopping.reason": es["reason"],
+                          "early_stopping.best_update": es["best_update"]})
             run.log_artifact(metrics_path)
             d = metrics["delta_rl_minus_sft"]
             print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "

@@ -1,0 +1,223 @@
+"""Scheduled retraining: check the newest data for drift against the data the champion was trained on, and retrain and
+re-gate when it drifted (or when forced); otherwise record that nothing was needed.
+
+One run of :func:`retrain_flow`:
+
+1. reads the incoming tasks: every ``*.jsonl`` in ``data/incoming/`` (the folder the `check_drift` stage reads too;
+   drop each new batch of production tasks there, in the task schema);
+2. finds the champion in the registry (``deploy.model_name``, alias ``champion``) and the data versions its deploy
+   run recorded (``agentrl.data.*`` tags, set by the pipeline flow); the reference tasks, world and policy are the
+   workspace copies when they are those versions, else restored from the DVC cache (:mod:`flows.lineage`);
+3. runs the drift checks (:func:`pipeline.phases.check_drift.check`) of the incoming tasks against that reference;
+4. drift found (``task_drift``, ``trajectory_drift`` or ``state_drift`` failed) or ``force``: runs the pipeline flow
+   with every stage from ``adapt`` on forced (build_env is skipped when its data is up to date), so the policy is
+   retrained and the deploy stage registers a challenger and runs the promotion gate (which reads the pipeline's own
+   drift verdict on the same incoming data); otherwise nothing is retrained;
+5. records the decision either way: an MLflow run ``retrain`` (tags ``retrain.decision``, ``retrain.reason``; the
+   verdict and the decision as artefacts; the pipeline's runs nest under it) and a Prefect markdown artifact.
+
+Deliberately left out: folding the incoming tasks into the training split. The `build_env` stage generates the
+training data from params and does not read ``data/incoming/``; a retrain reruns training on the current training
+data, and the gate (``deploy.gate.require_drift_pass``) refuses a challenger the drift check still fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from flows import lineage, project_params
+from flows.pipeline_flow import pipeline_flow
+from pipeline.errors import AgentRLError
+from pipeline.graph import stage_order
+from pipeline.tracking import Tracker
+
+INCOMING = "data/incoming"
+DRIFT_CHECKS = ("task_drift", "trajectory_drift", "state_drift")
+RETRAIN_FROM = "adapt"  # the first stage that trains; every stage from it on is forced in a retrain
+SCRATCH = ".retrain"  # restored reference versions (gitignored)
+SUMMARY_KEY = "agentrl-retrain-summary"
+
+
+@task(name="registry-champion-lineage", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def champion_lineage(tracking_uri: str, model_name: str) -> dict[str, Any] | None:
+    """The champion's version, its deploy run and the data versions recorded on that run (or on its parent).
+
+    None when there is no champion. Registry calls go over the network in production: failures are retried.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:
+        mv = client.get_model_version_by_alias(model_name, "champion")
+    except MlflowException as exc:
+        if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
+            return None
+        raise
+    tags = dict(client.get_run(mv.run_id).data.tags) if mv.run_id else {}
+    versions = lineage.versions_from_tags(tags)
+    if not versions and tags.get("mlflow.parentRunId"):  # deployed by a flow that predates the per-phase tags
+        versions = lineage.versions_from_tags(dict(client.get_run(tags["mlflow.parentRunId"]).data.tags))
+    return {"version": str(mv.version), "run_id": mv.run_id, "data": versions}
+
+
+def reference_path(root: Path, configured: str, versions: dict[str, str], scratch: Path) -> tuple[str, str]:
+    """`configured` (a params path such as data/tasks/train.jsonl) at the version the champion used; (path, source)."""
+    rel = PurePosixPath(configured)
+    if rel.is_absolute():
+        return configured, "configured absolute path"
+    for tracked in sorted({*versions, *lineage.data_versions(root)}, key=len, reverse=True):
+        if rel == PurePosixPath(tracked) or PurePosixPath(tracked) in rel.parents:
+            base, source = lineage.at_version(root, tracked, versions.get(tracked), scratch)
+            inner = rel.relative_to(tracked)
+            return str(base / inner) if str(inner) != "." else str(base), source
+    return str(root / rel), "workspace (not a DVC-tracked output)"
+
+
+@task(name="drift-check", cache_policy=NO_CACHE)
+def drift_check(root: str, overrides: dict[str, Any], out_path: str, parent_run_id: str) -> dict[str, Any]:
+    """The `check_drift` phase's checks on explicit reference and current data, as a run nested under the retrain run."""
+    from pipeline.config import load_section
+    from pipeline.drift.config import DriftConfig
+    from pipeline.env.config import BuildEnvConfig, EnvConfig
+    from pipeline.phases.check_drift import check
+    from pipeline.policy.config import RolloutConfig
+
+    params = Path(root) / "params.yaml"
+    cfg = load_section(DriftConfig, "check_drift", params).model_copy(update=overrides)
+    env_cfg = load_section(EnvConfig, "env", params)
+    build_cfg = load_section(BuildEnvConfig, "build_env", params)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params)
+    with Tracker(root=root).run("retrain_drift_check", params={"check_drift": cfg.model_dump()},
+                                parent_run_id=parent_run_id) as run:
+        return check(cfg, env_cfg, build_cfg, Path(out_path), run, rollout_cfg)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _markdown(record: dict[str, Any]) -> str:
+    lines = ["# agentrl scheduled retraining", "", f"**Decision:** {record['decision']} ({record['reason']})", ""]
+    lines.append(f"- incoming: {len(record['incoming'])} file(s) in `{record['incoming_dir']}`"
+                 + "".join(f"\n  - `{f['path']}` ({f['sha256'][:12]})" for f in record["incoming"]))
+    champ = record["champion"]
+    lines.append(f"- champion before: v{champ['version']}" if champ else "- champion before: none")
+    for name, where in record.get("reference", {}).items():
+        lines.append(f"- reference {name}: {where}")
+    verdict = record.get("drift")
+    if verdict:
+        checks = ", ".join(f"{k} {v}" for k, v in verdict["checks"].items())
+        lines.append(f"- drift check: {verdict['verdict']} ({checks})")
+    if record.get("gate"):
+        g = record["gate"]
+        failed = f" (failed: {', '.join(g['failed'])})" if g.get("failed") else ""
+        now = f"champion now v{g['champion']}" if g.get("champion") else "no champion"
+        lines.append(f"- gate: v{g['version']} {'PROMOTED' if g['passed'] else 'REJECTED'}{failed}; {now}")
+    lines += ["", "## Where to look next", "",
+              f"- MLflow run `retrain` `{record['run_id']}`: tags `retrain.*`, artefacts `retrain_decision.json` and "
+              "the drift verdict; a retrain's pipeline run and phase runs nest under it",
+              "- The pipeline run's own artifact `agentrl-pipeline-summary` when a retrain ran"]
+    return "\n".join(lines) + "\n"
+
+
+@flow(name="agentrl-retrain")
+def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = False) -> dict[str, Any]:
+    """One scheduled retraining decision for the project at `project` (see the module docstring); returns the record."""
+    logger = get_run_logger()
+    params = project_params(Path(project) / "params.yaml")
+    root = params.parent
+    doc = yaml.safe_load(params.read_text()) or {}
+    model_name = (doc.get("deploy") or {}).get("model_name", "agentrl-policy")
+    drift_cfg = doc.get("check_drift") or {}
+    incoming_dir = (root / incoming).resolve()
+    files = sorted(incoming_dir.glob("*.jsonl")) if incoming_dir.is_dir() else []
+
+    tracker = Tracker(root=root)
+    record: dict[str, Any] = {"incoming_dir": str(incoming_dir), "force": force, "gate": None, "drift": None,
+                              "incoming": [{"path": str(f), "sha256": _sha256(f)} for f in files]}
+    with tracker.run("retrain", params={"incoming": str(incoming_dir), "force": force}) as run:
+        record["run_id"] = run.run_id
+        run.set_tags(lineage.git_state(root))
+        champion = champion_lineage(tracker.tracking_uri, model_name)
+        record["champion"] = champion
+        drift_found = False
+        if files:
+            scratch = root / SCRATCH
+            versions = champion["data"] if champion else {}
+            reference: dict[str, str] = {}
+            overrides: dict[str, Any] = {"current": str(incoming_dir), "current_world_dir": None}
+            for key, default in (("reference_tasks", "data/tasks/train.jsonl"), ("world_dir", "data/env"),
+                                 ("policy", "models/policy")):
+                path, source = reference_path(root, drift_cfg.get(key, default), versions, scratch)
+                overrides[key], reference[key] = path, f"{path} from {source}"
+            record["reference"] = reference
+            with tempfile.TemporaryDirectory() as tmp:
+                verdict = drift_check(str(root), overrides, str(Path(tmp) / "drift.json"), run.run_id)
+            statuses = {k: v["status"] for k, v in verdict["checks"].items()}
+            record["drift"] = {"verdict": verdict["verdict"], "failed": verdict["failed_checks"], "checks": statuses}
+            run.log_dict(verdict, "drift_verdict.json")
+            drift_found = any(statuses.get(c) == "fail" for c in DRIFT_CHECKS)
+        if drift_found:
+            failed = [c for c in DRIFT_CHECKS if record["drift"]["checks"].get(c) == "fail"]
+            reason = f"drift found ({', '.join(failed)})"
+        elif force:
+            reason = "forced"
+        elif not files:
+            reason = f"no incoming tasks in {incoming_dir}"
+        else:
+            reason = "no drift: the champion's training data still describes the incoming tasks"
+        record["reason"] = reason
+        if drift_found or force:
+            record["decision"] = "retrain"
+            logger.info("retraining: %s", reason)
+            order = stage_order(root / "dvc.yaml")
+            forced = order[order.index(RETRAIN_FROM):] if RETRAIN_FROM in order else order
+            result = pipeline_flow(params_path=str(params), force=forced, mlflow_parent_run_id=run.run_id)
+            record["gate"] = result["gate"]
+            record["pipeline_run_id"] = result["run_id"]
+        else:
+            record["decision"] = "nothing needed"
+            logger.info("nothing to do: %s", reason)
+        run.set_tags({"retrain.decision": record["decision"], "retrain.reason": reason})
+        run.log_metrics({"retrain/drift_found": drift_found, "retrain/retrained": record["decision"] == "retrain"})
+        run.log_dict(record, "retrain_decision.json")
+    create_markdown_artifact(key=SUMMARY_KEY, markdown=_markdown(record),
+                             description="the retraining decision, its reasons and where to look next")
+    print(f"retrain: {record['decision']} ({reason})", flush=True)
+    return record
+
+
+def deployment_spec(root: str | Path, name: str | None = None) -> dict[str, Any]:
+    """The retraining deployment of `root`/prefect.yaml (the one whose entrypoint is :func:`retrain_flow`)."""
+    path = Path(root) / "prefect.yaml"
+    if not path.is_file():
+        raise AgentRLError(f"{path}: not found; the retraining schedule is defined there")
+    doc = yaml.safe_load(path.read_text()) or {}
+    found = [d for d in doc.get("deployments") or [] if str(d.get("entrypoint", "")).endswith(":retrain_flow")
+             and (name is None or d.get("name") == name)]
+    if not found:
+        raise AgentRLError(f"{path}: no deployment of flows/retrain_flow.py:retrain_flow"
+                           + (f" named {name!r}" if name else ""))
+    return found[0]
+
+
+def serve_retraining(root: str | Path, name: str | None = None, cron: str | None = None) -> None:
+    """Serve the retraining deployment of prefect.yaml from this process (``flow.serve``) until interrupted: the
+    schedule's runs and runs triggered by hand (``prefect deployment run agentrl-retrain/<name>``) execute here."""
+    spec = deployment_spec(root, name)
+    crons = [s["cron"] for s in spec.get("schedules") or [] if s.get("cron")]
+    params = {**(spec.get("parameters") or {}), "project": str(Path(root).resolve())}
+    retrain_flow.serve(name=spec["name"], cron=cron or (crons[0] if crons else None), parameters=params,
+                       description=spec.get("description"), tags=spec.get("tags"))
+
+
+__all__ = ["champion_lineage", "deployment_spec", "retrain_flow", "serve_retraining"]

@@ -1,0 +1,121 @@
+"""Config of the `deploy` phase, the promotion gate and the HTTP server (`deploy` section of `params.yaml`).
+
+One section, three parts: what is quantised and how it is compared with the fp32 policy (top level), what the
+promotion gate requires (`gate`), and how `agentrl serve` batches, caches and limits requests (`serve`). Every
+threshold lives here so the phase, `agentrl promote`, `agentrl serve`, the tests and the benchmarks share one set of
+defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.config import PhaseConfig
+
+PRECISIONS = ("fp32", "bf16", "int8")
+PAIRED_TESTS = ("mcnemar", "bootstrap")
+
+
+class QuantizationConfig(PhaseConfig):
+    """How the int8 variant is made (pipeline.deploy.quantize)."""
+
+    linear: Literal["dynamic", "weight_only"] = Field(
+        "dynamic",
+        description="int8 scheme of every nn.Linear: 'dynamic' (torch.ao quantize_dynamic: int8 weights, activations "
+                    "quantised per batch at run time, int8 matmuls) or 'weight_only' (int8 weights with one scale per "
+                    "output row, dequantised to the activation dtype in each forward: smaller, not faster).")
+    embeddings: bool = Field(
+        True,
+        description="Also store the token embedding as int8 with one scale per row (dequantised per looked-up row). "
+                    "The built-in model is small and ties its embedding to the output projection, so the embedding is "
+                    "a large share of its size: without this int8 stays near a third of fp32.")
+
+
+class DeployGateConfig(PhaseConfig):
+    """The promotion gate: a challenger becomes champion only when every check passes."""
+
+    require_capability_gate: bool = Field(
+        True, description="Require the adapt phase's capability gate to have passed (metrics/adapt.json gate.passed "
+                          "true); a gate that was switched off counts as not passed.")
+    require_drift_pass: bool = Field(
+        True, description="Require the drift verdict of metrics/drift.json to be a pass (no check failed).")
+    require_consistency_pass: bool = Field(
+        True, description="Require the train/serve consistency check of metrics/drift.json to have passed (skipped "
+                          "does not count: nothing was verified).")
+    max_safety_violations_per_episode: float = Field(
+        0.05, ge=0, description="Largest allowed mean number of refused unsafe tool calls per test episode.")
+    paired_test: Literal["mcnemar", "bootstrap"] = Field(
+        "mcnemar",
+        description="Paired test of challenger against champion on the same test tasks and seeds: 'mcnemar' (exact "
+                    "one-sided binomial test on the discordant tasks) or 'bootstrap' (one-sided paired bootstrap of the "
+                    "success difference). The challenger fails when it is worse with p < alpha.")
+    alpha: float = Field(0.05, gt=0, lt=0.5, description="Significance level of the paired test.")
+    bootstrap_samples: int = Field(2000, ge=100, le=1_000_000, description="Resamples of the paired bootstrap (also "
+                                                                           "used for the reported confidence interval).")
+    min_paired_tasks: int = Field(
+        20, ge=1, description="Fewest tasks the challenger's and the champion's results must share; fewer refuses "
+                              "the comparison (the champion is then evaluated on the challenger's tasks when the data "
+                              "is at hand).")
+    seed: int = Field(0, description="Seed of the bootstrap resampling.")
+
+
+class ServeConfig(PhaseConfig):
+    """`agentrl serve`: dynamic batching, the response cache and the request limits."""
+
+    host: str = Field("127.0.0.1", min_length=1, description="Interface to listen on (loopback by default).")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port (0: any free port).")
+    max_batch_size: int = Field(32, ge=1, le=1024, description="Most requests decoded together in one generation batch.")
+    max_wait_ms: float = Field(
+        10.0, ge=0, le=10_000,
+        description="Longest a request waits for others to join its batch; a full batch starts at once.")
+    cache_size: int = Field(1024, ge=0, description="Responses kept for identical requests (LRU); 0 disables the cache.")
+    max_body_bytes: int = Field(16384, ge=256, description="Largest request body; a larger one gets 413.")
+    max_question_chars: int = Field(1000, ge=16, description="Longest accepted question; a longer one gets 422.")
+    rate_limit_per_s: float = Field(
+        200.0, gt=0, description="Sustained requests per second allowed per client address (token bucket); beyond "
+                                 "it a request gets 429.")
+    rate_burst: int = Field(64, ge=1, description="Token-bucket size: requests a client may send at once.")
+    max_queue: int = Field(1024, ge=1, description="Requests waiting for the model at most; beyond it a request gets "
+                                                   "503 (back-pressure instead of unbounded memory).")
+
+
+class DeployConfig(PhaseConfig):
+    """Quantised deployment: variants and parity, registration in the MLflow registry, the promotion gate, serving."""
+
+    policy: str = Field("models/policy", description="Policy folder to deploy (pipeline.policy.model.save_policy).")
+    world_dir: str = Field("data/env", description="World the policy acts in; packaged with the registered model.")
+    test_tasks: str = Field("data/tasks/test.jsonl", description="Test split: parity and the paired gate test run on it.")
+    max_test_tasks: int | None = Field(None, ge=1, description="Use only the first this many test tasks (null: all).")
+    seed: int = Field(0, description="Base seed of the test episodes: task i runs with seed + i, for every variant, "
+                                     "the challenger and the champion alike.")
+    model_name: str = Field("agentrl-policy", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                            description="Registered model name in the MLflow model registry.")
+    serve_precision: Literal["fp32", "bf16", "int8"] = Field(
+        "int8", description="Precision the registered model serves with (quantised when it loads); quantisation "
+                            "parity is checked for it.")
+    precisions: list[Literal["fp32", "bf16", "int8"]] = Field(
+        default_factory=lambda: list(PRECISIONS),
+        description="Variants measured side by side on the test split (fp32 is always included: the reference).")
+    parity_tolerance: float = Field(
+        0.02, ge=0, le=1, description="Largest allowed drop of test success of a quantised variant below fp32 "
+                                      "(absolute); a larger drop fails quantisation parity.")
+    latency_repeats: int = Field(1, ge=1, le=20, description="Timed batched passes over the test tasks per variant (the "
+                                                             "fastest is reported: the machine is shared and noisy).")
+    latency_tasks: int = Field(16, ge=0, description="Test tasks played one at a time (batch size 1) per variant to "
+                                                     "measure the latency of one action; 0 skips it.")
+    promote: bool = Field(True, description="Run the gate after registering and promote when it passes (false: "
+                                            "register as challenger only).")
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="int8 scheme.")
+    gate: DeployGateConfig = Field(default_factory=DeployGateConfig, description="Promotion gate.")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="HTTP serving.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeployConfig":
+        if self.serve_precision not in self.precisions:
+            raise ValueError(f"serve_precision={self.serve_precision!r} must be one of the measured precisions "
+                             f"{self.precisions}: its parity with fp32 is a gate check")
+        if "fp32" not in self.precisions:
+            raise ValueError("precisions must include 'fp32': it is the reference every variant is compared with")
+        return self

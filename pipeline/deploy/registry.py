@@ -1,0 +1,256 @@
+"""The MLflow model registry side of deployment: register a policy, run the promotion gate, move aliases, roll back.
+
+Conventions (one registered model, ``deploy.model_name``):
+
+- every deployed policy is a new model version whose run holds ``model/`` (the pyfunc, :mod:`pipeline.deploy.pyfunc`)
+  and ``gate_inputs/{adapt,drift,quantization,test_results}.json``: what the gate judges travels with the version, so
+  ``agentrl promote --version N`` judges version N on its own evidence, not on whatever ``metrics/`` holds today;
+- a new version gets the alias ``challenger``; the gate moves ``champion`` to it when every check passes;
+- each check's outcome is a version tag ``gate.<check>`` (``pass``/``fail``) with ``gate.<check>.detail``, plus
+  ``gate.decision`` (``promoted``/``rejected``), ``gate.champion_at_decision`` and ``gate.decided_at``;
+- the champions in order are the registered-model tag ``agentrl.champion_history`` (a JSON list of versions);
+  :func:`rollback` points ``champion`` at the one before and drops the last, tagging it ``rolled_back_at``.
+
+Every input is read and checked before anything is written: a version or alias that does not exist, a registered
+model that does not exist, or a version without its gate inputs is an :class:`AgentRLError` and the registry is left
+as it was. ``dry_run`` writes nothing at all.
+
+Every call goes through an explicit ``MlflowClient`` (no fluent API and no module-level state, as in
+:mod:`pipeline.tracking`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.deploy.config import DeployGateConfig
+from pipeline.deploy.gate import GateDecision, GateInputs, decide, pair_results
+from pipeline.errors import AgentRLError
+
+CHALLENGER, CHAMPION = "challenger", "champion"
+HISTORY_TAG = "agentrl.champion_history"
+GATE_DIR = "gate_inputs"
+MODEL_DIR = "model"
+
+
+class ModelRegistry:
+    """One registered model in an MLflow registry (``tracking_uri``: ``$MLFLOW_TRACKING_URI`` or the repo's store)."""
+
+    def __init__(self, name: str, tracking_uri: str | None = None):
+        from mlflow.tracking import MlflowClient
+
+        from pipeline.tracking import Tracker
+
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no progress bars in logs
+        self.name = name
+        self.tracking_uri = tracking_uri or Tracker().tracking_uri
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+
+    # ------------------------------------------------------------------------------------------------------ reading
+    def exists(self) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(self.name)
+            return True
+        except MlflowException:
+            return False
+
+    def _require_model(self) -> None:
+        if not self.exists():
+            raise AgentRLError(f"registered model {self.name!r} does not exist in {self.tracking_uri} (run `agentrl "
+                               f"deploy` first)")
+
+    def alias_version(self, alias: str) -> str | None:
+        """The version `alias` points to, or None when the alias (or the model) does not exist."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return str(self.client.get_model_version_by_alias(self.name, alias).version)
+        except MlflowException:
+            return None
+
+    def resolve(self, version: str | int | None = None, alias: str | None = None) -> str:
+        """A version number from `version` or `alias` (default: the challenger); missing ones raise AgentRLError."""
+        from mlflow.exceptions import MlflowException
+
+        self._require_model()
+        if version is not None and alias is not None:
+            raise AgentRLError("give a version or an alias, not both")
+        if version is None:
+            alias = alias or CHALLENGER
+            found = self.alias_version(alias)
+            if found is None:
+                raise AgentRLError(f"alias {alias!r} of model {self.name!r} points to no version")
+            return found
+        try:
+            return str(self.client.get_model_version(self.name, str(version)).version)
+        except MlflowException:
+            raise AgentRLError(f"model {self.name!r} has no version {version}") from None
+
+    def tags(self, version: str) -> dict:
+        return dict(self.client.get_model_version(self.name, str(version)).tags)
+
+    def history(self) -> list[str]:
+        tags = self.client.get_registered_model(self.name).tags if self.exists() else {}
+        return json.loads(tags.get(HISTORY_TAG, "[]"))
+
+    def gate_inputs(self, version: str) -> GateInputs:
+        """The gate inputs logged with `version`; a missing one is an AgentRLError naming it."""
+        mv = self.client.get_model_version(self.name, str(version))
+        if not mv.run_id:
+            raise AgentRLError(f"version {version} of {self.name!r} has no run, so no gate inputs (metrics)")
+        have = {Path(a.path).stem for a in self.client.list_artifacts(mv.run_id, GATE_DIR)}
+        missing = [k for k in GateInputs.REQUIRED if k not in have]
+        if missing:
+            raise AgentRLError(f"version {version} of {self.name!r} is missing gate metrics: "
+                               f"{', '.join(f'{GATE_DIR}/{m}.json' for m in missing)}; register it with `agentrl "
+                               f"deploy`, which logs them")
+        with tempfile.TemporaryDirectory() as tmp:
+            local = Path(self.client.download_artifacts(mv.run_id, GATE_DIR, tmp))
+            data = {}
+            for k in GateInputs.REQUIRED:
+                try:
+                    data[k] = json.loads((local / f"{k}.json").read_text())
+                except json.JSONDecodeError as exc:
+                    raise AgentRLError(f"version {version}: {GATE_DIR}/{k}.json is not valid JSON ({exc.msg})") from None
+        return GateInputs(**data)
+
+    def model_uri(self, version: str) -> str:
+        return f"models:/{self.name}/{version}"
+
+    # ------------------------------------------------------------------------------------------------------ writing
+    def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs) -> str:
+        """Log the pyfunc folder and the gate inputs into `run_id`, create a model version, alias it `challenger`."""
+        from mlflow.exceptions import MlflowException
+
+        for k in GateInputs.REQUIRED:
+            self.client.log_dict(run_id, getattr(inputs, k), f"{GATE_DIR}/{k}.json")
+        self.client.log_artifacts(run_id, str(model_dir), MODEL_DIR)
+        if not self.exists():
+            try:
+                self.client.create_registered_model(self.name, description="agentrl policy: a pyfunc that solves "
+                                                                           "tasks with the tools (pipeline.deploy)")
+            except MlflowException:
+                if not self.exists():  # not a race with another registration
+                    raise
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/{MODEL_DIR}"
+        mv = self.client.create_model_version(self.name, source, run_id=run_id)
+        for _ in range(600):  # a file or SQLite store is READY at once; a remote one may take a moment
+            if self.client.get_model_version(self.name, mv.version).status == "READY":
+                break
+            time.sleep(0.1)
+        self.client.set_registered_model_alias(self.name, CHALLENGER, mv.version)
+        return str(mv.version)
+
+    def _set_history(self, history: list[str]) -> None:
+        self.client.set_registered_model_tag(self.name, HISTORY_TAG, json.dumps(history))
+
+    def record(self, decision: GateDecision, promote: bool) -> None:
+        """Write the checks as version tags; with `promote` and a pass, move `champion` and extend the history."""
+        v = decision.version
+        for c in decision.checks:
+            self.client.set_model_version_tag(self.name, v, f"gate.{c.name}", "pass" if c.passed else "fail")
+            self.client.set_model_version_tag(self.name, v, f"gate.{c.name}.detail", c.detail[:4000])
+        promoted = promote and decision.passed
+        self.client.set_model_version_tag(self.name, v, "gate.decision", "promoted" if promoted else "rejected")
+        self.client.set_model_version_tag(self.name, v, "gate.champion_at_decision", decision.champion or "none")
+        self.client.set_model_version_tag(self.name, v, "gate.decided_at", time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                          time.gmtime()))
+        if promoted:
+            history = self.history()
+            if decision.champion is not None and (not history or history[-1] != decision.champion):
+                history.append(decision.champion)  # a champion set by hand joins the history it was missing from
+            self.client.set_registered_model_alias(self.name, CHAMPION, v)
+            self._set_history(history + [v])
+
+
+# ------------------------------------------------------------------------------------------------------- operations
+ChampionEvaluator = Callable[[str, list[dict]], list[dict]]
+
+
+def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int | None = None,
+            alias: str | None = None, dry_run: bool = False,
+            evaluate_champion: ChampionEvaluator | None = None) -> GateDecision:
+    """Run the gate on a version (default: the challenger) and, unless `dry_run`, record it and promote on a pass.
+
+    When the challenger's and the champion's stored results share fewer than ``min_paired_tasks`` tasks and
+    `evaluate_champion` is given, it is called with (champion version, the challenger's results) and must return the
+    champion's results on exactly those tasks and seeds: the paired test then compares the same episodes."""
+    v = registry.resolve(version, alias)
+    inputs = registry.gate_inputs(v)  # raises before any write when metrics are missing
+    champion = registry.alias_version(CHAMPION)
+    if champion == v:
+        raise AgentRLError(f"version {v} of {registry.name!r} is already the champion")
+    champ_results = None
+    if champion is not None:
+        try:
+            champ_results = registry.gate_inputs(champion).test_results
+        except AgentRLError:
+            champ_results = None
+        shared = len(pair_results(inputs.test_results, champ_results or [])[2])
+        if shared < cfg.min_paired_tasks and evaluate_champion is not None:
+            champ_results = evaluate_champion(champion, inputs.test_results)
+    decision = decide(v, inputs, champion, champ_results, cfg)
+    if not dry_run:
+        registry.record(decision, promote=True)
+    return decision
+
+
+def rollback(registry: ModelRegistry) -> tuple[str, str]:
+    """Point `champion` back at the previous champion; returns (from version, to version)."""
+    registry._require_model()
+    current = registry.alias_version(CHAMPION)
+    if current is None:
+        raise AgentRLError(f"model {registry.name!r} has no champion to roll back")
+    history = registry.history()
+    if history and history[-1] == current:
+        history = history[:-1]
+    if not history:
+        raise AgentRLError(f"model {registry.name!r} has no previous champion (history: champion v{current} only)")
+    previous = history[-1]
+    registry.client.set_registered_model_alias(registry.name, CHAMPION, previous)
+    registry._set_history(history)
+    registry.client.set_model_version_tag(registry.name, current, "rolled_back_at",
+                                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return current, previous
+
+
+def champion_evaluator(registry: ModelRegistry, tasks: list, runtime, env_cfg, rollout_cfg,
+                       seed: int) -> ChampionEvaluator:
+    """An evaluator for :func:`promote`: downloads the champion's policy folder and plays, greedily, the challenger's
+    tasks (found by task_id in `tasks`) with the challenger's seeds (``seed + position in tasks`` where none is
+    recorded). Tasks the challenger has that `tasks` lacks are left out (the pairing then shows how many remain)."""
+
+    def evaluate(version: str, challenger_results: list[dict]) -> list[dict]:
+        from pipeline.deploy.gate import task_result
+        from pipeline.deploy.quantize import make_variant
+        from pipeline.policy.model import load_policy
+        from pipeline.policy.rollout import RolloutEngine
+
+        index = {t.task_id: (i, t) for i, t in enumerate(tasks)}
+        chosen = [(index[r["task_id"]][1], r["seed"] if r.get("seed") is not None else seed + index[r["task_id"]][0])
+                  for r in challenger_results if r["task_id"] in index]
+        if not chosen:
+            return []
+        mv = registry.client.get_model_version(registry.name, version)
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = Path(registry.client.download_artifacts(mv.run_id, f"{MODEL_DIR}/artifacts/policy", tmp))
+            except Exception as exc:  # noqa: BLE001 - any failure means the champion cannot be re-evaluated
+                raise AgentRLError(f"champion v{version}: cannot download its policy ({exc})") from None
+            model, tokenizer, _ = load_policy(local)
+        model = make_variant(model, "fp32")
+        engine = RolloutEngine(model, tokenizer, runtime, env_cfg, rollout_cfg.model_copy(update={"dtype": "fp32"}))
+        records = engine.run([t for t, _ in chosen], [s for _, s in chosen], greedy=True)
+        return [task_result(r) for r in records]
+
+    return evaluate
+
+
+__all__ = ["CHALLENGER", "CHAMPION", "HISTORY_TAG", "ModelRegistry", "champion_evaluator", "promote", "rollback"]

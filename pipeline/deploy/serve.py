@@ -1,0 +1,311 @@
+"""HTTP serving of a registered policy: dynamic batching, an identical-request cache, health, readiness and limits.
+
+API (JSON):
+
+- ``POST /solve`` with one task -- ``{"question": "...", "task_id"?, "allowed_writes"?, "answer"?, "seed"?}`` or a
+  complete task record -- returns ``{"task_id", "answer", "success", "trajectory", "calls", "n_calls",
+  "n_violations", "truncated", "cached", "batch_size"}`` (see :mod:`pipeline.deploy.pyfunc`).
+- ``GET /health``: 200 while the process serves HTTP (liveness). ``GET /ready``: 200 once the model is loaded and the
+  batcher runs, else 503 (readiness). ``GET /stats``: batches, mean batch size, cache hits and misses, rejections.
+
+Request handling, in order; every refusal happens before the model sees anything:
+1. rate limit per client address (token bucket, ``rate_limit_per_s`` and ``rate_burst``): 429;
+2. body larger than ``max_body_bytes`` (declared or actual): 413;
+3. not JSON: 400; not a valid task (unknown fields, empty or over-long question, malformed ``allowed_writes``): 422,
+   each with ``{"error": reason}``;
+4. the cache: an identical request (same task and seed: greedy decoding makes the answer a function of them) is
+   answered from an LRU of ``cache_size`` responses; an identical request already waiting shares its future;
+5. the queue: more than ``max_queue`` waiting requests gives 503;
+6. the batcher collects waiting requests into one generation batch, up to ``max_batch_size``, waiting at most
+   ``max_wait_ms`` after the first; the batch runs in one worker thread through the rollout engine (itself continuously
+   batched: a finished episode's slot takes the next task). Requests that arrive while a batch runs form the next one.
+
+Why a hand-written batcher rather than LitServe (0.2.19 installs cleanly here): LitServe's batching is the same
+"up to N requests or T ms" policy, but it runs the model in a separate worker process behind a queue, so the cache
+and the validation would either sit in the worker (a cache hit would wait for a batch slot) or need a second layer in
+front of it; the whole batcher here is one small class, and the model stays in the process that validated the request.
+
+Deliberately left out: authentication, TLS, multi-process workers (one model, one engine thread; scale out with more
+processes behind a proxy), and streaming of partial trajectories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations in this namespace
+from fastapi.responses import JSONResponse
+
+from pipeline.deploy.config import ServeConfig
+from pipeline.deploy.pyfunc import RequestError, parse_task
+
+
+# ------------------------------------------------------------------------------------------------------ components
+class TokenBucket:
+    """Per-key token buckets: `rate` tokens per second up to `burst`; ``take`` spends one or says no."""
+
+    def __init__(self, rate: float, burst: int, clock=time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.state: dict[str, tuple[float, float]] = {}
+
+    def take(self, key: str) -> bool:
+        now = self.clock()
+        tokens, last = self.state.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        ok = tokens >= 1.0
+        self.state[key] = (tokens - 1.0 if ok else tokens, now)
+        if len(self.state) > 100_000:  # forget the idlest clients rather than grow without bound
+            for k in list(self.state)[:50_000]:
+                del self.state[k]
+        return ok
+
+
+class LRUCache:
+    def __init__(self, size: int):
+        self.size, self.data = size, OrderedDict()
+
+    def get(self, key):
+        if key in self.data:
+            self.data.move_to_end(key)
+            return self.data[key]
+        return None
+
+    def put(self, key, value) -> None:
+        if self.size <= 0:
+            return
+        self.data[key] = value
+        self.data.move_to_end(key)
+        while len(self.data) > self.size:
+            self.data.popitem(last=False)
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    batches: int = 0
+    batched_requests: int = 0
+    cache_hits: int = 0
+    coalesced: int = 0
+    rejected: dict = field(default_factory=dict)
+    max_batch: int = 0
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "batches": self.batches, "batched_requests": self.batched_requests,
+                "mean_batch_size": self.batched_requests / self.batches if self.batches else 0.0,
+                "max_batch_size": self.max_batch, "cache_hits": self.cache_hits, "coalesced": self.coalesced,
+                "rejected": dict(self.rejected)}
+
+
+class Batcher:
+    """Collects submitted tasks into batches for ``solve(tasks, seeds, truth) -> responses`` (one worker thread)."""
+
+    def __init__(self, solve, max_batch_size: int, max_wait_s: float, max_queue: int, stats: Stats):
+        self.solve, self.max_batch, self.max_wait, self.max_queue = solve, max_batch_size, max_wait_s, max_queue
+        self.stats = stats
+        self.queue: asyncio.Queue | None = None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-model")
+        self.task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self) -> None:
+        self.queue = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def full(self) -> bool:
+        return self.queue is None or self.queue.qsize() >= self.max_queue
+
+    def submit(self, task, seed: int, truth: bool) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((task, seed, truth, fut))
+        return fut
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            deadline = loop.time() + self.max_wait
+            while len(batch) < self.max_batch:
+                if not self.queue.empty():
+                    batch.append(self.queue.get_nowait())
+                    continue
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+                except TimeoutError:
+                    break
+            batch = [b for b in batch if not b[3].cancelled()]
+            if not batch:
+                continue
+            self.stats.batches += 1
+            self.stats.batched_requests += len(batch)
+            self.stats.max_batch = max(self.stats.max_batch, len(batch))
+            try:
+                results = await loop.run_in_executor(
+                    self.executor, self.solve, [b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
+            except Exception as exc:  # noqa: BLE001 - a failing batch fails its requests, not the server
+                for b in batch:
+                    if not b[3].done():
+                        b[3].set_exception(exc)
+                continue
+            for b, res in zip(batch, results):
+                if not b[3].done():
+                    b[3].set_result({**res, "batch_size": len(batch)})
+
+
+# ------------------------------------------------------------------------------------------------------------ app
+def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
+    """The FastAPI app around a loaded :class:`~pipeline.deploy.pyfunc.PolicySolver` (or any object with
+    ``solve_tasks(tasks, seeds, truth)`` and ``seed``)."""
+    cfg = cfg or ServeConfig()
+    stats = Stats()
+    batcher = Batcher(solver.solve_tasks, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats)
+    cache = LRUCache(cfg.cache_size)
+    pending: dict[str, asyncio.Future] = {}
+    bucket = TokenBucket(cfg.rate_limit_per_s, cfg.rate_burst)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.stats, app.state.batcher = stats, batcher
+
+    def refuse(status: int, reason: str, kind: str) -> JSONResponse:
+        stats.rejected[kind] = stats.rejected.get(kind, 0) + 1
+        return JSONResponse({"error": reason}, status_code=status)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if batcher.running:
+            return {"status": "ready", "model_uri": model_uri, "precision": getattr(solver, "precision", None)}
+        return JSONResponse({"status": "not ready"}, status_code=503)
+
+    @app.get("/stats")
+    async def get_stats():
+        return {**stats.to_dict(), "cache_entries": len(cache.data), "queued": batcher.queue.qsize()
+                if batcher.queue else 0}
+
+    @app.post("/solve")
+    async def solve(request: Request):
+        stats.requests += 1
+        client = request.client.host if request.client else "unknown"
+        if not bucket.take(client):
+            return refuse(429, f"rate limit: at most {cfg.rate_limit_per_s:g} requests/s (burst {cfg.rate_burst}) "
+                               f"per client", "rate_limit")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
+            return refuse(413, f"request body of {declared} bytes exceeds {cfg.max_body_bytes}", "too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cfg.max_body_bytes:
+                return refuse(413, f"request body exceeds {cfg.max_body_bytes} bytes", "too_large")
+        try:
+            obj = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return refuse(400, f"body is not valid JSON: {exc}", "bad_json")
+        try:
+            task = parse_task(obj, cfg.max_question_chars)
+            seed = obj.get("seed", solver.seed) if isinstance(obj, dict) else solver.seed
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise RequestError("'seed' must be an integer")
+        except RequestError as exc:
+            return refuse(422, str(exc), "invalid")
+        truth = isinstance(obj, dict) and obj.get("answer") is not None
+        key = json.dumps([task.to_dict(), seed, truth], sort_keys=True)
+        hit = cache.get(key)
+        if hit is not None:
+            stats.cache_hits += 1
+            return {**hit, "cached": True}
+        fut = pending.get(key)
+        if fut is not None:
+            stats.coalesced += 1
+        else:
+            if batcher.full():
+                return refuse(503, f"server busy: {cfg.max_queue} requests already waiting", "busy")
+            fut = batcher.submit(task, int(seed), truth)
+            pending[key] = fut
+        try:
+            result = await asyncio.shield(fut)
+        except Exception as exc:  # noqa: BLE001
+            return JSONResponse({"error": f"model failure: {type(exc).__name__}: {exc}"}, status_code=500)
+        finally:
+            if pending.get(key) is fut and fut.done():
+                del pending[key]
+        cache.put(key, result)
+        return {**result, "cached": False}
+
+    return app
+
+
+def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int | None = None,
+          ready_message: bool = True) -> None:
+    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted."""
+    import uvicorn
+
+    from pipeline.deploy.pyfunc import load_solver
+
+    solver = load_solver(model_uri)
+    app = create_app(solver, cfg, model_uri)
+    host, port = host or cfg.host, cfg.port if port is None else port
+    if ready_message:
+        print(f"serving {model_uri} ({solver.precision}) on http://{host}:{port} (POST /solve, GET /health, /ready)",
+              flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        solver.close()
+
+
+class ThreadedServer:
+    """Run an app with uvicorn in a background thread (tests and benchmarks); ``with ThreadedServer(app, port):``."""
+
+    def __init__(self, app, port: int, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://{host}:{port}"
+
+    def __enter__(self) -> "ThreadedServer":
+        self.thread.start()
+        for _ in range(600):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("uvicorn did not start within 30 s")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+__all__ = ["Batcher", "LRUCache", "Stats", "ThreadedServer", "TokenBucket", "create_app", "serve"]

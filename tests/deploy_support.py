@@ -1,0 +1,130 @@
+"""Shared pieces of tests/test_deploy.py and tests/test_serve.py: a real MLflow tracking server on a loopback port
+(SQLite store, file artefacts), a tiny world and policy, and the metrics files of the stages deploy reads.
+
+The metrics files stand in for the outputs of the adapt, train and check_drift stages (their formats are the ones those
+phases write); the policy is a real (untrained, tiny) model and every episode is played by the real rollout engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pipeline.deploy.config import DeployConfig
+from pipeline.env.config import BuildEnvConfig, EnvConfig
+from pipeline.policy.config import ModelConfig, RolloutConfig
+
+TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, vocab_size=400, dtype="fp32")
+ENV = EnvConfig(max_steps=3)
+ROLL = RolloutConfig(max_new_tokens=12, batch_size=16, num_threads=1)
+N_TEST = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path):
+    """`mlflow server` with a SQLite backend and file artefacts on a free loopback port; stopped on exit."""
+    port = free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+           "--default-artifact-root", (root / "artifacts").as_uri(), "--no-serve-artifacts",
+           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{uri}/health", proc=proc)
+        yield uri
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()
+
+
+@contextlib.contextmanager
+def tracking_uri(uri: str):
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        yield uri
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+def build_project(root: Path) -> Path:
+    """A tiny project folder: data/ (world, splits) by the real build_env, models/policy (a tiny untrained model with
+    a tokenizer trained on the world's text), and metrics/ for train, adapt and drift with passing verdicts."""
+    from pipeline.phases.build_env import build
+    from pipeline.policy.model import build_policy, save_policy
+    from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
+
+    cfg = BuildEnvConfig(n_products=40, n_suppliers=12, tasks_per_split={"train": 40, "validation": 8, "test": N_TEST},
+                         demos={"level_coverage": {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}})
+    build(cfg, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
+    tok = train_tokenizer(corpus_texts(root / "data"), TINY.vocab_size)
+    save_policy(build_policy(TINY, tok), tok, root / "models" / "policy", {"phase": "train", "step": 0})
+    write_metrics(root / "metrics")
+    return root
+
+
+def write_metrics(metrics: Path, adapt_passed: bool | None = True, drift_passed: bool = True,
+                  consistency: str = "pass") -> None:
+    metrics.mkdir(parents=True, exist_ok=True)
+    (metrics / "train.json").write_text(json.dumps({"algorithm": "rloo", "updates": 0}))
+    (metrics / "adapt.json").write_text(json.dumps({"gate": {"enabled": adapt_passed is not None,
+                                                             "passed": adapt_passed, "min": {}, "shortfalls": []}}))
+    (metrics / "drift.json").write_text(json.dumps({
+        "passed": drift_passed, "verdict": "pass" if drift_passed else "fail",
+        "failed_checks": [] if drift_passed else ["task_drift"],
+        "checks": {"consistency": {"status": consistency}, "task_drift": {"status": "pass" if drift_passed else "fail"}}}))
+
+
+def deploy_config(root: Path, name: str, **over) -> DeployConfig:
+    base = dict(policy=str(root / "models" / "policy"), world_dir=str(root / "data" / "env"),
+                test_tasks=str(root / "data" / "tasks" / "test.jsonl"), model_name=name, latency_tasks=4,
+                gate={"min_paired_tasks": 10})
+    base.update(over)
+    return DeployConfig(**base)
+
+
+def write_params(root: Path, cfg: DeployConfig) -> Path:
+    import yaml
+
+    path = root / "params.yaml"
+    path.write_text(yaml.safe_dump({"deploy": cfg.model_dump(), "env": ENV.model_dump(), "rollout": ROLL.model_dump()}))
+    return path

@@ -1,0 +1,351 @@
+"""Deployment: quantised variants, the paired tests and checks of the promotion gate, and the registry operations
+against a real MLflow tracking server (SQLite store, loopback port) started by this module: registration, the gate on a
+good and on a broken challenger, alias moves, rollback, dry runs, and bad input leaving the registry unchanged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy_support import ENV, N_TEST, ROLL, TINY, build_project, deploy_config, mlflow_server, tracking_uri, \
+    write_metrics, write_params
+from pipeline.deploy.config import DeployConfig, DeployGateConfig, QuantizationConfig
+from pipeline.deploy.gate import (bootstrap_worse, check_parity, decide, extract_task_results, mcnemar_worse,
+                                  pair_results, GateInputs)
+from pipeline.deploy.quantize import Int8Embedding, make_variant, quantize_rows, state_size_bytes
+from pipeline.errors import AgentRLError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------------------- quantisation
+def test_row_quantisation_error_is_at_most_half_a_step():
+    w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    err = (q.float() * scale[:, None] - w).abs()
+    assert torch.all(err <= scale[:, None] / 2 + 1e-7)
+
+
+@pytest.fixture(scope="module")
+def builtin_model():
+    """The built-in policy at its default size (d_model 256, 4 layers, ~1k vocabulary, tied embeddings)."""
+    from pipeline.policy.config import ModelConfig
+    from pipeline.policy.model import build_policy
+    from pipeline.policy.tokenizer import train_tokenizer
+
+    texts = [f'What is the price of "Item {i}"? <call>lookup {{"name": "Item {i}", "field": "price"}}</call> {i * 7.5}'
+             for i in range(3000)]
+    tok = train_tokenizer(texts, 1024)
+    return build_policy(ModelConfig(vocab_size=1024), tok), tok
+
+
+def test_int8_is_at_most_035_of_fp32_and_close_to_it(builtin_model):
+    model, tok = builtin_model
+    ids = torch.randint(0, len(tok), (2, 40))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        sizes = {}
+        for name, prec, q in [("fp32", "fp32", None), ("bf16", "bf16", None), ("int8", "int8", QuantizationConfig()),
+                              ("int8_tied_fp32_embedding", "int8", QuantizationConfig(embeddings=False)),
+                              ("int8_weight_only", "int8", QuantizationConfig(linear="weight_only"))]:
+            v = make_variant(model, prec, q)
+            sizes[name] = state_size_bytes(v)
+            out = v(input_ids=ids).logits.float()
+            # quantised logits stay close to fp32 relative to their spread (int8: ~1% of a 127-level range per weight)
+            assert (out - ref).abs().max() < 0.05 * ref.std() * 10, name
+    assert sizes["int8"] <= 0.35 * sizes["fp32"], sizes
+    assert sizes["int8"] < sizes["int8_tied_fp32_embedding"] < 0.4 * sizes["fp32"]  # the embedding matters here
+    assert abs(sizes["bf16"] / sizes["fp32"] - 0.5) < 0.02
+    assert isinstance(make_variant(model, "int8").get_input_embeddings(), Int8Embedding)
+    assert next(model.parameters()).dtype == torch.float32 and type(model.lm_head) is torch.nn.Linear  # untouched
+    with pytest.raises(AgentRLError, match="unknown precision 'int4'"):
+        make_variant(model, "int4")
+
+
+def test_deploy_config_refuses_a_served_precision_it_does_not_measure():
+    with pytest.raises(ValueError, match="serve_precision='bf16' must be one of the measured precisions"):
+        DeployConfig(precisions=["fp32", "int8"], serve_precision="bf16")
+    with pytest.raises(ValueError, match="must include 'fp32'"):
+        DeployConfig(precisions=["int8"])
+
+
+# ------------------------------------------------------------------------------------------------ the gate, pure
+def test_mcnemar_counts_only_discordant_pairs():
+    champ = [True] * 30 + [False] * 10
+    same = mcnemar_worse(champ, champ)
+    assert same == {"test": "mcnemar", "losses": 0, "wins": 0, "p_value": 1.0}
+    worse = [False] * 12 + [True] * 18 + [False] * 10  # 12 losses, no wins
+    assert mcnemar_worse(worse, champ)["p_value"] == pytest.approx(0.5 ** 12)
+    mixed = [False] * 3 + [True] * 27 + [True] * 2 + [False] * 8  # 3 losses, 2 wins: noise
+    r = mcnemar_worse(mixed, champ)
+    assert (r["losses"], r["wins"]) == (3, 2) and r["p_value"] == pytest.approx(16 / 32)
+
+
+def test_bootstrap_flags_a_real_drop_and_not_noise():
+    champ = [True] * 30 + [False] * 10
+    worse = [False] * 12 + [True] * 18 + [False] * 10
+    assert bootstrap_worse(worse, champ, 2000, 0)["p_value"] < 0.01
+    r = bootstrap_worse(champ, champ, 2000, 0)
+    assert r["p_value"] == 1.0 and r["ci95"] == [0.0, 0.0]
+
+
+def test_pairing_matches_tasks_and_seeds_and_drops_ambiguous_ones():
+    a = [{"task_id": "t1", "seed": 1, "success": True}, {"task_id": "t2", "seed": 2, "success": False},
+         {"task_id": "t3", "seed": 3, "success": True}]
+    b = [{"task_id": "t2", "seed": 2, "success": True}, {"task_id": "t1", "seed": 1, "success": False},
+         {"task_id": "t3", "seed": 9, "success": True}]
+    x, y, keys = pair_results(a, b)
+    assert keys == [("t1", 1), ("t2", 2)] and x == [True, False] and y == [False, True]
+    no_seed = [{"task_id": "t1", "seed": None, "success": True}, {"task_id": "t1", "seed": None, "success": False},
+               {"task_id": "t3", "seed": None, "success": False}]
+    assert pair_results(no_seed, b)[2] == ["t3"]  # t1 twice without seeds cannot be paired
+
+
+def test_task_results_are_found_in_an_evaluation_file_of_any_shape():
+    per_task = [{"task_id": "a", "success": True, "seed": 0, "n_violations": 1}]
+    nested = {"splits": {"train": {"rl": {"episodes": [{"task_id": "x", "success": False}]}},
+                         "test": {"sft": {"episodes": [{"task_id": "y", "success": False}]},
+                                  "rl": {"episodes": per_task}}}}
+    assert extract_task_results(nested, "e.json") == [{"task_id": "a", "seed": 0, "success": True, "n_violations": 1}]
+    assert extract_task_results({"per_task": per_task}, "e.json")[0]["task_id"] == "a"
+    # the evaluate stage's format: success keyed by task id, per policy (SFT baseline and the RL policy)
+    evaluate = {"gate": {"passed": True, "enabled": True}, "flags": {"rl": {"overfitting": {"flagged": False}}},
+                "per_task_test_success": {"sft": {"a": False, "b": False}, "rl": {"a": True, "b": False}}}
+    assert extract_task_results(evaluate, "evaluate.json") == [
+        {"task_id": "a", "seed": None, "success": True, "n_violations": 0},
+        {"task_id": "b", "seed": None, "success": False, "n_violations": 0}]
+    with pytest.raises(AgentRLError, match="no per-task results"):
+        extract_task_results({"overall": {"success_rate": 0.5}}, "e.json")
+    with pytest.raises(AgentRLError, match="several per-task result lists"):
+        extract_task_results({"a": per_task, "b": per_task}, "e.json")
+
+
+def _inputs(successes: list[bool], violations: int = 0, parity_passed: bool = True) -> GateInputs:
+    n = len(successes)
+    return GateInputs(
+        adapt={"gate": {"passed": True}},
+        drift={"passed": True, "verdict": "pass", "failed_checks": [], "checks": {"consistency": {"status": "pass"}}},
+        quantization={"serve_precision": "int8",
+                      "variants": {"int8": {"episodes": n, "safety_violations": violations}},
+                      "parity": {"int8": {"success": 0.5, "fp32_success": 0.5 if parity_passed else 0.7,
+                                          "drop": 0.0 if parity_passed else 0.2, "tolerance": 0.02,
+                                          "passed": parity_passed}}},
+        test_results=[{"task_id": f"t{i}", "seed": i, "success": s, "n_violations": 0}
+                      for i, s in enumerate(successes)])
+
+
+def test_every_check_fails_on_its_own_broken_input():
+    cfg = DeployGateConfig(min_paired_tasks=10)
+    good = _inputs([True] * 20 + [False] * 20)
+    assert decide("2", good, None, None, cfg).passed
+    cases = {
+        "capability": GateInputs(**{**good.__dict__, "adapt": {"gate": {"passed": None}}}),
+        "drift": GateInputs(**{**good.__dict__, "drift": {**good.drift, "passed": False, "verdict": "fail"}}),
+        "consistency": GateInputs(**{**good.__dict__, "drift": {**good.drift, "checks": {"consistency":
+                                                                                         {"status": "skipped"}}}}),
+        "safety": _inputs([True] * 20 + [False] * 20, violations=3),
+        "quantization_parity": _inputs([True] * 20 + [False] * 20, parity_passed=False),
+    }
+    for name, inputs in cases.items():
+        d = decide("2", inputs, None, None, cfg)
+        assert d.failed == [name], (name, d.describe())
+    champion = good.test_results
+    broken = _inputs([False] * 40).test_results
+    d = decide("3", GateInputs(**{**good.__dict__, "test_results": broken}), "2", champion, cfg)
+    assert d.failed == ["vs_champion"] and "p(worse)" in d.describe()
+    few = decide("3", good, "2", champion[:5], cfg)
+    assert few.failed == ["vs_champion"] and "only 5 test tasks shared" in few.describe()
+
+
+# ---------------------------------------------------------------------------------------- against an MLflow server
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return build_project(tmp_path_factory.mktemp("deploy_project"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with mlflow_server(tmp_path_factory.mktemp("mlflow_server")) as uri, tracking_uri(uri):
+        yield uri
+
+
+def snapshot(registry) -> dict:
+    """Everything the gate could change: aliases, the history, every version's tags."""
+    if not registry.exists():
+        return {}
+    rm = registry.client.get_registered_model(registry.name)
+    versions = registry.client.search_model_versions(f"name='{registry.name}'")
+    return {"aliases": dict(rm.aliases), "tags": dict(rm.tags),
+            "versions": {v.version: dict(v.tags) for v in versions}}
+
+
+def run_deploy(project: Path, name: str, metrics: Path | None = None, **over):
+    from pipeline.phases.deploy import deploy
+
+    cfg = deploy_config(project, name, **over)
+    m = metrics or project / "metrics"
+    return deploy(cfg, ENV, ROLL, m, m / "deploy.json")
+
+
+def metrics_copy(project: Path, dest: Path, evaluate: list[bool] | None = None, **verdicts) -> Path:
+    """A metrics folder like the project's, with other verdicts and (optionally) an evaluate.json holding per-task
+    results on the project's test tasks (the evaluate stage's output)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    write_metrics(dest, **verdicts)
+    if evaluate is not None:
+        ids = [json.loads(l)["task_id"] for l in (project / "data/tasks/test.jsonl").read_text().splitlines()]
+        assert len(ids) == len(evaluate) == N_TEST
+        (dest / "evaluate.json").write_text(json.dumps({"per_task_test_success": {  # the evaluate stage's format
+            "sft": {t: False for t in ids}, "rl": dict(zip(ids, evaluate))}}))
+    return dest
+
+
+def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(server, project, tmp_path):
+    from pipeline.deploy.registry import ModelRegistry, rollback
+
+    name = "policy-gate"
+    registry = ModelRegistry(name)
+    # v1: the first model becomes champion on the absolute checks; results are its own episodes
+    first = run_deploy(project, name)
+    assert first["version"] == "1" and first["decision"].passed
+    assert registry.alias_version("champion") == "1" and registry.alias_version("challenger") == "1"
+    tags = registry.tags("1")
+    assert {tags[f"gate.{c}"] for c in ("capability", "safety", "drift", "consistency", "quantization_parity",
+                                         "vs_champion")} == {"pass"}
+    assert tags["gate.decision"] == "promoted" and registry.history() == ["1"]
+    written = json.loads((project / "metrics" / "deploy.json").read_text())
+    assert set(written["variants"]) == {"fp32", "bf16", "int8"} and written["gate"]["passed"]
+    assert written["variants"]["int8"]["size_ratio"] < 1 and written["variants"]["fp32"]["size_ratio"] == 1
+    assert written["test_results_source"].startswith("fp32 greedy episodes")
+
+    # v2: the same policy again: paired on the same tasks and seeds, not worse -> promoted
+    second = run_deploy(project, name, precisions=["fp32", "int8"])
+    vs = next(c for c in second["decision"].checks if c.name == "vs_champion")
+    assert second["decision"].passed and vs.values["paired_tasks"] == N_TEST and vs.values["p_value"] == 1.0
+    assert registry.alias_version("champion") == "2" and registry.history() == ["1", "2"]
+
+    # v3: an evaluation file in which the policy solves 20 of 24 tasks: better than the champion -> promoted
+    good = [True] * 20 + [False] * 4
+    third = run_deploy(project, name, metrics_copy(project, tmp_path / "m3", evaluate=good), precisions=["fp32", "int8"])
+    assert third["decision"].passed and registry.alias_version("champion") == "3"
+    assert third["test_results_source"].endswith("evaluate.json")
+
+    # v4: broken -- solves 4 of the same 24 tasks: significantly worse, never promoted, champion untouched
+    before = snapshot(registry)
+    broken = [False] * 16 + [True] * 4 + [False] * 4
+    fourth = run_deploy(project, name, metrics_copy(project, tmp_path / "m4", evaluate=broken),
+                        precisions=["fp32", "int8"])
+    assert not fourth["decision"].passed and fourth["decision"].failed == ["vs_champion"]
+    after = snapshot(registry)
+    assert after["aliases"]["champion"] == "3" and after["aliases"]["challenger"] == "4"
+    assert after["tags"] == before["tags"]  # history unchanged
+    assert {v: t for v, t in after["versions"].items() if v != "4"} == before["versions"]  # other versions untouched
+    assert after["versions"]["4"]["gate.vs_champion"] == "fail" and after["versions"]["4"]["gate.decision"] == "rejected"
+
+    # v5: broken another way -- the drift verdict failed: rejected as well
+    fifth = run_deploy(project, name, metrics_copy(project, tmp_path / "m5", evaluate=good, drift_passed=False),
+                       precisions=["fp32", "int8"])
+    assert fifth["decision"].failed == ["drift"] and registry.alias_version("champion") == "3"
+
+    # rollback walks the history back; with no previous champion it refuses and changes nothing
+    assert rollback(registry) == ("3", "2") and registry.alias_version("champion") == "2"
+    assert rollback(registry) == ("2", "1") and registry.history() == ["1"]
+    assert registry.tags("2")["rolled_back_at"]
+    before = snapshot(registry)
+    with pytest.raises(AgentRLError, match="no previous champion"):
+        rollback(registry)
+    assert snapshot(registry) == before
+
+
+def test_promote_by_hand_dry_run_and_bad_input_leave_the_registry_unchanged(server, project, tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.cli import main
+    from pipeline.deploy.registry import ModelRegistry
+
+    name = "policy-manual"
+    registry = ModelRegistry(name)
+    cfg = deploy_config(project, name, precisions=["fp32", "int8"], promote=False)
+    params = write_params(tmp_path, cfg)
+    run_deploy(project, name, precisions=["fp32", "int8"], promote=False)
+    assert registry.alias_version("challenger") == "1" and registry.alias_version("champion") is None
+
+    # dry run: the decision is shown, nothing is written
+    before = snapshot(registry)
+    assert main(["promote", "--dry-run", "--params", str(params)]) == 0
+    out = capsys.readouterr().out
+    assert "dry run (nothing written): version 1: PROMOTE" in out and "vs_champion: no champion yet" in out
+    assert snapshot(registry) == before
+
+    # bad input: an alias with no version, a version that does not exist, a challenger without its metrics
+    client = MlflowClient()
+    exp = client.get_experiment_by_name("agentrl").experiment_id
+    bare = client.create_run(exp, run_name="no-metrics")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "MLmodel").write_text("flavors: {}\n")
+    client.log_artifacts(bare.info.run_id, str(tmp_path / "m"), "model")
+    client.create_model_version(name, f"{bare.info.artifact_uri}/model", run_id=bare.info.run_id)
+    client.set_registered_model_alias(name, "nometrics", "2")
+    capsys.readouterr()
+    before = snapshot(registry)
+    for argv, message in [(["--alias", "staging"], "alias 'staging' of model 'policy-manual' points to no version"),
+                          (["--version", "42"], "has no version 42"),
+                          (["--alias", "nometrics"], "version 2 of 'policy-manual' is missing gate metrics")]:
+        assert main(["promote", *argv, "--params", str(params)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err, err
+        assert snapshot(registry) == before
+
+    # by hand, for real: version 1 passes and becomes champion; the decision is tagged
+    assert main(["promote", "--version", "1", "--params", str(params)]) == 0
+    assert "champion: v1" in capsys.readouterr().out
+    assert registry.alias_version("champion") == "1" and registry.tags("1")["gate.decision"] == "promoted"
+    assert main(["rollback", "--params", str(params)]) == 2
+    assert "no previous champion" in capsys.readouterr().err
+
+    # a deploy whose drift verdict is missing registers nothing
+    metrics = tmp_path / "metrics"
+    shutil.copytree(project / "metrics", metrics)
+    (metrics / "drift.json").unlink()
+    before = snapshot(registry)
+    with pytest.raises(AgentRLError, match="drift.json not found"):
+        run_deploy(project, name, metrics, precisions=["fp32", "int8"])
+    assert snapshot(registry) == before
+    with pytest.raises(AgentRLError, match="does not exist"):
+        ModelRegistry("never-registered").resolve(alias="champion")
+
+
+def test_registered_model_loads_as_pyfunc_and_solves_tasks(server, project):
+    import mlflow.pyfunc
+    import pandas as pd
+
+    from pipeline.deploy.pyfunc import load_solver
+
+    name = "policy-pyfunc"
+    run_deploy(project, name, precisions=["fp32", "int8"])
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    task = json.loads((project / "data/tasks/test.jsonl").read_text().splitlines()[0])
+    out = model.predict([{"question": task["question"]}, task])
+    assert len(out) == 2 and out[0]["success"] is None and isinstance(out[1]["success"], bool)
+    for r in out:
+        assert r["n_calls"] == len(r["trajectory"]) == len(r["calls"]) >= 1
+        assert all(set(s) == {"action", "observation"} for s in r["trajectory"])
+    frame = model.predict(pd.DataFrame({"question": [task["question"]]}))
+    assert frame[0]["trajectory"] == out[0]["trajectory"]  # same task, same seed, greedy: the same episode
+    solver = load_solver(f"models:/{name}@champion")
+    assert solver.precision == "int8" and type(solver.model.lm_head) is not torch.nn.Linear  # quantised at load
+    with pytest.raises(AgentRLError, match="cannot load model 'models:/no-such-model@champion'"):
+        load_solver("models:/no-such-model@champion")
+    with pytest.raises(AgentRLError, match="bad request: unknown fields"):
+        model.predict([{"question": "q", "nonsense": 1}])

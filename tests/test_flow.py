@@ -1,0 +1,492 @@
+"""The orchestrated pipeline on a tiny configuration: the whole flow end to end (every phase, lineage tags, registry and
+gate, the summary artifact), a phase failure and the resumed rerun, scheduled retraining on undrifted and drifted data,
+a deployment triggered by hand on a real `prefect server`, and `dvc push`/`dvc pull` to the local remote.
+
+Each project is a temporary copy of this repository's code, dvc.yaml and params.yaml (with tiny sizes), in a git
+repository of its own, with its own MLflow store and Prefect home: nothing touches the repository's own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows import lineage, summary
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+COPIED = ("pipeline", "flows", "configs", "dvc.yaml", ".dvcignore", "prefect.yaml", ".gitignore")
+
+# Tiny sizes for every phase (merged into the repository's params.yaml, so new keys there keep their defaults).
+TINY = {
+    "env": {"max_steps": 3},
+    "build_env": {"n_products": 40, "n_suppliers": 12, "tasks_per_split": {"train": 120, "validation": 24, "test": 24},
+                  "demos": {"level_coverage": {1: 0.3, 2: 0.3, 3: 0.3, 4: 0.3}}},
+    "model": {"vocab_size": 400, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_positions": 512,
+              "dtype": "fp32"},
+    "rollout": {"max_new_tokens": 10, "batch_size": 16, "num_threads": 1},
+    "adapt": {"threads": 1, "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "max_len": 64, "copy_drills": 8},
+              "adapter": {"lora_r": 4, "lora_alpha": 8.0},
+              "sft": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "max_len": 256, "log_every": 1},
+              "eval": {"max_tasks": 4, "sampled_per_task": 1}, "gate": {"enabled": False}},
+    "train": {"updates": 2, "tasks_per_update": 2, "group_size": 2, "num_ranks": 1, "checkpoint_every": 2,
+              "eval_every": 2, "eval_tasks": 4, "test_tasks": 4},
+    "evaluate": {"train_tasks": 4, "max_tasks": 6, "bootstrap_samples": 100, "diversity_tasks": 2, "diversity_seeds": 2},
+    "check_drift": {"max_rollout_episodes": 8, "false_alarm_repeats": 2, "false_alarm_sample_size": 60,
+                    "mmd_permutations": 50, "max_hidden_samples": 16, "consistency_probes": 8},
+    "deploy": {"model_name": "tiny-policy", "precisions": ["fp32", "int8"], "latency_tasks": 2, "max_test_tasks": 24,
+               "gate": {"require_capability_gate": False, "bootstrap_samples": 100, "min_paired_tasks": 10}},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merge(base.get(key) or {}, value) if isinstance(value, dict) and key in base else value
+    return out
+
+
+def tiny_params() -> dict:
+    from pipeline.policy.config import PretrainConfig
+
+    over = copy.deepcopy(TINY)
+    if "copy_drills" not in PretrainConfig.model_fields:  # a key being tuned elsewhere; keep the test independent
+        over["adapt"]["pretrain"].pop("copy_drills")
+    return merge(yaml.safe_load((ROOT / "params.yaml").read_text()), over)
+
+
+def make_project(root: Path) -> Path:
+    """A copy of the repository's code and graph with tiny params, as a git repository with DVC initialised."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif src.is_file():
+            shutil.copy2(src, root / name)
+    (root / ".dvc").mkdir()
+    shutil.copy2(ROOT / ".dvc" / "config", root / ".dvc" / "config")
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny_params(), sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "tiny project"]):
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    return root
+
+
+def clean_env(root: Path) -> dict[str, str]:
+    """The environment of a user in `root`: no test-session MLflow store, Prefect settings or parent run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_"))}
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def agentrl(root: Path, *args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "agentrl"), *args], cwd=root, env=env or clean_env(root), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def mlflow_client(root: Path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def runs(root: Path, name: str) -> list:
+    client = mlflow_client(root)
+    exp = client.get_experiment_by_name("agentrl")
+    return client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'",
+                              order_by=["attributes.start_time ASC"])
+
+
+def versions(root: Path) -> list[str]:
+    return sorted((str(v.version) for v in mlflow_client(root).search_model_versions("name = 'tiny-policy'")), key=int)
+
+
+def champion(root: Path) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(mlflow_client(root).get_model_version_by_alias("tiny-policy", "champion").version)
+    except MlflowException:
+        return None
+
+
+def prefect_artifact(root: Path, key: str) -> str:
+    """The newest markdown artifact `key` in the project's Prefect database (the temporary server's store)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(root / ".prefect" / "prefect.db")) as db:
+        row = db.execute("SELECT data FROM artifact WHERE key = ? ORDER BY created DESC LIMIT 1", (key,)).fetchone()
+    assert row is not None, f"no artifact {key}"
+    return json.loads(row[0])
+
+
+def stage_lines(stdout: str) -> dict[str, str]:
+    """{stage: status} from the flow's timing table."""
+    from pipeline.graph import stage_order
+
+    names = stage_order(ROOT / "dvc.yaml")
+    out = {}
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0] in names and parts[2] == "s":
+            out[parts[0]] = " ".join(parts[3:])
+    return out
+
+
+def write_tasks(root: Path, name: str, kind: str | None, n: int = 120, seed: int = 7) -> Path:
+    """A batch of incoming tasks: a fresh sample of the reference generator (kind None) or a drifted one."""
+    from pipeline.drift.checks import make_drifted_tasks, make_reference_sample
+    from pipeline.env.world import load_world
+
+    world = load_world(root / "data" / "env")
+    if kind is None:
+        mix = yaml.safe_load((root / "params.yaml").read_text())["build_env"]["level_mix"]
+        sample = make_reference_sample(world, n, seed, mix)
+    else:
+        sample = make_drifted_tasks(world, n, kind, seed=seed)
+    path = root / "data" / "incoming" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(t) + "\n" for t in sample.tasks))
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Cheap checks: summaries, lineage, the retry policy.
+
+
+def test_headlines_pick_known_figures_and_fall_back_to_scalars(tmp_path):
+    f = tmp_path / "m.json"
+    f.write_text(json.dumps({"verdict": "pass", "failed_checks": [], "checks": {"task_drift": {"status": "pass"}},
+                             "seconds": {"total": 1.5}}))
+    assert summary.headlines("check_drift", f) == {"verdict": "pass", "failed_checks": [],
+                                                   "checks.task_drift.status": "pass", "seconds.total": 1.5}
+    f.write_text(json.dumps({"novel": 3, "nested": {"x": 1}, "name": "n"}))
+    assert summary.headlines("check_drift", f) == {"novel": 3, "name": "n"}  # a changed format still reports
+    assert summary.headlines("deploy", tmp_path / "missing.json") == {}
+
+
+def test_cost_figures_subtract_the_stages_own_time():
+    cost = summary.cost_figures(100.0, {"a": {"command_s": 60.0}, "b": {"command_s": 30.0}, "c": {"command_s": None}})
+    assert cost["stage_commands_s"] == 90.0 and cost["overhead_s"] == 10.0 and cost["overhead_share"] == 0.1
+    assert cost["peak_rss_self_mib"] > 10  # this interpreter holds more than 10 MiB
+
+
+def test_retries_only_on_transient_steps():
+    from flows.pipeline_flow import push_data, read_champion, repro_stage, tag_runs
+    from flows.retrain_flow import champion_lineage, drift_check
+
+    assert repro_stage.retries == 0 and drift_check.retries == 0  # stages and checks: bugs or bad data, not luck
+    assert all(t.retries >= 2 for t in (push_data, read_champion, tag_runs, champion_lineage))
+
+
+def test_prefect_yaml_defines_the_scheduled_retraining_deployment():
+    from flows.retrain_flow import deployment_spec
+
+    spec = deployment_spec(ROOT)
+    assert spec["entrypoint"] == "flows/retrain_flow.py:retrain_flow"
+    assert [s["cron"] for s in spec["schedules"]] == ["0 3 * * *"]
+    from prefect.utilities.importtools import import_object
+
+    flow = import_object(str(ROOT / spec["entrypoint"]))  # the entrypoint resolves to the flow
+    assert flow.name == "agentrl-retrain" and set(spec["parameters"]) <= set(flow.parameters.properties)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The whole flow on a tiny configuration (slow: every phase trains or evaluates a tiny model for real).
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny project after one `agentrl run`: (root, the completed process)."""
+    root = make_project(tmp_path_factory.mktemp("flow") / "project")
+    proc = agentrl(root, "run")
+    return root, proc
+
+
+@pytest.mark.slow
+def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
+    from pipeline.deploy.gate import CHECKS
+    from pipeline.graph import load_stages
+
+    root, proc = trained
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    stages = load_stages(root / "dvc.yaml")
+    names = [s.name for s in stages]
+    assert stage_lines(proc.stdout) == {n: "ran" for n in names}
+    for k, name in enumerate(names, 1):  # the progress display
+        assert f"[{k}/{len(names)}] {name}: running" in proc.stdout and f"[{k}/{len(names)}] {name}: ran in" in proc.stdout
+    assert "orchestration overhead" in proc.stdout and "peak memory" in proc.stdout
+    for stage in stages:  # every phase wrote its metrics
+        assert stage.metrics and all((root / m).is_file() for m in stage.metrics), stage.name
+
+    # lineage: the git commit and the DVC versions on the parent run and on every phase run
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    (parent,) = runs(root, "pipeline")
+    assert parent.info.status == "FINISHED" and parent.data.tags["git.commit"] == head
+    produced = lineage.data_versions(root)
+    assert set(produced) == {"data/env", "data/tasks", "data/demos", "models/adapted", "models/policy"}
+    assert lineage.versions_from_tags(parent.data.tags) == produced
+    client = mlflow_client(root)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert {r.data.tags["agentrl.flow_stage"] for r in children} == set(names)
+    for run in children:
+        stage = run.data.tags["agentrl.flow_stage"]
+        assert run.data.tags["git.commit"] == head
+        assert lineage.versions_from_tags(run.data.tags) == lineage.stage_versions(root, stage), stage
+
+    # the registry: one version with every gate tag; champion where the gate says
+    deploy = json.loads((root / "metrics" / "deploy.json").read_text())
+    assert versions(root) == ["1"] and deploy["version"] == "1"
+    tags = client.get_model_version("tiny-policy", "1").tags
+    assert {f"gate.{c}" for c in CHECKS} | {"gate.decision"} <= set(tags)
+    assert tags["gate.decision"] == ("promoted" if deploy["gate"]["passed"] else "rejected")
+    assert champion(root) == ("1" if deploy["gate"]["passed"] else None)
+    assert parent.data.tags["agentrl.gate"] == tags["gate.decision"]
+
+    # the run's summary artifact: every phase, the gate, where to look next
+    md = prefect_artifact(root, "agentrl-pipeline-summary")
+    assert all(f"| {n} | ran |" in md for n in names)
+    assert f"tiny-policy v1: **{'PROMOTED' if deploy['gate']['passed'] else 'REJECTED'}**" in md
+    assert "mlflow ui --backend-store-uri" in md and "orchestration overhead" in md
+    assert "`verdict` pass" in md  # a headline figure of check_drift
+
+
+@pytest.mark.slow
+def test_a_failing_phase_stops_the_flow_and_the_rerun_resumes_there(trained):
+    root, first = trained
+    assert first.returncode == 0
+    before_versions, before_champion = versions(root), champion(root)
+    lock_before = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    # A corrupted batch of incoming tasks, and a changed check_drift setting so that DVC reruns that stage.
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["check_drift"]["seed"] = 1
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    bad = root / "data" / "incoming" / "corrupt.jsonl"
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    bad.write_text('{"task_id": "x", "question": "truncated...\n')
+
+    failed = agentrl(root, "run")
+    assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
+    assert "error: stage 'check_drift' failed" in failed.stderr and "corrupt.jsonl" in failed.stderr
+    statuses = stage_lines(failed.stdout)
+    assert statuses == {"build_env": "up to date", "adapt": "up to date", "train": "up to date",
+                        "evaluate": "up to date", "check_drift": "FAILED"}  # deploy never started
+    assert versions(root) == before_versions and champion(root) == before_champion
+    assert yaml.safe_load((root / "dvc.lock").read_text())["stages"]["deploy"] == lock_before["deploy"]
+    failed_run = runs(root, "pipeline")[-1]
+    assert failed_run.info.status == "FAILED" and failed_run.data.tags["agentrl.failed_stage"] == "check_drift"
+    assert "**Failed:** stage 'check_drift' failed" in prefect_artifact(root, "agentrl-pipeline-summary")
+
+    bad.unlink()  # the fix
+    rerun = agentrl(root, "run", "--push")
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert stage_lines(rerun.stdout) == {"build_env": "up to date", "adapt": "up to date", "train": "up to date",
+                                         "evaluate": "up to date", "check_drift": "ran", "deploy": "ran"}
+    assert versions(root) == [*before_versions, str(len(before_versions) + 1)]
+    pushed = lineage.data_versions(root)["models/policy"]  # --push sent every version to the local remote
+    assert (root / ".dvc-remote" / "files" / "md5" / pushed[:2] / pushed[2:]).is_file()
+
+
+@pytest.mark.slow
+def test_scheduled_retraining_skips_undrifted_data_and_retrains_on_drift(trained):
+    root, first = trained
+    assert first.returncode == 0
+    incoming = root / "data" / "incoming"
+    shutil.rmtree(incoming, ignore_errors=True)
+    before_versions, before_champion = versions(root), champion(root)
+
+    write_tasks(root, "batch-1.jsonl", None)
+    calm = agentrl(root, "schedule", "--once")
+    assert calm.returncode == 0, calm.stdout[-3000:] + calm.stderr[-3000:]
+    assert "retrain: nothing needed (no drift" in calm.stdout
+    record = runs(root, "retrain")[-1]
+    assert record.data.tags["retrain.decision"] == "nothing needed" and record.data.metrics["retrain/retrained"] == 0
+    assert versions(root) == before_versions and champion(root) == before_champion
+    assert "**Decision:** nothing needed" in prefect_artifact(root, "agentrl-retrain-summary")
+
+    (incoming / "batch-1.jsonl").unlink()
+    write_tasks(root, "batch-2.jsonl", "level_shift")
+    drifted = agentrl(root, "schedule", "--once")
+    assert drifted.returncode == 0, drifted.stdout[-3000:] + drifted.stderr[-3000:]
+    assert "retrain: retrain (drift found (task_drift" in drifted.stdout
+    record = runs(root, "retrain")[-1]
+    assert record.data.tags["retrain.decision"] == "retrain" and record.data.metrics["retrain/drift_found"] == 1
+    statuses = stage_lines(drifted.stdout)
+    assert statuses["build_env"] == "up to date" and all(statuses[s] == "ran" for s in list(statuses)[1:])
+    new = versions(root)[-1]
+    assert versions(root) == [*before_versions, new]  # retrained and registered a challenger ...
+    tags = mlflow_client(root).get_model_version("tiny-policy", new).tags
+    assert tags["gate.drift"] == "fail" and tags["gate.decision"] == "rejected"  # ... that the gate refused
+    assert champion(root) == before_champion
+    pipeline_run = runs(root, "pipeline")[-1]  # the retrain's pipeline run nests under the retrain run
+    assert pipeline_run.data.tags["mlflow.parentRunId"] == record.info.run_id
+
+
+@pytest.mark.slow
+def test_a_reference_version_the_workspace_moved_past_is_restored_from_the_dvc_cache(trained, tmp_path):
+    from flows.retrain_flow import reference_path
+
+    root, first = trained
+    assert first.returncode == 0
+    champion_tasks = lineage.data_versions(root)["data/tasks"]
+    # A workspace whose data/tasks has moved on (another hash in dvc.lock), sharing the project's DVC cache.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    (moved / ".dvc").symlink_to(root / ".dvc")
+    (moved / "dvc.lock").write_text((root / "dvc.lock").read_text().replace(champion_tasks, "0" * 32 + ".dir"))
+    path, source = reference_path(moved, "data/tasks/train.jsonl", {"data/tasks": champion_tasks}, moved / "scratch")
+    assert source == f"DVC cache ({champion_tasks})" and Path(path).is_relative_to(moved / "scratch")
+    assert Path(path).read_bytes() == (root / "data" / "tasks" / "train.jsonl").read_bytes()
+    # the workspace copy is used when it is the champion's version; a version missing from the cache is refused
+    assert reference_path(root, "data/tasks/train.jsonl", {"data/tasks": champion_tasks}, tmp_path)[0] == \
+        str(root / "data" / "tasks" / "train.jsonl")
+    from pipeline.errors import AgentRLError
+
+    with pytest.raises(AgentRLError, match="not in the DVC cache.*dvc fetch"):
+        reference_path(root, "data/tasks/train.jsonl", {"data/tasks": "f" * 32 + ".dir"}, tmp_path)
+
+
+@pytest.mark.slow
+def test_dvc_push_and_pull_restore_data_and_models_from_the_local_remote(trained):
+    root, first = trained
+    assert first.returncode == 0
+    env = clean_env(root)
+    dvc = [sys.executable, "-m", "dvc"]
+    push = subprocess.run([*dvc, "push"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert push.returncode == 0, push.stderr
+    assert (root / ".dvc-remote" / "files" / "md5").is_dir()
+    shutil.rmtree(root / "models")
+    shutil.rmtree(root / "data" / "tasks")
+    shutil.rmtree(root / ".dvc" / "cache")
+    pull = subprocess.run([*dvc, "pull"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert pull.returncode == 0, pull.stderr
+    status = subprocess.run([*dvc, "status", "--json"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert json.loads(status.stdout) == {}  # every output is back at the version dvc.lock records
+    assert lineage.cache_file(root, lineage.data_versions(root)["models/policy"]).is_file()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The retraining deployment on a real `prefect server`: served by `agentrl schedule`, triggered by hand.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(check, what: str, timeout: float, procs: tuple = ()) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(f"{p.args[:3]} exited with {p.returncode} while waiting for {what}")
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout:.0f} s")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a process started in its own session, and every child it started (a served flow run, the server's own)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)  # Prefect's worker, server and runner shut down cleanly on Ctrl-C
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_schedule_without_a_server_says_how_to_start_one(tmp_path):
+    root = make_project(tmp_path / "project")
+    env = clean_env(root)
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # no profile with an API URL either
+    proc = agentrl(root, "schedule", env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "prefect server start" in proc.stderr and "PREFECT_API_URL" in proc.stderr and "--once" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_deployment_run_triggered_by_hand_reaches_the_served_schedule_and_a_worker(tmp_path):
+    root = make_project(tmp_path / "project")  # no data yet: each run records that there is nothing to do
+    port = _free_port()
+    env = clean_env(root)
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "serve", "worker")}
+    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=tmp_path, env=env, stdout=logs["server"], stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    served = worker = None
+
+    def prefect(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "prefect"), *args], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    try:
+        _wait(lambda: _healthy(f"http://127.0.0.1:{port}/api/health"), "prefect server", 120, (server,))
+        served = subprocess.Popen([str(BIN / "agentrl"), "schedule"], cwd=root, env=env, stdout=logs["serve"],
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        name = "agentrl-retrain/nightly-retrain"
+
+        def deployed() -> bool:
+            p = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", name], env=env, capture_output=True,
+                               text=True, timeout=60)
+            return p.returncode == 0 and "0 3 * * *" in p.stdout  # the cron schedule of prefect.yaml
+
+        _wait(deployed, "the served deployment", 120, (server, served))
+        run = prefect("deployment", "run", name, "--watch", "--watch-timeout", "300", timeout=360)
+        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + run.stderr
+        _stop(served)
+
+        # The same deployment from prefect.yaml on a process work pool, run by a worker (README: past one machine).
+        env["PWD"] = str(root)  # as a shell in the repository root sets it: prefect.yaml's pull step reads $PWD
+        for args in (("work-pool", "create", "agentrl", "--type", "process"),
+                     ("--no-prompt", "deploy", "--name", "nightly-retrain")):
+            made = prefect(*args)
+            assert made.returncode == 0, made.stdout + made.stderr
+        inspected = json.loads(prefect("deployment", "inspect", name, "--output", "json").stdout)
+        (step,) = inspected["pull_steps"]
+        assert step["prefect.deployments.steps.set_working_directory"]["directory"] == str(root)  # runs in the project
+        worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "agentrl"], cwd=tmp_path,
+                                  env=env, stdout=logs["worker"], stderr=subprocess.STDOUT, start_new_session=True)
+        run = prefect("deployment", "run", name, "--watch", "--watch-timeout", "300", timeout=360)
+        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + run.stderr
+    finally:
+        for proc in (worker, served, server):
+            if proc is not None:
+                _stop(proc)
+        for log in logs.values():
+            log.close()
+    records = runs(root, "retrain")  # both runs wrote to the project's own MLflow store
+    assert len(records) == 2 and all(r.info.status == "FINISHED" for r in records)
+    assert all(r.data.tags["retrain.decision"] == "nothing needed" for r in records)
+    assert all(r.data.tags["retrain.reason"].startswith("no incoming tasks") for r in records)
