@@ -48,8 +48,14 @@ class StageFailed(AgentRLError):
     """A stage's command exited non-zero; the message carries the end of its output."""
 
 
+# torch.distributed's rank variables: a stage is never a rank of this process's group. A process that once ran a
+# single in-process rank (a test session, a notebook) keeps them in os.environ with the port its own group still
+# holds; a training stage that inherited them bound that port again and failed with EADDRINUSE.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def stage_env(root: str, tracking_uri: str, parent_run_id: str | None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
     env["MLFLOW_TRACKING_URI"] = tracking_uri
     env["PYTHONUNBUFFERED"] = "1"  # the phase's progress shows as it happens, not when its buffer fills
     # The stage commands (`agentrl ...`) live in the same environment as this interpreter.

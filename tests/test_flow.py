@@ -195,6 +195,19 @@ def test_retries_only_on_transient_steps():
     assert all(t.retries >= 2 for t in (push_data, read_champion, tag_runs, champion_lineage))
 
 
+def test_stage_commands_never_inherit_rank_variables(monkeypatch):
+    """A process that ran an in-process rank keeps RANK/WORLD_SIZE/MASTER_PORT in os.environ while its group holds
+    that port; a stage that inherited them bound it again (EADDRINUSE). The flow's stage environment drops them."""
+    from flows.pipeline_flow import RANK_VARS, stage_env
+    from pipeline.rl.distributed import RANK_VARS as TRAINER_RANK_VARS
+
+    assert set(RANK_VARS) == set(TRAINER_RANK_VARS)
+    for k in RANK_VARS:
+        monkeypatch.setenv(k, "29500")
+    env = stage_env(".", "sqlite:///x.db", None)
+    assert not set(RANK_VARS) & set(env) and env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
+
+
 def test_prefect_yaml_defines_the_scheduled_retraining_deployment():
     from flows.retrain_flow import deployment_spec
 
