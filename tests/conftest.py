@@ -18,3 +18,16 @@ def mlflow_tmp_uri(tmp_path_factory: pytest.TempPathFactory):
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
         yield uri
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one torch thread (restored afterwards): tiny matrices gain nothing from a second
+    thread, and on a loaded machine OpenMP's barrier waits make every small op cost a scheduler slice. A module opts
+    in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

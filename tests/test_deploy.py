@@ -20,12 +20,7 @@ from pipeline.deploy.quantize import Int8Embedding, make_variant, quantize_rows,
 from pipeline.errors import AgentRLError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------------------------------- quantisation

@@ -27,14 +27,7 @@ ENV = EnvConfig(max_steps=4)
 ROLL = RolloutConfig(max_new_tokens=10, batch_size=6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices gain nothing from a second thread, and on a loaded machine OpenMP's barrier waits make every
-    small op cost a scheduler slice; the tests run single-threaded (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,7 @@ from pipeline.deploy.config import ServeConfig
 NAME = "policy-serve"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -164,20 +159,28 @@ def test_serving_a_model_uri_that_does_not_exist_fails_clearly(registry_with_cha
 
 
 @pytest.mark.slow
-def test_mlflow_models_serve_runs_the_logged_model(registry_with_champion):
+def test_mlflow_models_serve_runs_the_logged_model(registry_with_champion, tmp_path):
     uri, project, _ = registry_with_champion
     port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m",
-                             f"models:/{NAME}@champion", "--env-manager", "local", "-p", str(port), "-h", "127.0.0.1"],
-                            env={**os.environ, "MLFLOW_TRACKING_URI": uri}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "mlflow-serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m",
+                                 f"models:/{NAME}@champion", "--env-manager", "local", "-p", str(port), "-h",
+                                 "127.0.0.1"], env={**os.environ, "MLFLOW_TRACKING_URI": uri,  # mlflow execs `uvicorn` by name
+                                                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
+                                stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{port}/ping", timeout=180, proc=proc)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/ping", timeout=180, proc=proc)
+        except RuntimeError as exc:  # show why the server did not come up
+            raise RuntimeError(f"{exc}; its output ends with:\n{log.read_text()[-3000:]}") from None
         r = httpx.post(f"http://127.0.0.1:{port}/invocations", json={"inputs": [{"question": "What is 2 + 2?"}]},
                        timeout=120)
         assert r.status_code == 200, r.text
         (pred,) = r.json()["predictions"]
         assert pred["n_calls"] == len(pred["trajectory"]) >= 1
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:  # a server that already exited must not hide the real failure
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
