@@ -72,7 +72,10 @@ def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, 
     learn = sum(float(r["sys_learn_s"]) for r in rows)
     metrics = json.loads((d / "train.json").read_text())
     return {"name": name, "rollout_s": roll, "learn_s": learn, "updates": len(rows),
-            "episodes_per_s": len(rows) * tasks * group / max(1e-9, sum(float(r["sys_rollout_s"]) + float(r["sys_learn_s"]) for r in rows)),
+            # wall time per update: in async mode the rollout overlaps learning, so rollout_s + learn_s would count
+            # the overlap twice; update_s is the learner's wall clock (idle wait for the batch + learning)
+            "episodes_per_s": len(rows) * tasks * group / max(1e-9, sum(float(r["sys_update_s"]) for r in rows)),
+            "idle_s": sum(float(r["sys_idle_s"] or 0) for r in rows),
             "peak_mib": peak, "world_size": metrics["world_size"],
             "tokens": sum(int(r["train_batch_tokens"]) for r in rows)}
 
@@ -100,11 +103,14 @@ def main() -> None:
     peak = matmul_peak(dtype)
     print(f"RL benchmark: {n_params / 1e6:.2f}M-parameter policy, {args.tasks} tasks x {args.group} rollouts per "
           f"update, {args.updates} updates (first one excluded as warm-up)")
-    print(f"{'run':20s} {'rollout s':>10s} {'learn s':>8s} {'rollout %':>10s} {'episodes/s':>11s} {'peak MiB':>9s}")
+    print("rollout s: generating the batch (async: in the background, overlapping learning); idle s: the learner "
+          "waiting for a batch (async only); episodes/s: over the learner's wall clock")
+    print(f"{'run':20s} {'rollout s':>10s} {'learn s':>8s} {'idle s':>7s} {'rollout %':>10s} {'episodes/s':>11s} "
+          f"{'peak MiB':>9s}")
     for r in (base, two, lat_sync, lat_async):
         share = 100 * r["rollout_s"] / max(1e-9, r["rollout_s"] + r["learn_s"])
-        print(f"{r['name']:20s} {r['rollout_s']:10.1f} {r['learn_s']:8.1f} {share:9.1f}% {r['episodes_per_s']:11.2f} "
-              f"{r['peak_mib']:9.0f}")
+        print(f"{r['name']:20s} {r['rollout_s']:10.1f} {r['learn_s']:8.1f} {r['idle_s']:7.1f} {share:9.1f}% "
+              f"{r['episodes_per_s']:11.2f} {r['peak_mib']:9.0f}")
     print(f"2 ranks / 1 rank episodes/s: {two['episodes_per_s'] / base['episodes_per_s']:.2f}x")
     print(f"async / sync episodes/s at 20 ms tool latency: "
           f"{lat_async['episodes_per_s'] / lat_sync['episodes_per_s']:.2f}x (goal: >= 2x)")

@@ -16,9 +16,18 @@ One run of :func:`retrain_flow`:
 5. records the decision either way: an MLflow run ``retrain`` (tags ``retrain.decision``, ``retrain.reason``; the
    verdict and the decision as artefacts; the pipeline's runs nest under it) and a Prefect markdown artifact.
 
-Deliberately left out: folding the incoming tasks into the training split. The `build_env` stage generates the
-training data from params and does not read ``data/incoming/``; a retrain reruns training on the current training
-data, and the gate (``deploy.gate.require_drift_pass``) refuses a challenger the drift check still fails.
+A retrain trains on the newest data: the `train` stage adds the incoming tasks to its RL task pool
+(``train.incoming_tasks``, :mod:`pipeline.rl.incoming`). Each file must pass the "tasks" suite, or the stage stops
+before anything trains. Tasks that name a validation/test entity or use a test-only template, copies of training tasks,
+and tasks whose answer the training world does not reproduce are left out. The counts are in ``metrics/train.json``
+(``incoming``) and the train run's ``incoming/*`` metrics. ``data/incoming`` is a DVC dep of `train` and `check_drift`,
+so a new batch also reruns them in a plain ``agentrl run``. The stages read the folder from params; this flow's
+`incoming` parameter steers only its own drift check.
+
+Deliberately left out: writing the incoming tasks into the training split (`build_env` still generates ``data/tasks``
+from params alone, and `adapt` needs demonstrations, which incoming tasks lack). The drift reference stays the
+training split, so while the incoming data still differs from it, the gate (``deploy.gate.require_drift_pass``)
+refuses the challenger.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def table() -> str:
         lines.append(f"| `{section}` | section | | | {(model.__doc__ or '').strip().splitlines()[0]} |")
         for key, typ, default, bounds, desc in rows(model, section):
             shown = f"`{default}`" if default else ""
-            lines.append(f"| `{key}` | {typ} | {shown} | {bounds} | {desc.replace('|', '/')} |")
+            lines.append(f"| `{key}` | {typ.replace(' | ', ' or ')} | {shown} | {bounds} | {desc.replace('|', '/')} |")
     return "\n".join(lines)
 
 

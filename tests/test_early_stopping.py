@@ -213,7 +213,9 @@ def test_the_worker_records_the_decision_in_train_json(project, monkeypatch):
     assert es["stopped"] == (second <= first)  # patience 1: stops at update 2 unless it improved
     assert es["best_update"] == (1 if second <= first else 2) == metrics["best_update"]
     meta = json.loads((project / "models/policy-worker/policy.json").read_text())
-    assert meta["rl_update"] == es["best_update"]
+    assert meta["rl_update"] == es["best_update"] == meta["step"]
+    assert meta["phase"] == "train" and meta["parent"]["phase"] != "train"  # lineage: this policy came from RL
+    assert meta["train_config"]["early_stopping_patience"] == 1
 
 
 def test_doctests():

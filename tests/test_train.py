@@ -4,6 +4,7 @@ and bad input (a contradicting DeepSpeed config, a checkpoint of another model).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,75 @@ def test_one_update_changes_the_policy_and_logs_diagnostics(in_project):
                 "offpolicy/is_weight_mean", "sys/rollout_s", "sys/learn_s"):
         assert key in h, key
     assert h["policy/entropy"] > 0 and np.isfinite(h["losses/grad_norm"])
+
+
+def _params_with(name: str, **train_keys) -> str:
+    """A copy of the project's params.yaml with `train_keys` set in its `train` section (the file's last)."""
+    text = Path("params.yaml").read_text()
+    for key, value in train_keys.items():
+        text = re.sub(rf"^  {key}: .*$", "", text, flags=re.M) + f"  {key}: {value}\n"
+    Path(name).write_text(text)
+    return name
+
+
+def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(in_project):
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.tasks import generate_tasks, write_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.worker import run_key, run_worker
+
+    world = load_world(Path("data/env"))
+    runtime = WorldRuntime(world)
+    seen = {t.question for t in load_tasks("data/tasks/train.jsonl")}
+    fresh = [t for t in generate_tasks(world, "train", 20, {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}, seed=99,
+                                       solver=lambda plan, allowed: runtime.solve(plan, allowed))
+             if t.question not in seen][:2]
+    runtime.close()
+    held_out = load_tasks("data/tasks/validation.jsonl")[0]  # names validation entities: never trained on
+    write_tasks([*fresh, held_out], Path("incoming-worker/batch.jsonl"))
+    Path("incoming-worker/README.md").write_text("not tasks\n")
+    params = _params_with("params-incoming.yaml", updates=2, incoming_tasks="incoming-worker")
+
+    result = run_worker(params, ckpt="ckpt-incoming", out="models/policy-incoming",
+                        metrics_path="metrics/train-incoming.json", curve_path="metrics/train-incoming.csv")
+    expected = {"dir": "incoming-worker", "files": 1, "read": 3, "tasks": 2, "dropped_heldout_entities": 1,
+                "dropped_heldout_templates": 0, "dropped_duplicates": 0, "dropped_unverifiable": 0}
+    assert result["completed"] and result["incoming"] == expected
+    assert json.loads(Path("metrics/train-incoming.json").read_text())["incoming"] == expected
+    run = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).search_runs(
+        [MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_experiment_by_name("agentrl").experiment_id],
+        filter_string="attributes.run_name = 'train'", order_by=["attributes.start_time DESC"], max_results=1)[0]
+    assert run.data.metrics["incoming/tasks"] == 2 and run.data.metrics["incoming/dropped_heldout_entities"] == 1
+    assert run.data.tags["incoming.dir"] == "incoming-worker"
+    # the checkpoints are keyed by the incoming tasks too: a new batch starts a fresh run instead of resuming this one
+    (folder,) = Path("ckpt-incoming").iterdir()
+    cfgs = (load_section(EnvConfig, "env", params), load_section(RolloutConfig, "rollout", params),
+            load_section(TrainConfig, "train", params))
+    assert folder.name != run_key("models/adapted", *cfgs, 1)
+
+
+def test_a_schema_breaking_incoming_file_stops_the_stage_before_anything_is_written(in_project):
+    from pipeline.phases.train import main as train_main
+    from pipeline.rl.worker import run_worker
+
+    Path("incoming-bad").mkdir()
+    Path("incoming-bad/bad.jsonl").write_text('{"task_id": "x"}\n')
+    single = _params_with("params-bad.yaml", incoming_tasks="incoming-bad")
+    with pytest.raises(AgentRLError, match=r"incoming task file incoming-bad/bad.jsonl breaks the task schema.*"
+                                           r"bad.jsonl:1: missing keys"):
+        run_worker(single, ckpt="ckpt-bad", out="models/policy-bad", metrics_path="metrics/train-bad.json")
+    assert not any(Path(p).exists() for p in ("ckpt-bad", "models/policy-bad", "metrics/train-bad.json"))
+    # several ranks: refused before the DeepSpeed launcher starts any
+    ranks = _params_with("params-bad-ranks.yaml", incoming_tasks="incoming-bad", num_ranks=2)
+    with pytest.raises(AgentRLError, match="incoming-bad/bad.jsonl"):
+        train_main(ranks)
 
 
 def test_deepspeed_config_that_contradicts_the_params_is_refused(tmp_path):

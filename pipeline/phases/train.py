@@ -5,6 +5,10 @@
 ``models/policy`` (the best policy by validation success), ``metrics/train.json``, ``metrics/train_curve.csv``;
 checkpoints in ``checkpoints/train`` (a rerun resumes from the last one; delete the folder to start over).
 
+Incoming production tasks (``train.incoming_tasks``, default ``data/incoming/*.jsonl``) join the RL task pool; a file
+that breaks the task schema stops the phase before anything trains (:mod:`pipeline.rl.incoming`; with several ranks
+it is checked here, before the launcher starts them, so the error is reported once).
+
 Multi-node: the same worker runs under ``deepspeed --hostfile hosts --num_nodes K --num_gpus G --module
 pipeline.rl.worker --params params.yaml`` (see the README); nothing in the library changes.
 """
@@ -39,7 +43,9 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
         run_worker(params_path, stop_after=stop_after)
         return
     from pipeline.rl.distributed import _free_port, child_env
+    from pipeline.rl.incoming import read_incoming
 
+    read_incoming(cfg.incoming_tasks)  # AgentRLError naming the file, before any rank starts
     cmd = launcher_command(params_path, cfg.num_ranks, _free_port(), extra)
     # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
     # display); keep the last lines of everything for the error message

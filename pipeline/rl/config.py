@@ -15,6 +15,7 @@ class TrainConfig(PhaseConfig):
     """RL training of the adapted policy (seed 1.4, 2, 3.2, 3.4, 3.5)."""
 
     seed: int = Field(0, description="Seed of task sampling, rollouts and initialisation of the value head.")
+    incoming_tasks: str | None = Field("data/incoming", description="Folder of incoming production tasks (every *.jsonl in it, in the task schema; the folder check_drift reads): each file must pass the 'tasks' suite, then its tasks join the RL task pool as `incoming/<file stem>/<task_id>`. Tasks that name a validation/test entity or use a test-only template, copies of training tasks, and tasks whose answer the training world does not reproduce are left out and counted (metrics/train.json `incoming`). A missing folder adds nothing; null disables.")
     algorithm: Literal["ppo", "grpo", "rloo"] = Field("rloo", description="'ppo': clipped surrogate with a value head and GAE; 'grpo': group baseline (score − group mean)/group std; 'rloo': leave-one-out group baseline.")
     updates: int = Field(60, ge=1, le=100_000, description="Policy updates (one batch of rollouts each).")
     tasks_per_update: int = Field(8, ge=1, description="Distinct tasks per update, over all ranks (a multiple of the number of ranks).")

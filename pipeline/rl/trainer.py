@@ -460,8 +460,10 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 if decision.improved:
                     best = {"success": val, "update": u + 1, cfg.early_stopping_metric: decision.value}
                     if dist.is_main:
-                        save_policy(policy, tokenizer, out_dir, {**meta, "rl_update": u + 1, "val_success": val,
-                                                                  "algorithm": cfg.algorithm})
+                        save_policy(policy, tokenizer, out_dir, {
+                            **meta, "phase": "train", "step": u + 1, "rl_update": u + 1, "val_success": val,
+                            "algorithm": cfg.algorithm, "train_config": cfg.model_dump(),
+                            "parent": {"phase": meta.get("phase"), "step": meta.get("step")}})
                 dist.barrier()
             if dist.is_main:
                 run.log_metrics(metrics, step=u + 1)

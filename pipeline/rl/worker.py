@@ -1,11 +1,13 @@
 """One rank of the `train` phase. Started by the DeepSpeed launcher (``deepspeed --num_gpus N --module
 pipeline.rl.worker --params params.yaml``), or in-process for a single rank by :mod:`pipeline.phases.train`.
 
-Reads the `env`, `rollout` and `train` sections, trains from ``models/adapted``, keeps the best policy (by the
-validation metric ``train.early_stopping_metric``; training stops early after ``early_stopping_patience`` evaluations
-without improvement) in ``models/policy``, and on rank 0 writes ``metrics/train.json`` (SFT against RL on the test
-split, per level, and the early-stopping decision with its reason) and ``metrics/train_curve.csv`` (the learning curve
-for ``dvc plots show``).
+Reads the `env`, `rollout` and `train` sections, trains from ``models/adapted`` on the training split plus the incoming
+production tasks in ``train.incoming_tasks`` (checked and filtered by :mod:`pipeline.rl.incoming` before anything
+trains), keeps the best policy (by the validation metric ``train.early_stopping_metric``; training stops early after
+``early_stopping_patience`` evaluations without improvement) in ``models/policy``, and on rank 0 writes
+``metrics/train.json`` (SFT against RL on the test split, per level, the early-stopping decision with its reason, and
+``incoming``: the incoming tasks used and dropped) and ``metrics/train_curve.csv`` (the learning curve for ``dvc plots
+show``).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from pipeline.env.core import WorldRuntime, load_tasks
 from pipeline.env.world import load_world
 from pipeline.errors import AgentRLError
 from pipeline.rl.config import TrainConfig
+from pipeline.rl.incoming import DROP_REASONS, load_incoming
 
 CURVE_KEYS = ("update", "rollout/success", "rollout/return", "policy/entropy", "losses/total", "losses/approx_kl",
-              "rollout/zero_variance_group_share", "sys/rollout_s", "sys/learn_s", "train/batch_tokens")
+              "rollout/zero_variance_group_share", "sys/rollout_s", "sys/learn_s", "sys/idle_s", "sys/update_s",
+              "train/batch_tokens")
 
 
 def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, dist) -> dict:
@@ -71,6 +75,10 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         test_tasks = load_tasks(data / "tasks" / "test.jsonl")
     except (FileNotFoundError, ValueError) as exc:
         raise AgentRLError(f"train: {exc}") from None
+    # the boundary: a schema-breaking incoming file stops the stage here, before the tracker, checkpoints or model
+    incoming = load_incoming(cfg.incoming_tasks, train_tasks=train_tasks, test_tasks=test_tasks, runtime=runtime)
+    if dist.is_main:
+        print(incoming.describe(), flush=True)
     demos = None
     if cfg.bc_coef > 0:
         from pipeline.policy.model import load_policy
@@ -80,15 +88,18 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         questions = {t.task_id: t.question for t in train_tasks}
         demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
                               questions, env_cfg.history_window)
-    ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size)
+    ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
     tracker = Tracker() if dist.is_main else NullTracker()
     t0 = time.perf_counter()
     params = {"env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump(), "train": cfg.model_dump(),
               "world_size": dist.world_size}
     with tracker.run("train", params=params) as run:
-        result = train(cfg, env_cfg, rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks,
+        run.log_metrics({f"incoming/{k}": incoming.summary[k] for k in ("files", "read", "tasks", *DROP_REASONS)})
+        run.set_tags({"incoming.dir": incoming.summary["dir"] or "null"})
+        result = train(cfg, env_cfg, rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks + incoming.tasks,
                        val_tasks=val_tasks, runtime=runtime, out_dir=Path(out), ckpt_dir=ckpt_dir, dist=dist,
                        run=run, demo_examples=demos, stop_after=stop_after)
+        result["incoming"] = incoming.summary
         if not result["completed"]:
             return result
         comparison = compare({"sft": Path(adapted), "rl": Path(out)}, test_tasks[:cfg.test_tasks], runtime, env_cfg,
@@ -102,6 +113,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                 "mean_rollout_share": _share(result["history"]),
                 "evals": result["evals"],
                 "early_stopping": result["early_stopping"],
+                "incoming": incoming.summary,
             }
             Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
             Path(metrics_path).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
@@ -126,14 +138,17 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
     return result
 
 
-def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int) -> str:
+def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_digest: str | None = None) -> str:
     """Checkpoints live in a folder named after everything the run depends on: a killed run resumes from its own
-    checkpoints, and a run with other params (or another adapted model) starts fresh instead of resuming a stranger."""
+    checkpoints, and a run with other params, another adapted model or other incoming tasks (`incoming_digest`,
+    :attr:`pipeline.rl.incoming.IncomingTasks.digest`) starts fresh instead of resuming a stranger."""
     import hashlib
 
     meta = Path(adapted) / "policy.json"
     parts = [env_cfg.model_dump_json(), rollout_cfg.model_dump_json(), cfg.model_dump_json(), str(world_size),
              meta.read_text() if meta.is_file() else ""]
+    if incoming_digest is not None:  # None when no incoming task is used (a README, an all-dropped file)
+        parts.append(incoming_digest)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
