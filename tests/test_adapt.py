@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -166,6 +167,25 @@ def test_copy_drills_end_in_a_json_copy_of_a_quoted_fictitious_name(data_dir):
         body, record = text.rsplit("\n", 1)
         values = [v for k, v in json.loads(record).items() if k != "item"]
         assert values and all((f"'{v}'" in body or f'"{v}"' in body) and v not in real for v in values)
+
+
+def test_number_drills_end_in_a_json_copy_of_numbers_from_the_observations():
+    texts = sft.number_drills(60, np.random.default_rng(0))
+    assert len(texts) == 60
+    forms = set()
+    for text in texts:
+        body, record = text.rsplit("\n", 1)
+        observed = re.findall(r"<obs>([0-9.]+)</obs>", body)
+        fields = json.loads(record)
+        forms.add(tuple(sorted(fields)))
+        if "item" in fields:
+            assert fields["value"] == observed[fields["item"]]
+        elif "value" in fields:
+            assert fields["value"] == observed[-1]
+        else:
+            a, b = re.split(r"[*+-]", fields["expr"])
+            assert a in observed and (b in observed or b.isdigit())
+    assert forms == {("value",), ("expr",), ("item", "value")}
 
 
 def test_masked_loss_ignores_masked_positions():

@@ -78,8 +78,23 @@ def test_quoted_names_tokenize_alike_in_questions_calls_and_results(runtime, tok
         call = encode_continuation(tokenizer, format_action("lookup", {"name": name, "field": "price"}))
         for seq in (question, call):
             assert any(seq[i:i + len(name_ids)] == name_ids for i in range(len(seq))), name
-    # frequent words were merged: a seen product name is a couple of tokens, not letters
-    assert len(encode_continuation(tokenizer, runtime.world.products[0]["name"])) <= 4
+    # frequent words were merged: a seen product name is two words of at most two tokens each and the space
+    assert len(encode_continuation(tokenizer, runtime.world.products[0]["name"])) <= 5
+
+
+def test_a_word_has_the_same_ids_after_a_space_and_after_a_quote(runtime, tokenizer):
+    """What lets the policy copy a field word or a supplier's name from the question into a call (tokenizer docstring):
+    `stock` in "the stock of" and in ``"field": "stock"``, a name in ``of "..."`` and in a search query."""
+    for word in ("stock", "category", "supplier", "price"):
+        question = encode_continuation(tokenizer, f"What is the {word} of 'X'?")
+        call = encode_continuation(tokenizer, format_action("lookup", {"name": "X", "field": word}))
+        word_ids = encode_continuation(tokenizer, word)
+        for seq in (question, call):
+            assert any(seq[i:i + len(word_ids)] == word_ids for i in range(len(seq))), word
+    for supplier in runtime.world.suppliers[:20]:
+        name_ids = encode_continuation(tokenizer, supplier["name"])
+        query = encode_continuation(tokenizer, format_action("search", {"query": f"flagship product of {supplier['name']}"}))
+        assert any(query[i:i + len(name_ids)] == name_ids for i in range(len(query))), supplier["name"]
 
 
 def test_context_encodes_as_the_concatenation_of_its_turns(runtime, tokenizer):

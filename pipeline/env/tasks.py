@@ -171,7 +171,10 @@ def _plan(family: str, slots: dict) -> list[dict]:
         return [_step("lookup", name=p, field="stock"), _step("calc", expr=f"{{0}}+{n}"),
                 _step("update", name=p, field="stock", value="{1}"), _step("answer", value="{1}")]
     if family == "search_lookup_calc":
-        return [_step("search", query=f"flagship product of {slots['s']}"), _step("lookup", name="{0:quoted}", field="price"),
+        # the query starts with the supplier's name, so the policy copies it right after a quote, as it copies names
+        # into every other call (measured with "flagship product of <name>": the name after a space is a different
+        # token sequence, and the adapted policy wrote a training supplier's name there on every level-4 task)
+        return [_step("search", query=f"{slots['s']} flagship product"), _step("lookup", name="{0:quoted}", field="price"),
                 _step("calc", expr=f"{{1}}*{n}"), _step("answer", value="{2}")]
     raise ValueError(f"unknown family {family!r}; families are {FAMILIES}")
 

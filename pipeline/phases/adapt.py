@@ -171,18 +171,23 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                       documents=cfg.pretrain.include_documents)
         n_domain = len(texts)
         texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
+        texts += sft.number_drills(cfg.pretrain.number_drills, np.random.default_rng([cfg.seed, 3]))
         pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
         for p in model.parameters():
             p.requires_grad_(True)
         res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
                            cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
-                           autocast=autocast, log=lambda s, m: log({f"pretrain/{k}": v for k, v in m.items()}, step=s),
+                           autocast=autocast, log=lambda s, m: _progress("pretrain", s, cfg.pretrain.steps, m,
+                                                                         cfg.sft.log_every, log),
                            log_every=cfg.sft.log_every)
         probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
+        number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
         pre_summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
                        "copy_drills": len(texts) - n_domain,
-                       "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast)}
-        log({"pretrain/copy_accuracy": pre_summary["copy_accuracy"]})
+                       "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
+                       "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast)}
+        log({"pretrain/copy_accuracy": pre_summary["copy_accuracy"],
+             "pretrain/number_copy_accuracy": pre_summary["number_copy_accuracy"]})
         seconds["pretrain"] = time.perf_counter() - t
 
     # SFT with the adapter
@@ -198,6 +203,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     def sft_log(step: int, m: dict) -> None:
         curve.append([step, round(m["loss"], 5)])
         log({f"sft/{k}": v for k, v in m.items()}, step=step)
+        if step % (10 * cfg.sft.log_every) == 0 or step == cfg.sft.steps:
+            print(f"adapt: sft step {step}/{cfg.sft.steps} loss {m['loss']:.3f}", flush=True)
 
     res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
                                                          tokenizer.pad_token_id),
@@ -258,6 +265,13 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if run is not None:
         run.log_artifact(str(metrics_path))
     return metrics
+
+
+def _progress(name: str, step: int, steps: int, m: dict, every: int, log) -> None:
+    """Log a training step's metrics to MLflow, and print a progress line every 10 logs (the stage's progress display)."""
+    log({f"{name}/{k}": v for k, v in m.items()}, step=step)
+    if step % (10 * every) == 0 or step == steps:
+        print(f"adapt: {name} step {step}/{steps} loss {m['loss']:.3f}", flush=True)
 
 
 def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:

@@ -84,6 +84,7 @@ class PretrainConfig(PhaseConfig):
     include_documents: bool = Field(False, description="Add the world's documents (data/env/corpus.jsonl: what `search` returns) to the pre-training text.")
     include_questions: bool = Field(False, description="Add the training tasks' questions to the documents (text the policy reads in every prompt; no actions or answers).")
     copy_drills: int = Field(20000, ge=0, description="Synthetic texts that end in a JSON field copied from a quoted (fictitious) name earlier in the text (pipeline.policy.sft.copy_drills): they form the copying circuit the policy needs for held-out names, which SFT alone forms only after about 1,000 steps. 0: none.")
+    number_drills: int = Field(10000, ge=0, description="Synthetic texts that end in a JSON field copying numbers from tool observations earlier in the text (pipeline.policy.sft.number_drills): the other copy the policy needs, a tool result into the next call. Without them one seed in two never learned it. 0: none.")
 
 
 class SFTConfig(PhaseConfig):
