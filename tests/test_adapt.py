@@ -243,6 +243,47 @@ def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_l
     assert not moved, f"frozen parameters that changed: {moved}"
 
 
+def test_training_stops_when_the_stop_check_says_so(tokenizer, demos, tasks):
+    """Pre-training ends at the first check that reaches `adapt.pretrain.copy_target` (the check sees the model)."""
+    model = build_policy(TINY, tokenizer)
+    batch = _batch(tokenizer, demos, tasks, n=4)
+    checks = []
+
+    def stop(step):
+        checks.append((step, model.training))
+        return step >= 4
+
+    res = sft.train_lm(model, iter([batch] * 10), steps=10, lr=1e-3, stop=stop, stop_every=2)
+    assert [s for s, _ in checks] == [2, 4] and res.steps == len(res.losses) == 4
+    never = sft.train_lm(model, iter([batch] * 5), steps=5, lr=1e-3, stop=lambda s: False, stop_every=2)
+    assert never.steps == 5
+
+
+def test_copy_accuracy_counts_only_whole_copies(tokenizer):
+    """A model that gets the first token of a copy right but not the rest scores 0 (exact copy), unlike one that
+    predicts every token."""
+
+    class Oracle(torch.nn.Module):
+        def __init__(self, wrong_after_first: bool):
+            super().__init__()
+            self.wrong = wrong_after_first
+            self.training = False
+
+        def forward(self, input_ids):
+            ids = input_ids[0]
+            logits = torch.zeros(1, len(ids), len(tokenizer))
+            for t in range(len(ids) - 1):  # predict the true next token (teacher forcing makes this an oracle)
+                logits[0, t, ids[t + 1]] = 1.0
+            if self.wrong:
+                logits[0, -2, :] = 0.0
+                logits[0, -2, (ids[-1] + 1) % len(tokenizer)] = 1.0
+            return type("Out", (), {"logits": logits})()
+
+    texts = ['Item 0: \'Polar Kettle\'.\n{"item": 0, "name": "Polar Kettle"}']
+    assert sft.copy_accuracy(Oracle(False), tokenizer, texts) == 1.0
+    assert sft.copy_accuracy(Oracle(True), tokenizer, texts) == 0.0
+
+
 @pytest.mark.parametrize("kind", ["lora", "bottleneck"])
 def test_adapted_model_saves_and_loads_with_load_policy_to_the_same_outputs(kind, tmp_path, tokenizer, demos, tasks):
     model = build_policy(TINY, tokenizer)

@@ -175,17 +175,30 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
         for p in model.parameters():
             p.requires_grad_(True)
+        probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
+        copy_curve: list[list[float]] = []
+
+        def copied_enough(step: int) -> bool:
+            acc = sft.copy_accuracy(model, tokenizer, probe[:100], autocast)
+            copy_curve.append([step, acc])
+            log({"pretrain/copy_accuracy_check": acc}, step=step)
+            print(f"adapt: pretrain step {step}: exact-copy accuracy {acc:.2f} (target {cfg.pretrain.copy_target})",
+                  flush=True)
+            return acc >= cfg.pretrain.copy_target
+
         res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
                            cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
                            autocast=autocast, log=lambda s, m: _progress("pretrain", s, cfg.pretrain.steps, m,
                                                                          cfg.sft.log_every, log),
-                           log_every=cfg.sft.log_every)
-        probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
+                           log_every=cfg.sft.log_every,
+                           stop=copied_enough if cfg.pretrain.copy_target is not None else None,
+                           stop_every=cfg.pretrain.check_every)
         number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
         pre_summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
                        "copy_drills": len(texts) - n_domain,
                        "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
-                       "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast)}
+                       "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast),
+                       "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
         log({"pretrain/copy_accuracy": pre_summary["copy_accuracy"],
              "pretrain/number_copy_accuracy": pre_summary["number_copy_accuracy"]})
         seconds["pretrain"] = time.perf_counter() - t
@@ -255,7 +268,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     # publish: the model (atomic swap), then the metrics (temp file + rename)
     meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
             "adapt_config": cfg.model_dump(), "base": source, "adapter": kind,
-            "step": cfg.pretrain.steps + cfg.sft.steps,
+            "step": (pre_summary["steps"] if pre_summary else 0) + sft_summary["steps"],
             "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
     save_policy(model, tokenizer, out_dir, meta)
     metrics_path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,7 @@ Decisions (../shared/FINDINGS.md, "Pitfalls"):
 - ``padding_side="left"``: generation batches are left-padded.
 
 Measured on the default data (build_env defaults): training takes under a second and saturates at 884 tokens with
-``vocab_size=1024`` (merges run out), an expert episode is ~135 tokens (prompt ~64, an action ~15).
+``vocab_size=1024`` (merges run out); a demonstration is ~164 tokens (prompt ~93, an action ~18).
 
 Deliberately left out: a chat template (the environment's context *is* the prompt, seed 3.3) and any text normalisation.
 """
