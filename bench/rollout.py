@@ -13,10 +13,11 @@ Generated tokens are the tokens the policy sampled (each action up to and includ
 configuration runs in its own process, so the peak resident memory printed (``resource.getrusage``, max RSS) is that
 configuration's own. Quote the ratios: these machines are shared and absolute speeds move with the load.
 
-Last measured (2026-11-30, 1 thread, loaded machine): engine fp32 1236 tokens/s = 3.4x (b) and 3.2x (a); bf16 1520
-tokens/s = 3.3x (b) and 5.8x (a); engine bf16/fp32 1.23; peak RSS engine 1.0 GB, (b) 1.4 GB. Random weights make
-every action run to max_new_tokens and every episode to max_steps (~900-token episodes, re-based once when the
-environment folds its history), the worst case for the engine; a trained policy's ~135-token episodes favour it more.
+Last measured (2026-11-30, session 4, 1 thread, loaded machine, the space-isolating tokenizer): engine fp32 945
+tokens/s = 4.6x (b) and 5.2x (a); bf16 742 tokens/s = 2.9x (b) and 4.5x (a); engine bf16/fp32 0.79 (so the rollout
+default stays fp32); peak RSS engine 1.2 GB, (b) 1.5 GB. Random weights make every action run to max_new_tokens and
+every episode to max_steps (episodes re-based once when the environment folds its history), the worst case for the
+engine; a trained policy's short episodes favour it more.
 
     python bench/rollout.py [--episodes 64] [--episodes-a 8] [--threads 1] [--dtypes fp32 bf16]
 """

@@ -169,6 +169,23 @@ def test_copy_drills_end_in_a_json_copy_of_a_quoted_fictitious_name(data_dir):
         assert values and all((f"'{v}'" in body or f'"{v}"' in body) and v not in real for v in values)
 
 
+def test_word_drills_copy_an_unquoted_word_and_the_quoted_name_of_their_sentence(data_dir):
+    entities = json.loads((data_dir / "env" / "entities.json").read_text())
+    pool = sft.NamePool.from_entities(entities)
+    words = sft.drill_words(pool, extra=["price", "stock"])
+    assert "price" in words and len(words) > 20 and all(w == w.lower() for w in words)
+    texts = sft.word_drills(pool, words, 60, np.random.default_rng(0))
+    assert len(texts) >= 55
+    seen_words = set()
+    for text in texts:
+        body, record = text.rsplit("\n", 1)
+        fields = json.loads(record)
+        assert f"'{fields['name']}'" in body and fields["name"] not in set(entities["products"]) | set(entities["suppliers"])
+        assert re.search(rf"(^|\s){re.escape(fields['field'])}(\s|[.?,:])", body.replace(f"'{fields['name']}'", ""))
+        seen_words.add(fields["field"])
+    assert len(seen_words) > 20  # a vocabulary to copy from, not a handful of classes to memorise
+
+
 def test_number_drills_end_in_a_json_copy_of_numbers_from_the_observations():
     texts = sft.number_drills(60, np.random.default_rng(0))
     assert len(texts) == 60
@@ -386,7 +403,7 @@ def test_phase_publishes_a_loadable_model_and_metrics(good_run):
     assert written["per_level"].keys() == {"1", "2", "3", "4"}
     assert written["baselines"]["expert"]["success"] == 1.0
     assert written["sft"]["loss_curve"] and written["pretrain"]["steps"] == 3
-    assert written["pretrain"]["copy_drills"] > 0 and 0 <= written["pretrain"]["copy_accuracy"] <= 1
+    assert written["pretrain"]["drills"] > 0 and 0 <= written["pretrain"]["copy_accuracy"] <= 1
     assert "eval/recovery/success_after_error" in written["capability"]
     assert written["gate"] == {"enabled": False, "passed": None, "min": GateConfig().min, "shortfalls": []}
 

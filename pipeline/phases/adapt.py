@@ -43,6 +43,7 @@ import torch
 
 from pipeline.config import load_section
 from pipeline.env.config import LEVELS, EnvConfig
+from pipeline.env.tasks import FIELD_WORDS, UNIT_WORDS
 from pipeline.errors import AgentRLError
 from pipeline.policy.config import AdaptConfig, ModelConfig, RolloutConfig
 
@@ -171,6 +172,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                       documents=cfg.pretrain.include_documents)
         n_domain = len(texts)
         texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
+        words = sft.drill_words(pool, extra=sorted(FIELD_WORDS.values()) + sorted(UNIT_WORDS.values()))
+        texts += sft.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
         texts += sft.number_drills(cfg.pretrain.number_drills, np.random.default_rng([cfg.seed, 3]))
         pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
         for p in model.parameters():
@@ -194,13 +197,16 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                            stop=copied_enough if cfg.pretrain.copy_target is not None else None,
                            stop_every=cfg.pretrain.check_every)
         number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
+        word_probe = sft.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
         pre_summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
-                       "copy_drills": len(texts) - n_domain,
+                       "drills": len(texts) - n_domain, "word_drills": cfg.pretrain.word_drills,
                        "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
                        "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast),
+                       "word_copy_accuracy": sft.copy_accuracy(model, tokenizer, word_probe, autocast),
                        "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
         log({"pretrain/copy_accuracy": pre_summary["copy_accuracy"],
-             "pretrain/number_copy_accuracy": pre_summary["number_copy_accuracy"]})
+             "pretrain/number_copy_accuracy": pre_summary["number_copy_accuracy"],
+             "pretrain/word_copy_accuracy": pre_summary["word_copy_accuracy"]})
         seconds["pretrain"] = time.perf_counter() - t
 
     # SFT with the adapter
@@ -215,9 +221,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
     def sft_log(step: int, m: dict) -> None:
         curve.append([step, round(m["loss"], 5)])
-        log({f"sft/{k}": v for k, v in m.items()}, step=step)
-        if step % (10 * cfg.sft.log_every) == 0 or step == cfg.sft.steps:
-            print(f"adapt: sft step {step}/{cfg.sft.steps} loss {m['loss']:.3f}", flush=True)
+        _progress("sft", step, cfg.sft.steps, m, cfg.sft.log_every, log)
 
     res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
                                                          tokenizer.pad_token_id),

@@ -236,6 +236,48 @@ def copy_drills(pool: NamePool, n: int, rng: np.random.Generator) -> list[str]:
     return texts
 
 
+WORD_FRAMES = (
+    "Please report the {w} of {q}{name}{q}.",
+    "Which {w} does {q}{name}{q} have?",
+    "About {q}{name}{q}: tell me its {w}.",
+    "I want to know the {w} for {q}{name}{q} today.",
+    "Check {q}{name}{q} and write down the {w} you see.",
+    "The {w} is what matters for {q}{name}{q}.",
+)
+
+
+def word_drills(pool: NamePool, words: Sequence[str], n: int, rng: np.random.Generator) -> list[str]:
+    """`n` short synthetic texts in which a sentence names a quoted (fictitious) name and an *unquoted* word, and a
+    JSON record then copies both: ``{"name": "<the name>", "field": "<the word>"}``.
+
+    The word is drawn from `words` (every word of the world's entity names, field and unit words, lower-cased: a
+    vocabulary of a few hundred, so the only way to the right word is to copy it), and it sits at a different place in
+    each of the :data:`WORD_FRAMES`, none of them a task template.
+
+    Why (measured on the default adapted model, validation level 1): at ``"field": "`` of a lookup call the policy
+    gave price / supplier / category the same probabilities, about 0.26 / 0.30 / 0.43, whatever the question asked
+    (``stock``, 0.99, was the one field it read), so greedy level-1 success stayed at 0.38. The name drills
+    (:func:`copy_drills`) build a circuit that copies *quoted* text; a question's field word is not quoted, and 1,000
+    SFT steps on about 800 level-1 demonstrations did not form the second circuit.
+    """
+    texts = []
+    for _ in range(n):
+        kind = "products" if rng.random() < 0.75 else "suppliers"
+        name = pool.fake(kind, rng, set())
+        if not name:
+            continue
+        w = words[int(rng.integers(len(words)))]
+        frame = WORD_FRAMES[int(rng.integers(len(WORD_FRAMES)))]
+        texts.append(frame.format(w=w, q="'", name=name) + "\n" + json.dumps({"name": name, "field": w}))
+    return texts
+
+
+def drill_words(pool: NamePool, extra: Sequence[str] = ()) -> list[str]:
+    """The vocabulary of :func:`word_drills`: the lower-cased words of the training entity names plus `extra`."""
+    words = {w.lower() for part in (pool.firsts, pool.lasts) for names in part.values() for w in names}
+    return sorted(words | set(extra))
+
+
 def _number(rng: np.random.Generator) -> str:
     """A number as tool results write them: an integer (1-5 digits) or a decimal with one or two places."""
     if rng.random() < 0.7:
@@ -251,11 +293,12 @@ def number_drills(n: int, rng: np.random.Generator) -> list[str]:
     observations in their order or a small constant (a calculation on lookups), and ``{"item": k, "value": ...}``
     (the k-th observation).
 
-    Why (measured on the default, seed 1, name drills only): SFT learned to copy names from the question into calls
-    but not numbers from observations into the next call, so every calculation used a wrong number (``595*5`` after
-    ``<obs>576</obs>``) and greedy validation success was 0.00-0.05 on every level, while seed 0 of the same recipe
-    learned both (0.55 / 0.61 / 0.78 / 0.18 on levels 1-4). Numbers are digits one per token
-    (:mod:`pipeline.policy.tokenizer`), so the skill is a copy of a run of digit tokens.
+    Why they exist, and why they are off by default (``adapt.pretrain.number_drills: 0``): with the old 400-step
+    pre-training, seed 1 learned to copy names but not numbers from observations into the next call (``595*5`` after
+    ``<obs>576</obs>``; greedy validation success 0.00-0.05 on every level). Next to the name drills, 10,000 of these
+    then kept the name-copy circuit from forming (seeds 1 and 2 ended at 0 on every level), while running pre-training
+    until names are copied exactly (``adapt.pretrain.copy_target``) made seed 1 learn both. Numbers are digits one
+    per token (:mod:`pipeline.policy.tokenizer`), so the skill is a copy of a run of digit tokens.
     """
     texts = []
     for _ in range(n):

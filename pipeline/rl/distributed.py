@@ -132,9 +132,18 @@ def resolve_ds_config(path: str | Path, *, micro_batch: int, grad_accum: int, wo
     return cfg
 
 
-def make_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, dist: Dist):
-    """A DeepSpeed engine around `module` with a client optimizer (DeepSpeed's own fused Adam would JIT-compile)."""
+def make_engine(module: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict, dist: Dist,
+                warmup_steps: int = 0):
+    """A DeepSpeed engine around `module` with a client optimizer (DeepSpeed's own fused Adam would JIT-compile).
+
+    `warmup_steps` > 0 adds a linear warm-up scheduler, lr·min(1, (step+1)/(warmup_steps+1)); the engine steps it with
+    the optimizer and saves it in its checkpoints, so a resumed run continues the schedule where it stopped."""
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+    scheduler = None
+    if warmup_steps > 0:
+        def scheduler(opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)))
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config,
+                                           lr_scheduler=scheduler)
     return engine

@@ -30,7 +30,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import queue
+import signal
 import threading
 import time
 from collections import Counter
@@ -338,7 +340,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                                max_grad_norm=cfg.max_grad_norm, device=dist.device)
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
-    engine = make_engine(actor, optimizer, ds_cfg, dist)
+    engine = make_engine(actor, optimizer, ds_cfg, dist, warmup_steps=cfg.lr_warmup_steps)
     policy = engine.module.policy
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
     rollout = new_engine(policy)
@@ -382,6 +384,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         pending = plan(start)
         worker.submit(*pending)
     done_here = 0
+    kill_at = int(os.environ.get("AGENTRL_FAULT_KILL_AT_UPDATE", "0"))
     try:
         for u in range(start, cfg.updates):
             if (stop_after is not None and done_here >= stop_after) or stopper.stopped:
@@ -401,6 +404,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                         worker.sync(policy, u)
                     pending = plan(u + 1)
                     worker.submit(*pending)
+            if kill_at == u + 1:  # fault injection (tests): die mid-update, after its rollouts, before it learns
+                os.kill(os.getpid(), signal.SIGKILL)
             staleness = u - min(r["policy_version"] for r in records)
             for i, r in enumerate(records):
                 r["group"] = i // cfg.group_size
@@ -487,33 +492,56 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
 
 def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, demo_examples, bc_rng,
            autocast_context, dist) -> dict:
-    """Advantages and the optimisation steps of one update; returns its metrics."""
+    """Advantages and the optimisation steps of one update; returns its metrics.
+
+    Two savings that change no gradient:
+    - **One forward when the update is one on-policy step** (group baselines, one epoch, one minibatch): π_old is
+      then the learner's own π_θ before its only step, so π_old = π_θ.detach() from the training forward itself
+      (the ratio is exactly 1, as it would be after a separate no-grad forward) and that forward is skipped. PPO
+      needs V_old and π_old before its first step, so it keeps the separate forward.
+    - **Only rows that carry signal are forwarded**: rows whose loss mask is empty (zero-variance groups left out of
+      the loss) contribute no policy gradient, so they are dropped before the learner's forwards unless a KL or
+      behaviour-cloning term is on; the entropy bonus is then estimated on the rows that are trained on. A rank left
+      with no such row still forwards one row with its loss multiplied by 0, so every rank joins the collective step.
+    """
     batch = collate_records(records, pad_id)
     scores = episode_scores(records, state)
     groups = group_ids_of(records)
     zero_var = torch.zeros(len(records), dtype=torch.bool)
     device = engine.device
-    with torch.no_grad(), autocast_context("auto", device):
-        old_logits, old_values = engine.module(batch.ids.to(device), batch.attn.to(device))
-        old_logp = token_logprobs(old_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
-        old_values = old_values.cpu() if old_values is not None else None
-        ref_logp = None
-        if ref is not None:
-            ref_logits = ref(input_ids=batch.ids.to(device), attention_mask=batch.attn.to(device)).logits
-            ref_logp = token_logprobs(ref_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
-        del old_logits
     if cfg.algorithm in ("grpo", "rloo"):
         ep_adv, zero_var = A.group_advantages(scores, groups, cfg.algorithm)
+    loss_mask = batch.mask.clone()
+    if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
+        loss_mask = loss_mask * (~zero_var[batch.episode]).float()[:, None]
+    if cfg.algorithm != "ppo" and ref is None and cfg.bc_coef == 0:
+        keep = torch.nonzero(loss_mask.sum(1) > 0).flatten()
+        empty = keep.numel() == 0
+        batch, loss_mask = batch.select(keep if not empty else torch.tensor([0])), \
+            loss_mask[keep] if not empty else loss_mask[:1] * 0
+    single_pass = cfg.algorithm != "ppo" and cfg.epochs == 1 and cfg.minibatches == 1
+    old_logp = old_values = ref_logp = None
+    if not single_pass:
+        with torch.no_grad(), autocast_context("auto", device):
+            old_logits, old_values = engine.module(batch.ids.to(device), batch.attn.to(device))
+            old_logp = token_logprobs(old_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
+            old_values = old_values.cpu() if old_values is not None else None
+            del old_logits
+    if ref is not None:
+        with torch.no_grad(), autocast_context("auto", device):
+            ref_logits = ref(input_ids=batch.ids.to(device), attention_mask=batch.attn.to(device)).logits
+            ref_logp = token_logprobs(ref_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
+            del ref_logits
+    if cfg.algorithm in ("grpo", "rloo"):
         adv = ep_adv[batch.episode][:, None] * batch.mask
         returns = None
     else:
         rewards = A.token_rewards(scores[batch.episode], batch.mask)
         adv, returns = A.compute_gae(rewards, old_values * batch.mask, batch.mask, cfg.gamma, cfg.lam)
         adv = A.masked_whiten(adv, batch.mask)
-    loss_mask = batch.mask.clone()
-    if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
-        loss_mask = loss_mask * (~zero_var[batch.episode]).float()[:, None]
-    is_w, is_stats = A.truncated_importance_weights(old_logp, batch.sample_logp, loss_mask, cfg.is_clip)
+    is_w = is_stats = None
+    if old_logp is not None:
+        is_w, is_stats = A.truncated_importance_weights(old_logp, batch.sample_logp, loss_mask, cfg.is_clip)
 
     rng = np.random.default_rng([cfg.seed, u, dist.rank])
     agg: dict[str, list[float]] = {}
@@ -527,7 +555,12 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
             with autocast_context("auto", device):
                 logits, values = engine(mb.ids.to(device), mb.attn.to(device))
             logp = token_logprobs(logits, mb.ids.to(device), temperature).cpu()
-            pg, pg_m = A.ppo_policy_loss(logp, old_logp[rows], adv[rows], m, cfg.clip_eps, is_w[rows])
+            if single_pass:  # π_old = π_θ before this, the only step (see the docstring)
+                old_logp = logp.detach() * mb.mask
+                is_w, is_stats = A.truncated_importance_weights(old_logp, mb.sample_logp, m, cfg.is_clip)
+                pg, pg_m = A.ppo_policy_loss(logp, old_logp, adv[rows], m, cfg.clip_eps, is_w)
+            else:
+                pg, pg_m = A.ppo_policy_loss(logp, old_logp[rows], adv[rows], m, cfg.clip_eps, is_w[rows])
             ent = A.masked_mean(token_entropy(logits, temperature).cpu(), mb.mask)
             loss = pg - ent_coef * ent
             mets = {**pg_m, "policy/entropy": float(ent.detach())}
@@ -553,6 +586,7 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
             mets["losses/total"] = float(loss.detach())
             engine.backward(loss)
             no_grad_params = params_without_grad(engine.module.policy)
+            mets["train/lr"] = float(engine.get_lr()[0])  # the rate this step applies
             engine.step()
             gn = engine.get_global_grad_norm()
             mets["losses/grad_norm"] = float(gn) if gn is not None else float("nan")
@@ -570,7 +604,8 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
         "rollout/zero_variance_group_share": float(zero_var.float().mean()) if cfg.algorithm != "ppo" else 0.0,
         "train/skipped_steps_nonfinite": skipped,
         "train/batch_tokens": int(batch.attn.sum()),
-        **is_stats,
+        "train/rows_forwarded": int(batch.n_rows),
+        **(is_stats or {}),
     })
     if returns is not None and old_values is not None:
         out["losses/explained_variance"] = A.explained_variance(old_values * batch.mask, returns, batch.mask)
