@@ -9,8 +9,9 @@
     python bench/train.py [--updates 4] [--tasks 8] [--group 8]
 
 Needs `models/adapted` and `data/` (run `dvc repro adapt` first). Runs write only under a temporary folder.
-FLOPs are counted as 2·N·T for the no-grad forward (π_old, V_old) plus 6·N·T for each training forward+backward, with
-N the parameter count and T the tokens in the padded batch (attention's extra FLOPs are ignored: sequences are short).
+FLOPs are counted as 2·N·T for the no-grad forward (π_old, V_old; skipped by a one-step on-policy update) plus 6·N·T
+for each training forward+backward, with N the parameter count and T the tokens of the padded rows the learner
+forwards (attention's extra FLOPs are ignored: sequences are short).
 """
 
 from __future__ import annotations
@@ -114,8 +115,12 @@ def main() -> None:
     print(f"2 ranks / 1 rank episodes/s: {two['episodes_per_s'] / base['episodes_per_s']:.2f}x")
     print(f"async / sync episodes/s at 20 ms tool latency: "
           f"{lat_async['episodes_per_s'] / lat_sync['episodes_per_s']:.2f}x (goal: >= 2x)")
-    epochs = yaml.safe_load((REPO / "params.yaml").read_text())["train"].get("epochs", 1)
-    flops = (2 + 6 * epochs) * n_params * base["tokens"]  # a no-grad forward, then forward+backward per epoch
+    tcfg = yaml.safe_load((REPO / "params.yaml").read_text())["train"]
+    epochs = tcfg.get("epochs", 1)
+    # a no-grad forward (π_old), then forward+backward per epoch; a one-step on-policy update (group baseline, one
+    # epoch, one minibatch) skips the no-grad forward (pipeline.rl.trainer._learn)
+    single_pass = tcfg.get("algorithm") in ("grpo", "rloo") and epochs == 1 and tcfg.get("minibatches", 1) == 1
+    flops = ((0 if single_pass else 2) + 6 * epochs) * n_params * base["tokens"]
     print(f"learning: {flops / base['learn_s'] / 1e9:.1f} GFLOP/s vs {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s "
           f"({100 * flops / base['learn_s'] / peak:.1f}% of peak)")
 
