@@ -140,6 +140,51 @@ def test_loss_with_gradient_accumulation_equals_the_full_batch():
         assert torch.allclose(g_full, p.grad, atol=1e-6)
 
 
+def _toy_policy_logp(seed: int = 0):
+    torch.manual_seed(seed)
+    w = torch.randn(6, 5, requires_grad=True)
+    x = torch.randn(4, 3, 6)  # 4 rows, 3 positions, features
+    ids = torch.randint(0, 5, (4, 3))
+    logp = torch.log_softmax(x @ w, -1).gather(-1, ids[..., None]).squeeze(-1)
+    return w, logp
+
+
+def test_the_one_forward_on_policy_step_has_the_gradient_of_the_two_forward_step():
+    # pipeline.rl.trainer._learn: with one epoch and one minibatch, π_old is the training forward's own detached
+    # log-probabilities instead of a separate no-grad forward's. Same values, so the same loss and gradient.
+    adv = torch.tensor([[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [2.0, 0.0, 0.0], [0.3, 0.3, 0.3]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    w1, logp1 = _toy_policy_logp()
+    with torch.no_grad():
+        _, separate = _toy_policy_logp()  # the separate no-grad forward of the same weights
+    loss1, _ = A.ppo_policy_loss(logp1, separate, adv, mask, 0.2)
+    loss1.backward()
+    w2, logp2 = _toy_policy_logp()
+    loss2, m2 = A.ppo_policy_loss(logp2, logp2.detach(), adv, mask, 0.2)
+    loss2.backward()
+    assert torch.allclose(loss1, loss2) and torch.allclose(w1.grad, w2.grad)
+    assert m2["losses/clipfrac"] == 0.0 and abs(m2["losses/approx_kl"]) < 1e-7
+    # ... and it is the REINFORCE gradient: −mean over action tokens of A·∇log π
+    w3, logp3 = _toy_policy_logp()
+    (-(adv * logp3 * mask).sum() / mask.sum()).backward()
+    assert torch.allclose(w2.grad, w3.grad, atol=1e-6)
+
+
+def test_rows_with_an_empty_loss_mask_change_neither_loss_nor_gradient():
+    # pipeline.rl.trainer._learn drops zero-variance rows before the forward: they add 0 to the masked sum and 0 to
+    # its token count, so the policy loss and its gradient are those of the kept rows alone.
+    adv = torch.tensor([[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [0.3, 0.3, 0.3]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    w_all, logp_all = _toy_policy_logp()
+    loss_all, _ = A.ppo_policy_loss(logp_all, logp_all.detach(), adv, mask, 0.2)
+    loss_all.backward()
+    keep = torch.tensor([0, 1, 3])
+    w_kept, logp = _toy_policy_logp()
+    loss_kept, _ = A.ppo_policy_loss(logp[keep], logp[keep].detach(), adv[keep], mask[keep], 0.2)
+    loss_kept.backward()
+    assert torch.allclose(loss_all, loss_kept) and torch.allclose(w_all.grad, w_kept.grad)
+
+
 def test_kl_entropy_explained_variance():
     logits = torch.zeros(2, 3, 4)
     assert torch.allclose(A.entropy_from_logits(logits), torch.full((2, 3), float(np.log(4))))
