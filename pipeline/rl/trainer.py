@@ -9,7 +9,8 @@ One update, on every rank:
 2. **Score**: episode returns, optionally normalised over the last K episodes (R' = (R − μ)/σ); group advantages
    (GRPO/RLOO) or GAE over action tokens with a value head (PPO). Groups with all-equal returns are counted and, by
    default, left out of the loss.
-3. **Learn**: π_old and V_old from one no-grad forward of the learner; truncated importance weights
+3. **Learn**: π_old and V_old from one no-grad forward of the learner (skipped when the update is a single on-policy
+   step: π_old is then the training forward's own, see `_learn`); truncated importance weights
    w = min(c, π_old/π_sample) correct rollouts sampled by an older (or numerically different) policy; the clipped
    surrogate, value loss, adaptive entropy bonus, KL to the reference and behaviour cloning on demonstrations.
    DeepSpeed averages the gradients over ranks and clips them.

@@ -101,6 +101,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                        run=run, demo_examples=demos, stop_after=stop_after)
         result["incoming"] = incoming.summary
         if not result["completed"]:
+            dist.close()
             return result
         comparison = compare({"sft": Path(adapted), "rl": Path(out)}, test_tasks[:cfg.test_tasks], runtime, env_cfg,
                              rollout_cfg, dist)
@@ -135,6 +136,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
             print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "
                   f"{comparison['rl']['overall']['success_rate']:.3f} ({d['overall_success']:+.3f}); per level "
                   + ", ".join(f"L{k.split('_')[1]} {v:+.3f}" for k, v in d.items() if k.startswith("level_")))
+    dist.close()
     return result
 
 
