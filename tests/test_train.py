@@ -206,11 +206,11 @@ def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_p
     ref = make_project(tmp_path / "ref")
     out = _worker(ref)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    # The same run killed (SIGKILL, by the fault-injection variable) in the middle of update 3: after its rollouts,
+    # The same run killed (SIGKILL, by the worker's fault-injection flag) in the middle of update 3: after its rollouts,
     # before it learns, with the checkpoint of update 2 on disk. (Waiting for the checkpoint and killing from here
     # raced: the tiny run can finish before the signal arrives.)
     proj = make_project(tmp_path / "killed")
-    out = _worker(proj, env_extra={"AGENTRL_FAULT_KILL_AT_UPDATE": "3"})
+    out = _worker(proj, "--kill-at-update", "3")
     assert out.returncode == -signal.SIGKILL, out.stdout[-3000:] + out.stderr[-3000:]
     (latest,) = (proj / "checkpoints/train").glob("*/latest")
     assert latest.read_text().strip() == "update-2"
@@ -223,6 +223,47 @@ def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_p
     assert a["evals"] == b["evals"] and a["test"] == b["test"]
     curve = lambda p: [line.split(",")[:5] for line in (p / "metrics/train_curve.csv").read_text().splitlines()]  # noqa: E731
     assert curve(ref) == curve(proj)
+
+
+def test_a_finished_run_started_again_restores_its_policy_without_training(tmp_path, monkeypatch, capsys):
+    from pipeline.policy.model import load_policy
+    from pipeline.rl.worker import run_worker
+
+    proj = make_project(tmp_path / "p", updates=2)
+    monkeypatch.chdir(proj)
+    first = run_worker("params.yaml")
+    assert first["completed"] and (proj / "models/policy/policy.json").is_file()
+    weights = {k: v.clone() for k, v in load_policy("models/policy")[0].state_dict().items()}
+    (ckpt,) = (proj / "checkpoints/train").iterdir()
+    assert (ckpt / "best" / "policy.json").is_file()
+    # DVC deletes a stage's outputs before it reruns the stage (dvc repro -f): the policy must come back from the
+    # finished run's checkpoint folder, without a single update of training.
+    import shutil
+
+    shutil.rmtree(proj / "models/policy")
+    capsys.readouterr()
+    again = run_worker("params.yaml")
+    assert "resumed from" in capsys.readouterr().out
+    assert again["completed"] and again["history"] == first["history"] and again["evals"] == first["evals"]
+    restored = load_policy("models/policy")[0].state_dict()
+    assert all(torch.equal(weights[k], restored[k]) for k in weights)
+
+
+def test_the_checkpoint_key_changes_with_the_code(tmp_path, monkeypatch):
+    from pipeline.config import load_section
+    from pipeline.env.config import EnvConfig as E
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.rl import worker
+    from pipeline.rl.config import TrainConfig
+
+    proj = make_project(tmp_path / "p", updates=2)
+    monkeypatch.chdir(proj)
+    args = ("models/adapted", load_section(E, "env"), load_section(RolloutConfig, "rollout"),
+            load_section(TrainConfig, "train"), 1)
+    key = worker.run_key(*args)
+    assert worker.run_key(*args) == key
+    monkeypatch.setattr(worker, "source_digest", lambda: "edited trainer")
+    assert worker.run_key(*args) != key
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):

@@ -180,8 +180,6 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
     path = Path(path)
     check_pair(model, tokenizer, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     info = {
         **(meta or {}),
         "git_commit": (meta or {}).get("git_commit") or git_commit(),
@@ -190,11 +188,34 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
         "vocab_size": len(tokenizer),
         "hf_config": model.config.to_dict(),
     }
-    try:
+
+    def write(tmp: Path) -> None:
         with _quiet_progress():
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / POLICY_JSON).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
+
+    _replace_dir(path, write)
+    return path
+
+
+def copy_policy(src: str | Path, dst: str | Path) -> Path:
+    """Copy a policy folder written by :func:`save_policy` to `dst`, atomically like it (a missing `src` is an
+    :class:`AgentRLError`, and `dst` is then left as it was)."""
+    src, dst = Path(src), Path(dst)
+    if not (src / POLICY_JSON).is_file():
+        raise AgentRLError(f"no policy to copy at {src} (no {POLICY_JSON})")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return _replace_dir(dst, lambda tmp: shutil.copytree(src, tmp))
+
+
+def _replace_dir(path: Path, write) -> Path:
+    """Build a folder with ``write(tmp)`` beside `path`, then swap it in by renames: `path` holds either the old
+    folder or the complete new one, never a half-written one."""
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write(tmp)
         if path.exists():
             path.rename(old)
         tmp.rename(path)

@@ -19,7 +19,8 @@ One update, on every rank:
    gradient, samples/s and tokens/s; a warning when entropy, reward spread or advantage variance collapses.
 
 Every `checkpoint_every` updates: the DeepSpeed engine state plus the curriculum, goal sampler, normaliser, entropy
-coefficient and RNG states, so a killed run resumes and continues as if it had not stopped.
+coefficient and RNG states, so a killed run resumes and continues as if it had not stopped. The best policy so far
+lives beside them (``<checkpoint folder>/best``) and is copied to `models/policy` when the run completes.
 
 Asynchronous mode (seed 1.4): a rollout thread generates with a snapshot of the weights while the learner trains on
 the previous batch; the snapshot is refreshed every `sync_every` updates, and a batch older than `max_staleness`
@@ -31,14 +32,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import queue
-import signal
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ from pipeline.rl.config import TrainConfig
 from pipeline.rl.early_stopping import EarlyStopping, metric_value
 from pipeline.rl.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
 
+BEST = "best"  # the best policy so far, inside the run's checkpoint folder
 COLLAPSE = {"entropy": 0.05, "reward_spread": 1e-6, "advantage_var": 1e-8}
 
 
@@ -306,7 +307,8 @@ def _evaluate(rollout, tasks: list[Task], dist, seed: int) -> dict:
 
 def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
           val_tasks: list[Task], runtime: WorldRuntime, out_dir: Path, ckpt_dir: Path, dist, run,
-          demo_examples: list | None = None, stop_after: int | None = None, log=print, evaluate=None) -> dict:
+          demo_examples: list | None = None, stop_after: int | None = None, log=print, evaluate=None,
+          before_learn: Callable[[int], None] | None = None) -> dict:
     """Train from the adapted policy in `policy_dir`; the best policy (by the validation metric
     `cfg.early_stopping_metric`) goes to `out_dir`, and training stops early after `cfg.early_stopping_patience`
     evaluations without improvement (:mod:`pipeline.rl.early_stopping`).
@@ -314,9 +316,15 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     `stop_after` ends the run after that many updates *of this call* (without a final checkpoint beyond the
     periodic ones): tests use it to stop a run midway and resume it. `evaluate` replaces the greedy validation
     evaluation (same signature and result as `_evaluate`): tests script a validation curve with it.
+    `before_learn(update)` is called in every update (numbered from 1) after its rollouts and before it learns: the
+    resume test kills the process there (``pipeline.rl.worker --kill-at-update``).
+
+    The best policy is kept in ``ckpt_dir/best`` while the run goes and copied to `out_dir` when the run completes, so
+    `out_dir` only ever holds a finished run's policy, and a finished run that is started again (its checkpoints are
+    complete) restores the policy from there without training: DVC deletes a stage's outputs before it reruns it.
     Returns the learning curve and the evaluation history (rank 0 also logs them to `run`).
     """
-    from pipeline.policy.model import autocast_context, load_policy, save_policy
+    from pipeline.policy.model import autocast_context, copy_policy, load_policy, save_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.rl.distributed import make_engine, resolve_ds_config
@@ -385,7 +393,6 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         pending = plan(start)
         worker.submit(*pending)
     done_here = 0
-    kill_at = int(os.environ.get("AGENTRL_FAULT_KILL_AT_UPDATE", "0"))
     try:
         for u in range(start, cfg.updates):
             if (stop_after is not None and done_here >= stop_after) or stopper.stopped:
@@ -405,8 +412,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                         worker.sync(policy, u)
                     pending = plan(u + 1)
                     worker.submit(*pending)
-            if kill_at == u + 1:  # fault injection (tests): die mid-update, after its rollouts, before it learns
-                os.kill(os.getpid(), signal.SIGKILL)
+            if before_learn is not None:
+                before_learn(u + 1)
             staleness = u - min(r["policy_version"] for r in records)
             for i, r in enumerate(records):
                 r["group"] = i // cfg.group_size
@@ -466,7 +473,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 if decision.improved:
                     best = {"success": val, "update": u + 1, cfg.early_stopping_metric: decision.value}
                     if dist.is_main:
-                        save_policy(policy, tokenizer, out_dir, {
+                        save_policy(policy, tokenizer, ckpt_dir / BEST, {
                             **meta, "phase": "train", "step": u + 1, "rl_update": u + 1, "val_success": val,
                             "algorithm": cfg.algorithm, "train_config": cfg.model_dump(),
                             "parent": {"phase": meta.get("phase"), "step": meta.get("step")}})
@@ -487,6 +494,9 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         if worker is not None:
             worker.close()
     completed = len(history) >= cfg.updates or stopper.stopped
+    if completed and dist.is_main:
+        copy_policy(ckpt_dir / BEST, out_dir)
+    dist.barrier()
     return {"history": history, "evals": evals, "best": best, "fingerprint": fingerprint, "completed": completed,
             "early_stopping": stopper.summary(completed_all=len(history) >= cfg.updates)}
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,7 +60,10 @@ def deltas(sft: dict, rl: dict) -> dict:
 
 def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted", out: str = "models/policy",
                ckpt: str = "checkpoints/train", metrics_path: str = "metrics/train.json",
-               curve_path: str = "metrics/train_curve.csv", data_dir: str = "data", stop_after: int | None = None) -> dict:
+               curve_path: str = "metrics/train_curve.csv", data_dir: str = "data", stop_after: int | None = None,
+               before_learn=None) -> dict:
+    """Train one rank (see the module docstring); `stop_after` and `before_learn` are passed to
+    :func:`pipeline.rl.trainer.train` (tests stop or kill a run midway with them). Returns the trainer's result."""
     from pipeline.policy.config import RolloutConfig
     from pipeline.rl.distributed import init_dist
     from pipeline.rl.trainer import train
@@ -98,7 +104,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         run.set_tags({"incoming.dir": incoming.summary["dir"] or "null"})
         result = train(cfg, env_cfg, rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks + incoming.tasks,
                        val_tasks=val_tasks, runtime=runtime, out_dir=Path(out), ckpt_dir=ckpt_dir, dist=dist,
-                       run=run, demo_examples=demos, stop_after=stop_after)
+                       run=run, demo_examples=demos, stop_after=stop_after, before_learn=before_learn)
         result["incoming"] = incoming.summary
         if not result["completed"]:
             dist.close()
@@ -142,22 +148,41 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
 
 def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_digest: str | None = None) -> str:
     """Checkpoints live in a folder named after everything the run depends on: a killed run resumes from its own
-    checkpoints, and a run with other params, another adapted model or other incoming tasks (`incoming_digest`,
-    :attr:`pipeline.rl.incoming.IncomingTasks.digest`) starts fresh instead of resuming a stranger."""
+    checkpoints, and a run with other params, another adapted model, other incoming tasks (`incoming_digest`,
+    :attr:`pipeline.rl.incoming.IncomingTasks.digest`), another DeepSpeed config file or other code
+    (:func:`source_digest`) starts fresh instead of resuming a stranger. Without the code in the key, a `dvc repro`
+    after a change to the trainer would resume the finished run of the old code and train nothing."""
     import hashlib
 
     meta = Path(adapted) / "policy.json"
+    ds = Path(cfg.deepspeed_config)
     parts = [env_cfg.model_dump_json(), rollout_cfg.model_dump_json(), cfg.model_dump_json(), str(world_size),
-             meta.read_text() if meta.is_file() else ""]
+             meta.read_text() if meta.is_file() else "", ds.read_text() if ds.is_file() else "", source_digest()]
     if incoming_digest is not None:  # None when no incoming task is used (a README, an all-dropped file)
         parts.append(incoming_digest)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def source_digest() -> str:
+    """SHA-256 over every Python source file of the `pipeline` package (relative path and content, in path order)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _share(history: list[dict]) -> float | None:
     r = sum(h.get("sys/rollout_s", 0) for h in history)
     t = sum(h.get("sys/update_s", 0) for h in history)
     return round(r / t, 3) if t else None
+
+
+def _kill_at(target: int, update: int) -> None:
+    if update == target:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,10 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt", default="checkpoints/train", help="checkpoint folder (resumed from when present)")
     ap.add_argument("--metrics", default="metrics/train.json")
     ap.add_argument("--curve", default="metrics/train_curve.csv")
+    ap.add_argument("--kill-at-update", type=int, default=None,
+                    help="fault injection for tests: SIGKILL every rank in this update, after its rollouts")
     args = ap.parse_args(argv)
+    kill = None if args.kill_at_update is None else functools.partial(_kill_at, args.kill_at_update)
     try:
         run_worker(args.params, adapted=args.adapted, out=args.out, ckpt=args.ckpt, metrics_path=args.metrics,
-                   curve_path=args.curve, stop_after=args.stop_after)
+                   curve_path=args.curve, stop_after=args.stop_after, before_learn=kill)
     except AgentRLError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
