@@ -4,7 +4,9 @@
 - learning throughput as FLOP/s against the machine's matrix-multiply peak measured here, in the learner's dtype;
 - 1 rank against 2 DeepSpeed ranks (episodes/s);
 - synchronous against asynchronous rollouts under a tool latency of 20 ms (episodes/s; goal: async ≥ 2×);
-- peak memory of each run.
+- the learner's gradient accumulation over length chunks (`train.micro_batches`, default) against one forward of
+  the whole batch (`micro_batches: 1`): learning time and peak memory;
+- peak memory of each run (the largest process of that run alone: each run is measured in its own wrapper process).
 
     python bench/train.py [--updates 4] [--tasks 8] [--group 8]
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,11 @@ def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 20) -> float:
     for _ in range(reps):
         a @ b
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+PEAK_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+                "print('PEAK_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
+                "sys.exit(rc)")
 
 
 def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, overrides: dict, env_over: dict) -> dict:
@@ -62,11 +68,11 @@ def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, 
     from pipeline.rl.distributed import child_env
 
     env = child_env({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    # ru_maxrss of RUSAGE_CHILDREN only ever grows over a process's children, so each run gets its own wrapper
+    proc = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, *cmd], cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    peak = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    peak = int(proc.stderr.rsplit("PEAK_KB ", 1)[1].split()[0]) / 1024
     rows = [line.split(",") for line in (d / "curve.csv").read_text().splitlines()]
     head, rows = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]][1:]  # the first update warms up
     roll = sum(float(r["sys_rollout_s"]) for r in rows)
@@ -96,22 +102,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         base = run("sync-1rank", tmp, args.updates, args.tasks, args.group, 1, {}, {})
+        one_chunk = run("sync-1rank-1chunk", tmp, args.updates, args.tasks, args.group, 1, {"micro_batches": 1}, {})
         two = run("sync-2ranks", tmp, args.updates, args.tasks, args.group, 2, {}, {})
         lat_sync = run("sync-latency20ms", tmp, args.updates, args.tasks, args.group, 1, {}, {"tool_latency_s": 0.02})
         lat_async = run("async-latency20ms", tmp, args.updates, args.tasks, args.group, 1,
                         {"async_rollouts": True, "max_staleness": 1}, {"tool_latency_s": 0.02})
     dtype = torch.bfloat16 if supports_bf16() else torch.float32
     peak = matmul_peak(dtype)
+    tcfg_chunks = yaml.safe_load((REPO / "params.yaml").read_text())["train"].get("micro_batches", 4)
     print(f"RL benchmark: {n_params / 1e6:.2f}M-parameter policy, {args.tasks} tasks x {args.group} rollouts per "
           f"update, {args.updates} updates (first one excluded as warm-up)")
     print("rollout s: generating the batch (async: in the background, overlapping learning); idle s: the learner "
           "waiting for a batch (async only); episodes/s: over the learner's wall clock")
     print(f"{'run':20s} {'rollout s':>10s} {'learn s':>8s} {'idle s':>7s} {'rollout %':>10s} {'episodes/s':>11s} "
           f"{'peak MiB':>9s}")
-    for r in (base, two, lat_sync, lat_async):
+    for r in (base, one_chunk, two, lat_sync, lat_async):
         share = 100 * r["rollout_s"] / max(1e-9, r["rollout_s"] + r["learn_s"])
         print(f"{r['name']:20s} {r['rollout_s']:10.1f} {r['learn_s']:8.1f} {r['idle_s']:7.1f} {share:9.1f}% "
               f"{r['episodes_per_s']:11.2f} {r['peak_mib']:9.0f}")
+    print(f"learner in {tcfg_chunks} length chunks / one forward: learn time "
+          f"{base['learn_s'] / one_chunk['learn_s']:.2f}x, peak memory {base['peak_mib'] / one_chunk['peak_mib']:.2f}x")
     print(f"2 ranks / 1 rank episodes/s: {two['episodes_per_s'] / base['episodes_per_s']:.2f}x")
     print(f"async / sync episodes/s at 20 ms tool latency: "
           f"{lat_async['episodes_per_s'] / lat_sync['episodes_per_s']:.2f}x (goal: >= 2x)")

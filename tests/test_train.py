@@ -3,6 +3,7 @@ and bad input (a contradicting DeepSpeed config, a checkpoint of another model).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -319,3 +320,61 @@ def test_train_config_refuses_impossible_combinations():
         parse_section(TrainConfig, {"async_rollouts": True, "sync_every": 2, "max_staleness": 1}, "params.yaml:train")
     with pytest.raises(ConfigError, match="did you mean 'clip_eps'"):
         parse_section(TrainConfig, {"clip_epsilon": 0.1}, "params.yaml:train")
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
+def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_project, algorithm):
+    """`_learn` itself, on one batch of real rollouts: the accumulated step over length-sorted chunks
+    (`train.micro_batches`) and, for group baselines, the one-forward on-policy step against the separate π_old
+    forward, all move every weight the same way as one forward of the whole batch."""
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.rl import trainer
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.distributed import init_dist, make_engine, resolve_ds_config
+
+    dist = init_dist()
+    model, tok, _ = load_policy("models/adapted")
+    tasks = load_tasks("data/tasks/train.jsonl")[:3]
+    engine_r = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+                             load_section(RolloutConfig, "rollout"))
+    records = engine_r.run([t for t in tasks for _ in range(4)], list(range(12)), greedy=False)
+    for i, r in enumerate(records):  # random weights never succeed: give every group reward variance
+        r["return"], r["group"] = float((i * 7) % 5) / 4, i // 4
+    assert len({len(r["token_ids"]) for r in records}) > 1  # rows of different lengths, so chunks pad differently
+
+    def step(micro_batches: int, force_two_forwards: bool = False) -> dict:
+        cfg = load_section(TrainConfig, "train").model_copy(update={
+            "algorithm": algorithm, "group_size": 4, "tasks_per_update": 3, "micro_batches": micro_batches,
+            "lr_warmup_steps": 0, "entropy_coef": 0.01, "entropy_target": None})
+        patch = pytest.MonkeyPatch()
+        if force_two_forwards:
+            patch.setattr(trainer, "one_forward", lambda cfg: False)
+        torch.manual_seed(0)  # the same value head for every variant
+        policy = load_policy("models/adapted")[0]
+        actor = trainer.ActorCritic(policy, with_value=algorithm == "ppo")
+        actor.train()
+        ds = resolve_ds_config(cfg.deepspeed_config, micro_batch=1, grad_accum=micro_batches, world_size=1,
+                               max_grad_norm=cfg.max_grad_norm, device="cpu")
+        ds["zero_allow_untested_optimizer"] = True  # SGD: the step is the (clipped) gradient itself, comparable
+        opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0)  # the step is -grad
+        engine = make_engine(actor, opt, ds, dist)
+        before = {k: v.detach().clone() for k, v in actor.named_parameters()}
+        mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
+                              marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0), fp32, dist)
+        patch.undo()
+        assert mets["train/skipped_steps_nonfinite"] == 0
+        return {k: v.detach() - before[k] for k, v in actor.named_parameters()}
+
+    fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731 - exact sums; bf16 would differ by padding
+    whole = step(1)
+    assert sum(float(d.abs().sum()) for d in whole.values()) > 0
+    variants = [step(3)] + ([step(1, force_two_forwards=True)] if algorithm != "ppo" else [])
+    for other in variants:
+        for k in whole:
+            assert torch.allclose(whole[k], other[k], atol=1e-7, rtol=1e-4), k

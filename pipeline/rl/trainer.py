@@ -344,8 +344,9 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             p.requires_grad_(False)
     per_rank_tasks = cfg.tasks_per_update // dist.world_size
     episodes_per_rank = per_rank_tasks * cfg.group_size
-    micro = max(1, math.ceil(episodes_per_rank / cfg.minibatches))
-    ds_cfg = resolve_ds_config(cfg.deepspeed_config, micro_batch=micro, grad_accum=1, world_size=dist.world_size,
+    micro = max(1, math.ceil(episodes_per_rank / (cfg.minibatches * cfg.micro_batches)))
+    ds_cfg = resolve_ds_config(cfg.deepspeed_config, micro_batch=micro, grad_accum=cfg.micro_batches,
+                               world_size=dist.world_size,
                                max_grad_norm=cfg.max_grad_norm, device=dist.device)
     optimizer = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
@@ -501,19 +502,43 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             "early_stopping": stopper.summary(completed_all=len(history) >= cfg.updates)}
 
 
+def one_forward(cfg: TrainConfig) -> bool:
+    """Whether an update is one on-policy optimizer step, so π_old is the training forward's own π_θ.detach()."""
+    return cfg.algorithm != "ppo" and cfg.epochs == 1 and cfg.minibatches == 1
+
+
+def length_chunks(lengths: torch.Tensor, rows: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """`rows` sorted by `lengths` (longest first) and split into `k` chunks of near-equal row counts (some empty when
+    there are fewer rows than chunks): rows of similar length share a chunk, so each is padded only to its own
+    longest row."""
+    order = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    return list(torch.tensor_split(order, k))
+
+
 def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, demo_examples, bc_rng,
            autocast_context, dist) -> dict:
     """Advantages and the optimisation steps of one update; returns its metrics.
 
+    **Gradient accumulation.** Each optimizer step (one per minibatch) forwards its rows in `cfg.micro_batches`
+    chunks of similar length, each padded to its own longest row, and DeepSpeed accumulates their gradients
+    (``gradient_accumulation_steps``) before it clips, reduces over ranks and steps. Every term is weighted by its
+    chunk's share of the minibatch's tokens, so the accumulated gradient equals the one-forward gradient of the whole
+    minibatch; the learner's activation memory (dominated by the attention scores and the logits) is that of one
+    chunk. The no-grad forwards for π_old, V_old and the reference go chunk by chunk too.
+
     Two savings that change no gradient:
-    - **One forward when the update is one on-policy step** (group baselines, one epoch, one minibatch): π_old is
-      then the learner's own π_θ before its only step, so π_old = π_θ.detach() from the training forward itself
-      (the ratio is exactly 1, as it would be after a separate no-grad forward) and that forward is skipped. PPO
-      needs V_old and π_old before its first step, so it keeps the separate forward.
+    - **One forward when the update is one on-policy step** (:func:`one_forward`: group baselines, one epoch, one
+      minibatch): π_old is then the learner's own π_θ before its only step, so π_old = π_θ.detach() from the training
+      forward itself (the ratio is exactly 1, as it would be after a separate no-grad forward) and that forward is
+      skipped. PPO needs V_old and π_old before its first step, so it keeps the separate forward.
     - **Only rows that carry signal are forwarded**: rows whose loss mask is empty (zero-variance groups left out of
       the loss) contribute no policy gradient, so they are dropped before the learner's forwards unless a KL or
       behaviour-cloning term is on; the entropy bonus is then estimated on the rows that are trained on. A rank left
-      with no such row still forwards one row with its loss multiplied by 0, so every rank joins the collective step.
+      with no such row (or a chunk left empty) still forwards one row with its loss multiplied by 0, so every rank
+      joins every collective step.
+
+    A chunk whose loss is not finite on any rank contributes nothing, and the step it belongs to is applied with a
+    learning rate of 0 (the weights stay as they were; counted in ``train/skipped_steps_nonfinite``).
     """
     batch = collate_records(records, pad_id)
     scores = episode_scores(records, state)
@@ -527,22 +552,21 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
         loss_mask = loss_mask * (~zero_var[batch.episode]).float()[:, None]
     if cfg.algorithm != "ppo" and ref is None and cfg.bc_coef == 0:
         keep = torch.nonzero(loss_mask.sum(1) > 0).flatten()
-        empty = keep.numel() == 0
-        batch, loss_mask = batch.select(keep if not empty else torch.tensor([0])), \
-            loss_mask[keep] if not empty else loss_mask[:1] * 0
-    single_pass = cfg.algorithm != "ppo" and cfg.epochs == 1 and cfg.minibatches == 1
+        if keep.numel() == 0:
+            batch, loss_mask = batch.select(torch.tensor([0])), loss_mask[:1] * 0
+        else:
+            batch, loss_mask = batch.select(keep), loss_mask[keep]
+    lengths = batch.attn.sum(1)
+    all_rows = torch.arange(batch.n_rows)
+    k = cfg.micro_batches
+    single_pass = one_forward(cfg)
     old_logp = old_values = ref_logp = None
     if not single_pass:
-        with torch.no_grad(), autocast_context("auto", device):
-            old_logits, old_values = engine.module(batch.ids.to(device), batch.attn.to(device))
-            old_logp = token_logprobs(old_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
-            old_values = old_values.cpu() if old_values is not None else None
-            del old_logits
+        old_logp, old_values = _no_grad_logp(lambda i, a: engine.module(i, a), batch, length_chunks(lengths, all_rows, k),
+                                             temperature, device, autocast_context)
     if ref is not None:
-        with torch.no_grad(), autocast_context("auto", device):
-            ref_logits = ref(input_ids=batch.ids.to(device), attention_mask=batch.attn.to(device)).logits
-            ref_logp = token_logprobs(ref_logits, batch.ids.to(device), temperature).float().cpu() * batch.mask
-            del ref_logits
+        ref_logp, _ = _no_grad_logp(lambda i, a: (ref(input_ids=i, attention_mask=a).logits, None), batch,
+                                    length_chunks(lengths, all_rows, k), temperature, device, autocast_context)
     if cfg.algorithm in ("grpo", "rloo"):
         adv = ep_adv[batch.episode][:, None] * batch.mask
         returns = None
@@ -561,50 +585,66 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     for _ in range(cfg.epochs):
         order = torch.from_numpy(rng.permutation(batch.n_rows))
         for rows in torch.tensor_split(order, cfg.minibatches):
-            mb = batch.select(rows)
-            m = loss_mask[rows]
-            with autocast_context("auto", device):
-                logits, values = engine(mb.ids.to(device), mb.attn.to(device))
-            logp = token_logprobs(logits, mb.ids.to(device), temperature).cpu()
-            if single_pass:  # π_old = π_θ before this, the only step (see the docstring)
-                old_logp = logp.detach() * mb.mask
-                is_w, is_stats = A.truncated_importance_weights(old_logp, mb.sample_logp, m, cfg.is_clip)
-                pg, pg_m = A.ppo_policy_loss(logp, old_logp, adv[rows], m, cfg.clip_eps, is_w)
-            else:
-                pg, pg_m = A.ppo_policy_loss(logp, old_logp[rows], adv[rows], m, cfg.clip_eps, is_w[rows])
-            ent = A.masked_mean(token_entropy(logits, temperature).cpu(), mb.mask)
-            loss = pg - ent_coef * ent
-            mets = {**pg_m, "policy/entropy": float(ent.detach())}
-            if values is not None:
-                vl, vm = A.value_loss(values.cpu(), old_values[rows], returns[rows], mb.mask, cfg.value_clip)
-                loss = loss + cfg.vf_coef * vl
-                mets.update(vm)
-            if ref_logp is not None:
-                kl, km = A.kl_penalty(logp, ref_logp[rows], mb.mask)
-                loss = loss + cfg.kl_coef * kl
-                mets.update(km)
-            if cfg.bc_coef > 0 and demo_examples:
-                bc = _bc_loss(engine, demo_examples, cfg.bc_batch, bc_rng, pad_id, device, autocast_context)
-                loss = loss + cfg.bc_coef * bc
-                mets["losses/bc"] = float(bc.detach())
-            if float(m.sum()) == 0:  # nothing to learn on this rank: keep the collective step, contribute zero
-                loss = loss * 0.0
-            finite = torch.tensor(float(torch.isfinite(loss.detach())))
-            if not all(dist.all_gather(bool(finite))):
-                skipped += 1  # a NaN/inf loss on any rank: skip this step everywhere, never apply it
-                engine.zero_grad() if hasattr(engine, "zero_grad") else None
-                continue
-            mets["losses/total"] = float(loss.detach())
-            engine.backward(loss)
-            no_grad_params = params_without_grad(engine.module.policy)
-            mets["train/lr"] = float(engine.get_lr()[0])  # the rate this step applies
-            engine.step()
+            n_pg = float(loss_mask[rows].sum())
+            n_act = float(batch.mask[rows].sum())
+            step: dict[str, float] = {}
+            finite_everywhere = True
+            for c, chunk in enumerate(length_chunks(lengths, rows, k)):
+                dummy = chunk.numel() == 0  # fewer rows than chunks: forward one row, contribute nothing
+                chunk = torch.tensor([0]) if dummy else chunk
+                T = int(lengths[chunk].max())
+                cut = lambda t: t[chunk][:, :T]  # noqa: E731 - this chunk's rows, trimmed to its longest
+                mb = batch.select(chunk)
+                ids, attn, mask, m = cut(batch.ids), cut(batch.attn), cut(batch.mask), cut(loss_mask)
+                w_pg = float(m.sum()) / max(n_pg, 1.0) if not dummy else 0.0
+                w_act = float(mask.sum()) / max(n_act, 1.0) if not dummy else 0.0
+                with autocast_context("auto", device):
+                    logits, values = engine(ids.to(device), attn.to(device))
+                logp = token_logprobs(logits, ids.to(device), temperature).cpu()
+                if single_pass:  # π_old = π_θ before this, the only step (see the docstring)
+                    old_c = logp.detach() * mask
+                    is_c, is_stats_c = A.truncated_importance_weights(old_c, cut(batch.sample_logp), m, cfg.is_clip)
+                    is_stats = _merge_stats(is_stats, is_stats_c, w_pg, c == 0)
+                else:
+                    old_c, is_c = cut(old_logp), cut(is_w)
+                pg, pg_m = A.ppo_policy_loss(logp, old_c, cut(adv), m, cfg.clip_eps, is_c)
+                ent = A.masked_mean(token_entropy(logits, temperature).cpu(), mask)
+                loss = w_pg * pg - w_act * ent_coef * ent
+                mets = {**{key: (v, w_pg) for key, v in pg_m.items()}, "policy/entropy": (float(ent.detach()), w_act)}
+                if values is not None:
+                    vl, vm = A.value_loss(values.cpu(), cut(old_values), cut(returns), mask, cfg.value_clip)
+                    loss = loss + w_act * cfg.vf_coef * vl
+                    mets.update({key: (v, w_act) for key, v in vm.items()})
+                if ref_logp is not None:
+                    kl, km = A.kl_penalty(logp, cut(ref_logp), mask)
+                    loss = loss + w_act * cfg.kl_coef * kl
+                    mets.update({key: (v, w_act) for key, v in km.items()})
+                if cfg.bc_coef > 0 and demo_examples and c == 0:  # once per optimizer step
+                    bc = _bc_loss(engine, demo_examples, cfg.bc_batch, bc_rng, pad_id, device, autocast_context)
+                    loss = loss + cfg.bc_coef * bc
+                    mets["losses/bc"] = (float(bc.detach()), 1.0)
+                if dummy or n_pg == 0:  # nothing to learn here: keep the collective step, contribute zero
+                    loss = loss * 0.0
+                if not all(dist.all_gather(bool(torch.isfinite(loss.detach())))):
+                    finite_everywhere = False  # a NaN/inf loss on any rank: this chunk contributes nothing anywhere
+                    loss = sum(p.sum() for p in engine.module.parameters() if p.requires_grad) * 0.0
+                    mets = {}
+                mets["losses/total"] = (float(loss.detach()), 1.0)
+                for key, (v, w) in mets.items():
+                    step[key] = step.get(key, 0.0) + v * w
+                engine.backward(loss, scale_wrt_gas=False)  # the chunk weights already sum to the minibatch mean
+                if c == k - 1:
+                    step["diag/params_without_grad"] = params_without_grad(engine.module.policy)
+                    step["train/lr"] = float(engine.get_lr()[0])  # the rate this step applies
+                    _step_engine(engine, apply=finite_everywhere)
+                else:
+                    engine.step()  # a no-op inside the accumulation, kept so DeepSpeed counts its micro-steps
+            skipped += not finite_everywhere
             gn = engine.get_global_grad_norm()
-            mets["losses/grad_norm"] = float(gn) if gn is not None else float("nan")
-            mets["diag/params_without_grad"] = no_grad_params
-            for k, v in mets.items():
-                agg.setdefault(k, []).append(v)
-    out = {k: float(np.mean(v)) for k, v in agg.items()}
+            step["losses/grad_norm"] = float(gn) if gn is not None else float("nan")
+            for key, v in step.items():
+                agg.setdefault(key, []).append(v)
+    out = {key: float(np.mean(v)) for key, v in agg.items()}
     if cfg.entropy_target is not None and "policy/entropy" in out:
         out["policy/entropy_coef"] = state.entropy.update(out["policy/entropy"])
     else:
@@ -621,6 +661,51 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     if returns is not None and old_values is not None:
         out["losses/explained_variance"] = A.explained_variance(old_values * batch.mask, returns, batch.mask)
     return out
+
+
+def _merge_stats(acc: dict | None, new: dict, weight: float, first: bool) -> dict:
+    """Token-weighted sum of per-chunk statistics (``offpolicy/*``); max-type entries keep the maximum."""
+    if first or acc is None:
+        acc = {}
+    for key, v in new.items():
+        acc[key] = max(acc.get(key, v), v) if key.endswith("_max") else acc.get(key, 0.0) + v * weight
+    return acc
+
+
+def _no_grad_logp(forward, batch: Batch, chunks: list[torch.Tensor], temperature: float, device, autocast_context):
+    """Log-probabilities (and values, when `forward` returns them) of every row of `batch` under `forward`, chunk by
+    chunk, masked to the action tokens: (rows, T) tensors on the CPU."""
+    logp = torch.zeros(batch.ids.shape)
+    values = None
+    with torch.no_grad():
+        for chunk in chunks:
+            if chunk.numel() == 0:
+                continue
+            T = int(batch.attn[chunk].sum(1).max())
+            ids, attn = batch.ids[chunk][:, :T].to(device), batch.attn[chunk][:, :T].to(device)
+            with autocast_context("auto", device):
+                logits, v = forward(ids, attn)
+            logp[chunk, :T] = token_logprobs(logits, ids, temperature).float().cpu()
+            if v is not None:
+                values = torch.zeros(batch.ids.shape) if values is None else values
+                values[chunk, :T] = v.float().cpu()
+            del logits
+    return logp * batch.mask, values
+
+
+def _step_engine(engine, apply: bool) -> None:
+    """The optimizer step that ends an accumulation; ``apply=False`` runs it at a learning rate of 0, so DeepSpeed's
+    counters and schedule advance but no weight moves (AdamW's decoupled weight decay is scaled by the rate too)."""
+    groups = engine.optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    if not apply:
+        for g in groups:
+            g["lr"] = 0.0
+    engine.step()
+    if not apply:
+        for g, lr in zip(groups, saved):
+            if g["lr"] == 0.0:  # no scheduler set the next rate
+                g["lr"] = lr
 
 
 def _bc_loss(engine, examples, n, rng, pad_id, device, autocast_context) -> torch.Tensor:
