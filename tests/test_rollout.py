@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -352,3 +353,18 @@ def test_shared_prefix_covers_the_common_token_ids_short_of_the_last_token(model
     assert prefix.covers([1, 10, 11, 99, 12]) == 3
     assert prefix.covers([2] + prompts[0][1:]) == 0
     assert engine._shared_prefix([prompts[0]]) is None and engine._shared_prefix([[1, 2, 3], [1, 2, 4]]) is None
+
+
+def test_prefix_follows_weights_updated_in_place_between_calls(model, tokenizer, runtime, tasks):
+    """RL updates the policy in place between calls of one engine: the prefix must be that of the current weights."""
+    policy = copy.deepcopy(model)
+    engine = RolloutEngine(policy, tokenizer, runtime, ENV, ROLL)
+    before = engine.run(tasks[:4], [0, 1, 2, 3], greedy=True)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.5)
+    after = engine.run(tasks[:4], [0, 1, 2, 3], greedy=True)
+    assert engine.stats["prefix_reused_tokens"] > 0
+    off = RolloutEngine(policy, tokenizer, runtime, ENV, ROLL.model_copy(update={"prefix_cache": False}))
+    assert_same_episodes(after, off.run(tasks[:4], [0, 1, 2, 3], greedy=True))
+    assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]

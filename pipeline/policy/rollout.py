@@ -14,17 +14,18 @@ How it works (``RolloutEngine._loop``):
   and the main loop never spends a step on a known token (measured: a third fewer main forwards than feeding
   observations token by token).
 - **Shared prompt prefix** (``rollout.prefix_cache``). Every first prompt starts with the same 71 tokens (the system
-  line and the tool list, :func:`pipeline.env.prompt.render_header`; the default data's first prompts are 85-122
-  tokens, 94 on average), and so does every re-based context. Each call of :meth:`RolloutEngine.run` /
-  :meth:`~RolloutEngine.complete` takes the longest common *token-id* prefix (P tokens) of the prompts it starts
-  with -- ids, never text, so a BPE merge across the boundary just shortens it -- and runs it through the model once.
-  A fresh prompt then prefills only what follows the part of the prefix it starts with: those keys and values are
-  copied in as the row's history and the rest of the prompt takes positions P, P+1, ... (positions count each row's
-  own tokens, as everywhere here, so left padding changes nothing). The prefix is recomputed on every call, never
-  kept: RL updates the weights in place between calls, and one batch-1 forward of P tokens is cheap next to the
-  prefills it replaces. A call that starts one episode, or whose prompts share fewer than ``MIN_SHARED_PREFIX``
-  tokens, prefills whole prompts. Measured (bench/rollout.py, trained policy, 128 episodes at batch 32, 1 thread):
-  prefilled tokens 0.54x, tokens/s 1.13x; the observation prefills and the decode steps are the rest of the time.
+  line and the tool list, :func:`pipeline.env.prompt.render_header`; the default data's first prompts are 85-122 tokens,
+  94 on average), and so does every re-based context. Each call of :meth:`RolloutEngine.run` /
+  :meth:`~RolloutEngine.complete` takes the longest common *token-id* prefix (P tokens) of the prompts of the episodes
+  it starts at once (the first ``batch_size``; ids, never text, so a BPE merge across the boundary just shortens it),
+  and runs it through the model once. A fresh prompt then prefills only what follows the part of the prefix it starts
+  with: those keys and values are copied in as the row's history and the rest of the prompt takes positions P, P+1, ...
+  (positions count each row's own tokens, as everywhere here, so left padding changes nothing). The prefix is recomputed
+  on every call, never kept: RL updates the weights in place between calls, and one batch-1 forward of P tokens is cheap
+  next to the prefills it replaces. A call that starts one episode, or whose prompts share fewer than
+  ``MIN_SHARED_PREFIX`` tokens, prefills whole prompts. Measured (bench/rollout.py, trained policy, 128 episodes at
+  batch 32 and 64, 1 thread): prefilled tokens 0.54x, tokens/s 1.06-1.19x; observation prefills and decode steps are the
+  rest of the time.
 - **Continuous batching.** `batch_size` slots; when an episode ends, the next task takes its slot through the same
   chunk path. Once a quarter of the slots are idle and no task waits, the idle rows are dropped (one copy).
 - **The cache** (:class:`SlotCache`) is a ``transformers`` ``Cache`` whose layers keep preallocated ``[batch, heads,
@@ -76,10 +77,9 @@ Decisions:
 - An action ends at ``</call>`` or ``<eos>`` (both sampled and recorded) or after ``max_new_tokens``; its decoded
   text, special tokens included, is what the environment parses.
 
-Deliberately left out: speculative decoding, sharing more than the first prompts' common prefix (a tree of prefixes,
-or the prompts of a GRPO group's identical task as a whole beyond it; the tool list is most of every prompt already),
-keeping the prefix across calls (see above), and asynchronous tool calls (tools are fast here;
-``env.tool_latency_s`` stalls the loop).
+Deliberately left out: speculative decoding; a tree of shared prefixes (a GRPO group's episodes share their whole
+first prompt, but the task part beyond the common prefix is ~20 tokens); keeping the prefix across calls (see above);
+and asynchronous tool calls (tools are fast here; ``env.tool_latency_s`` stalls the loop).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_context, enco
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 DROP_IDLE_FRACTION = 0.25  # drop finished rows once this share of slots is idle (and no task waits)
 CHUNK_ATTENTION_BUDGET = 1 << 22  # query-key pairs per row-batch of a chunk prefill (bounds its peak memory)
-MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix (say <bos> alone) does not pay for its own forward
+MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix (<bos> alone, unrelated prompts) is not worth a forward
 
 
 # ========================================================================================================= sampling
