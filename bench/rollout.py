@@ -22,6 +22,12 @@ default stays fp32); peak RSS engine 1.2 GB, (b) 1.5 GB. Random weights make eve
 every episode to max_steps (episodes re-based once when the environment folds its history), the worst case for the
 engine; a trained policy's short episodes favour it more.
 
+Prefix cache (session 5, 1 thread, loaded machine, ``--methods engine engine_noprefix --dtypes fp32``): with
+``--policy models/policy --episodes 128 --batch-size 32 --repeats 3`` the engine prefilled 11,213 tokens against
+20,869 and ran 1.13x as fast with the cache (1.06x in a second run, 1.19x at ``--batch-size 64``); with random weights
+(64 episodes, ``--repeats 2``) 0.88x the prefilled tokens, 1.04x. A single run of seconds can be off by a third on a
+loaded machine (one random-weight run read 0.72x): use ``--repeats``.
+
 ``--policy DIR`` (e.g. models/policy) rolls out a trained policy on data/tasks/validation.jsonl in the world of
 data/env instead: its episodes are a few short actions, so prompt prefills are a larger share of the work (as in
 serving), which is where the prefix cache matters.
