@@ -13,7 +13,10 @@ Goal (issue 6): throughput at 32 clients at least 8x one client at a time. The p
 models/adapted, else the built-in default size with random weights, said in the output: every action then runs to
 max_new_tokens and every episode to max_steps, ~400 generated tokens per request). Quote ratios: the machine is shared.
 
-    python bench/serve.py [--clients 32] [--sequential 12] [--concurrent 96] [--threads 1]
+``--prefix-cache on|off`` overrides params.yaml's ``rollout.prefix_cache`` (the shared-prompt-prefix KV cache of the
+rollout engine): run it both ways to see what the prefix cache does to each phase.
+
+    python bench/serve.py [--clients 32] [--sequential 12] [--concurrent 96] [--threads 1] [--prefix-cache on|off]
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--policy", default=None)
+    ap.add_argument("--prefix-cache", choices=["on", "off"], default=None, help="default: params.yaml")
     args = ap.parse_args()
 
     import httpx
@@ -80,8 +84,10 @@ def main() -> None:
     params = ROOT / "params.yaml"
     env_cfg = load_section(EnvConfig, "env", params)
     cfg = load_section(DeployConfig, "deploy", params)
-    roll = load_section(RolloutConfig, "rollout", params).model_copy(
-        update={"num_threads": args.threads, "batch_size": max(args.clients, 1)})
+    roll = load_section(RolloutConfig, "rollout", params)
+    roll = roll.model_copy(update={"num_threads": args.threads, "batch_size": max(args.clients, 1),
+                                   "prefix_cache": roll.prefix_cache if args.prefix_cache is None
+                                   else args.prefix_cache == "on"})
     serve_cfg = cfg.serve.model_copy(update={"max_batch_size": args.clients, "rate_limit_per_s": 1e6,
                                              "rate_burst": 1_000_000})
     tasks = [json.loads(l) for l in (ROOT / "data/tasks/test.jsonl").read_text().splitlines()]
@@ -133,7 +139,8 @@ def main() -> None:
     thr1, thrc, thrh = len(seq) / t1, len(conc) / tc, len(conc) / th
     batches = s1["batches"] - s0["batches"]
     actions = sum(o["n_calls"] for o in outc) / len(outc)
-    print(f"policy: {source}; serving precision {cfg.serve_precision}; {args.threads} model thread(s); "
+    print(f"policy: {source}; serving precision {cfg.serve_precision}; prefix cache "
+          f"{'on' if roll.prefix_cache else 'off'}; {args.threads} model thread(s); "
           f"{actions:.1f} actions per request; max_batch_size {args.clients}, max_wait {serve_cfg.max_wait_ms} ms")
     print(f"{'phase':<28} {'requests':>8} {'req/s':>8} {'p50 ms':>9} {'p99 ms':>9}")
     for name, n, thr, lat in [("1 client, one at a time", len(seq), thr1, lat1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -266,3 +267,104 @@ def test_num_threads_applies_during_the_run_only(model, tokenizer, runtime, task
     engine._forward = lambda *a, **k: (seen.append(torch.get_num_threads()), forward(*a, **k))[1]
     engine.run(tasks[:1], [0])
     assert set(seen) == {2} and torch.get_num_threads() == before
+
+
+# ------------------------------------------------------------------------------------------------ shared prompt prefix
+def run_both(model, tokenizer, runtime, tasks, seeds, env=ENV, **update) -> tuple[list[dict], list[dict], dict]:
+    """The same run with the prefix cache on and off; returns both records and the 'on' engine's stats."""
+    out = {}
+    for on in (True, False):
+        engine = RolloutEngine(model, tokenizer, runtime, env, ROLL.model_copy(update={**update, "prefix_cache": on}))
+        out[on] = (engine.run(tasks, seeds, greedy=update.get("greedy")), engine.stats)
+    return out[True][0], out[False][0], out[True][1]
+
+
+def assert_same_episodes(on: list[dict], off: list[dict]) -> None:
+    for a, b in zip(on, off, strict=True):
+        assert a["token_ids"] == b["token_ids"] and a["action_mask"] == b["action_mask"]
+        assert a["actions"] == b["actions"] and a["steps"] == b["steps"] and a["segments"] == b["segments"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_changes_no_greedy_episode(model, tokenizer, runtime, tasks):
+    """Batch 5 of 12 episodes: later episodes take freed slots and reuse the prefix of the first five prompts."""
+    on, off, stats = run_both(model, tokenizer, runtime, tasks[:12], list(range(12)), greedy=True, batch_size=5)
+    assert stats["prefix_tokens"] >= 50  # the system line and the tool list
+    assert stats["prefix_reused_tokens"] >= 12 * stats["prefix_tokens"] * 0.9
+    assert_same_episodes(on, off)
+
+
+def test_prefix_cache_changes_no_sampled_episode_and_recomputes_exactly(model, tokenizer, runtime, tasks):
+    on, off, stats = run_both(model, tokenizer, runtime, tasks[:10], list(range(50, 60)), temperature=1.3)
+    assert stats["prefix_reused_tokens"] > 0
+    assert_same_episodes(on, off)
+    with torch.no_grad():
+        for rec in on:
+            lp = sequence_logprobs(model, rec["token_ids"], rec["action_mask"], temperature=1.3,
+                                   segments=rec["segments"])
+            torch.testing.assert_close(lp, torch.tensor(rec["logprobs"]), atol=1e-4, rtol=0)
+            assert all(m == (lp_ < 0.0) for lp_, m in zip(rec["logprobs"], rec["action_mask"]))
+
+
+def test_prefix_cache_serves_new_segments_of_folded_histories(model, tokenizer, runtime, tasks):
+    on, off, stats = run_both(model, tokenizer, runtime, tasks[:4], [1, 2, 3, 4],
+                              env=EnvConfig(max_steps=5, history_window=1), greedy=True)
+    assert any(len(r["segments"]) > 1 for r in on)
+    rebased_prompts = sum(len(r["segments"]) for r in on)  # first prompts and re-based contexts
+    assert stats["prefix_reused_tokens"] >= rebased_prompts * stats["prefix_tokens"] * 0.9
+    assert_same_episodes(on, off)
+
+
+def test_prefix_cache_with_one_episode_or_nothing_shared(model, tokenizer, runtime, tasks):
+    on, off, stats = run_both(model, tokenizer, runtime, [tasks[7]], [7], greedy=True)
+    assert stats["prefix_tokens"] == 0 and stats["prefix_reused_tokens"] == 0
+    assert_same_episodes(on, off)
+    contexts = ["You are an agent.\nTask: x\n", "Task: y\n", "Something else entirely\n"]
+    engines = [RolloutEngine(model, tokenizer, cfg=ROLL.model_copy(update={"prefix_cache": on})) for on in (1, 0)]
+    a, b = [e.complete(contexts, seeds=[0, 1, 2], greedy=True) for e in engines]
+    assert engines[0].stats["prefix_tokens"] == 0  # <bos> alone is not worth a forward
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+
+
+def test_prefix_is_compared_as_token_ids_and_covers_what_each_prompt_shares(model, tokenizer, runtime, tasks):
+    """Prompts whose common text ends inside a word that BPE merges differently ("sear" / "search"), a prompt that is
+    the whole shared prefix, and prompts (started later in freed slots) that share only part of it."""
+    head = ToolTasksEnv(world=runtime, tasks=tasks, config=ENV).reset(seed=0, options={"task": tasks[0]})[0]["context"]
+    short, long_ = encode_context(tokenizer, head + "sear"), encode_context(tokenizer, head + "search")
+    assert long_[: len(short)] != short  # the text "...sear" is shared, its last tokens are not
+    contexts = [head + "sear", head + "search", head, head, head[:40] + "elsewhere", head[:-10]]
+    for bs in (2, 6):
+        engines = [RolloutEngine(model, tokenizer, cfg=ROLL.model_copy(update={"prefix_cache": on, "batch_size": bs}))
+                   for on in (True, False)]
+        a, b = [e.complete(contexts, seeds=list(range(6)), greedy=True) for e in engines]
+        assert engines[0].stats["prefix_reused_tokens"] > 0
+        for x, y in zip(a, b, strict=True):
+            assert x["token_ids"] == y["token_ids"] and x["text"] == y["text"]
+            torch.testing.assert_close(torch.tensor(x["logprobs"]), torch.tensor(y["logprobs"]), atol=1e-5, rtol=0)
+
+
+def test_shared_prefix_covers_the_common_token_ids_short_of_the_last_token(model, tokenizer):
+    engine = RolloutEngine(model, tokenizer, cfg=ROLL)
+    prompts = [[1] + list(range(10, 30)) + [5], [1] + list(range(10, 30)) + [6, 7]]
+    prefix = engine._shared_prefix(prompts)
+    assert prefix.ids == prompts[0][:21] and prefix.cache.get_seq_length() == 21
+    assert prefix.covers(prompts[1]) == 21
+    assert prefix.covers(prompts[0][:21]) == 20  # the last token is always prefilled: it samples the action
+    assert prefix.covers([1, 10, 11, 99, 12]) == 3
+    assert prefix.covers([2] + prompts[0][1:]) == 0
+    assert engine._shared_prefix([prompts[0]]) is None and engine._shared_prefix([[1, 2, 3], [1, 2, 4]]) is None
+
+
+def test_prefix_follows_weights_updated_in_place_between_calls(model, tokenizer, runtime, tasks):
+    """RL updates the policy in place between calls of one engine: the prefix must be that of the current weights."""
+    policy = copy.deepcopy(model)
+    engine = RolloutEngine(policy, tokenizer, runtime, ENV, ROLL)
+    before = engine.run(tasks[:4], [0, 1, 2, 3], greedy=True)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(1.5)
+    after = engine.run(tasks[:4], [0, 1, 2, 3], greedy=True)
+    assert engine.stats["prefix_reused_tokens"] > 0
+    off = RolloutEngine(policy, tokenizer, runtime, ENV, ROLL.model_copy(update={"prefix_cache": False}))
+    assert_same_episodes(after, off.run(tasks[:4], [0, 1, 2, 3], greedy=True))
+    assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
