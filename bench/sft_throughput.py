@@ -60,7 +60,8 @@ def _rss_mb() -> float:
         return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
 
 
-def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int, threads: int, vocab: int) -> None:
+def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int, threads: int, vocab: int,
+                micro_batches: int = 1) -> None:
     import warnings
 
     import torch
@@ -86,8 +87,9 @@ def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int,
              "attention_mask": torch.ones_like(ids), "labels": ids} for _ in range(4)]
     stream = (data[i % 4] for i in range(10 ** 9))
     rss0 = _rss_mb()
-    sft.train_lm(wrapped, stream, 2, 1e-4, autocast=lambda: autocast_context(mcfg))  # warm-up (allocator, kernels)
-    res = sft.train_lm(wrapped, stream, steps, 1e-4, autocast=lambda: autocast_context(mcfg))
+    amp = lambda: autocast_context(mcfg)  # noqa: E731
+    sft.train_lm(wrapped, stream, 2, 1e-4, autocast=amp, micro_batches=micro_batches)  # warm-up (allocator, kernels)
+    res = sft.train_lm(wrapped, stream, steps, 1e-4, autocast=amp, micro_batches=micro_batches)
     tokens = res.tokens
     L, d = mcfg.n_layers, mcfg.d_model
     model_flops = (6 * n_matmul * tokens) if mode == "full" else (4 * n_matmul * tokens + 6 * n_lora * tokens)
@@ -135,6 +137,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--modes", default="full,lora")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="chunks per step with gradient accumulation (default: adapt.sft.micro_batches' default)")
     ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size (the built-in tokenizer's is about 1000)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
@@ -142,15 +146,18 @@ def main(argv=None) -> list[dict]:
 
     from pipeline.policy.model import supports_bf16
 
+    from pipeline.policy.config import SFTConfig
+
     threads = args.threads or torch.get_num_threads()
+    micro = args.micro_batches or SFTConfig().micro_batches
     dtypes = ["fp32"] + (["bf16"] if supports_bf16() else [])
     rows = []
     print(f"SFT throughput: default policy model, batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
-          f"{threads} threads")
+          f"{threads} threads, {micro} chunk(s) per step")
     for dt in dtypes:
         peak = run_in_child(peak_child, dt, threads)
         for mode in args.modes.split(","):
-            r = run_in_child(train_child, dt, mode, args.steps, args.batch, args.seq, threads, args.vocab)
+            r = run_in_child(train_child, dt, mode, args.steps, args.batch, args.seq, threads, args.vocab, micro)
             r["peak_matmul_flops_per_s"] = peak["flops"]
             r["utilisation"] = r["model_flops_per_s"] / peak["flops"]
             r["utilisation_with_attention"] = (r["model_flops_per_s"] + r["attn_flops_per_s"]) / peak["flops"]

@@ -72,7 +72,8 @@ def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: 
                 force: bool = False) -> dict[str, Any]:
     """Run one stage through ``dvc repro --single-item`` (``--force``: even when up to date), echoing its output.
 
-    Returns wall seconds, ``command_s`` (the stage command's own seconds, None when it did not run) and the status.
+    Returns wall seconds, ``command_s`` (the stage command's own seconds, None when it did not run), ``peak_mib``
+    (the peak resident memory of the command's largest process, None when it did not run) and the status.
     """
     env = stage_env(root, tracking_uri, parent_run_id)
     fd, times_path = tempfile.mkstemp(prefix=f"agentrl-{stage}-", suffix=".jsonl")
@@ -103,7 +104,9 @@ def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: 
             + "\n".join(tail)
         )
     command_s = sum(r["seconds"] for r in records) if records else None
-    return {"seconds": seconds, "command_s": command_s, "status": "up to date" if skipped else "ran"}
+    peaks = [r["peak_rss_mib"] for r in records if r.get("peak_rss_mib") is not None]
+    return {"seconds": seconds, "command_s": command_s, "peak_mib": max(peaks) if peaks else None,
+            "status": "up to date" if skipped else "ran"}
 
 
 @task(name="mlflow-tags", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -157,7 +160,9 @@ def push_data(root: str) -> str:
 
 def _timing_table(results: dict[str, dict[str, Any]], total: float) -> str:
     width = max([len("total"), *map(len, results)])
-    lines = [f"{name:<{width}}  {r['seconds']:8.1f} s  {r['status']}" for name, r in results.items()]
+    lines = [f"{name:<{width}}  {r['seconds']:8.1f} s  {r['status']}"
+             + (f"  (peak {r['peak_mib']:.0f} MiB)" if r.get("peak_mib") is not None else "")
+             for name, r in results.items()]
     lines.append(f"{'total':<{width}}  {total:8.1f} s")
     return "\n".join(lines)
 
@@ -218,7 +223,9 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
                 results[stage] = result
                 print(f"[{k}/{n}] {stage}: {result['status']} in {result['seconds']:.1f} s", flush=True)
                 update_progress_artifact(progress_id, progress=100.0 * k / n)
-                run.log_metrics({f"pipeline/{stage}_wall_s": result["seconds"]})
+                run.log_metrics({f"pipeline/{stage}_wall_s": result["seconds"],
+                                 **({f"pipeline/{stage}_peak_mib": result["peak_mib"]}
+                                    if result.get("peak_mib") is not None else {})})
                 run.set_tags({f"agentrl.stage.{stage}": result["status"]})
                 if result["status"] == "ran":
                     tag_runs(uri, run.run_id, {}, stage, {**git, **lineage.version_tags(

@@ -22,8 +22,9 @@ from pipeline.errors import AgentRLError
 
 USER_ERROR = 2
 # When set (the Prefect flow sets it for each stage it launches), every `agentrl` command appends one JSON line
-# {"command", "seconds", "rc"} to this file: the stage's own time, which the flow subtracts from its wall time to
-# report the orchestration overhead (DVC, Prefect and MLflow bookkeeping).
+# {"command", "seconds", "rc", "peak_rss_mib"} to this file: the stage's own time, which the flow subtracts from its
+# wall time to report the orchestration overhead (DVC, Prefect and MLflow bookkeeping), and the peak resident memory
+# of the command's largest process (itself or a child it waited for, such as a DeepSpeed rank).
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
 
 
@@ -334,7 +335,15 @@ def _record_time(command: str, seconds: float, rc: int | str) -> None:
     path = os.environ.get(STAGE_TIMES_ENV)
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"command": command, "seconds": seconds, "rc": rc}) + "\n")
+            f.write(json.dumps({"command": command, "seconds": seconds, "rc": rc, "peak_rss_mib": _peak_rss_mib()})
+                    + "\n")
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    usage = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return round(usage / 1024, 1)  # KiB on Linux
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -236,6 +236,22 @@ def _batch(tokenizer, demos, tasks, n=8):
     return sft.collate(ex, tokenizer.pad_token_id)
 
 
+def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demos, tasks):
+    batch = _batch(tokenizer, demos, tasks)
+    lengths = batch["attention_mask"].sum(1)
+    assert lengths.min() < lengths.max()  # chunks are trimmed to their own longest row
+    grads, losses = [], []
+    for micro_batches in (1, 3):
+        model = build_policy(TINY, tokenizer)  # TINY's seed: the same weights both times
+        res = sft.train_lm(model, iter([batch]), steps=1, lr=1e-3, micro_batches=micro_batches)
+        losses.append(res.losses[0])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-7, rtol=1e-4), n
+
+
 @pytest.mark.parametrize("kind", ["lora", "bottleneck", "none"])
 def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_loss(kind, tokenizer, demos, tasks):
     model = build_policy(TINY, tokenizer)

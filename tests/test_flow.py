@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -139,7 +140,7 @@ def prefect_artifact(root: Path, key: str) -> str:
 
 
 def stage_lines(stdout: str) -> dict[str, str]:
-    """{stage: status} from the flow's timing table."""
+    """{stage: status} from the flow's timing table (a stage that ran ends its line with "(peak N MiB)")."""
     from pipeline.graph import stage_order
 
     names = stage_order(ROOT / "dvc.yaml")
@@ -147,7 +148,7 @@ def stage_lines(stdout: str) -> dict[str, str]:
     for line in stdout.splitlines():
         parts = line.split()
         if len(parts) >= 3 and parts[0] in names and parts[2] == "s":
-            out[parts[0]] = " ".join(parts[3:])
+            out[parts[0]] = re.sub(r"\s*\(peak \d+ MiB\)$", "", " ".join(parts[3:]))
     return out
 
 
@@ -247,6 +248,8 @@ def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
     for k, name in enumerate(names, 1):  # the progress display
         assert f"[{k}/{len(names)}] {name}: running" in proc.stdout and f"[{k}/{len(names)}] {name}: ran in" in proc.stdout
     assert "orchestration overhead" in proc.stdout and "peak memory" in proc.stdout
+    peaks = dict(re.findall(r"^(\w+) +[\d.]+ s  ran  \(peak (\d+) MiB\)$", proc.stdout, flags=re.M))
+    assert set(peaks) == set(names) and all(int(v) > 50 for v in peaks.values()), peaks  # each stage's own peak
     for stage in stages:  # every phase wrote its metrics
         assert stage.metrics and all((root / m).is_file() for m in stage.metrics), stage.name
 

@@ -226,7 +226,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
                                                          tokenizer.pad_token_id),
                        cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
-                       grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every)
+                       grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
+                       micro_batches=cfg.sft.micro_batches)
     model = adapters.finalize(trainable_model)
     sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
                    "demos": len(inputs["demos"]), "loss_curve": curve,

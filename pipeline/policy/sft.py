@@ -512,8 +512,12 @@ class TrainResult:
 def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float, *, warmup: int = 0,
              weight_decay: float = 0.0, grad_clip: float = 1.0, autocast: Callable | None = None,
              log: Callable[[int, dict], None] | None = None, log_every: int = 10,
-             stop: Callable[[int], bool] | None = None, stop_every: int = 100) -> TrainResult:
+             stop: Callable[[int], bool] | None = None, stop_every: int = 100, micro_batches: int = 1) -> TrainResult:
     """AdamW on the trainable parameters for `steps` batches of `data`; the loss is :func:`masked_lm_loss`.
+
+    `micro_batches` > 1 forwards each batch in that many chunks of rows (each trimmed to its own longest row) and
+    accumulates their gradients, each chunk's loss weighted by its share of the batch's loss tokens: the same step as
+    one forward of the batch, with the activation memory of one chunk.
 
     `autocast` returns a context manager for the forward pass (bf16 autocast on a CPU that supports it);
     `log(step, metrics)` receives ``loss``, ``lr``, ``grad_norm`` and ``tokens_per_s`` every `log_every` steps;
@@ -535,12 +539,21 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
         batch = next(data)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
-        ctx = autocast() if autocast is not None else _null()
-        with ctx:
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss, n = masked_lm_loss(logits, batch["labels"])
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        n = int((batch["labels"][:, 1:] != IGNORE).sum())
+        loss = torch.zeros(())
+        by_length = torch.argsort(batch["attention_mask"].sum(1), descending=True, stable=True)
+        for rows in torch.tensor_split(by_length, micro_batches):
+            if rows.numel() == 0:
+                continue
+            T = int(batch["attention_mask"][rows].sum(1).max())
+            with autocast() if autocast is not None else _null():
+                logits = model(input_ids=batch["input_ids"][rows, :T],
+                               attention_mask=batch["attention_mask"][rows, :T]).logits
+            part, n_part = masked_lm_loss(logits, batch["labels"][rows, :T])
+            part = part * (n_part / max(n, 1))
+            part.backward()
+            loss = loss + part.detach()
         gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
         losses.append(loss.item())
