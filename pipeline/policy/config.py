@@ -98,8 +98,9 @@ class SFTConfig(PhaseConfig):
     batch_size: int = Field(32, ge=1, description="Sequences (demonstration segments) per step.")
     micro_batches: int = Field(1, ge=1, le=64, description="Chunks each batch is forwarded in (rows of similar length, "
                                "each padded to its own longest); their gradients accumulate into one step, the same "
-                               "step up to bf16 rounding, with the activation memory of one chunk. 1 on the default: "
-                               "with 4, the default trained slower in session 5 (README, adapt section).")
+                               "step up to bf16 rounding, with the activation memory of one chunk. 1 on the default "
+                               "(bit-identical to the unchunked loop): runs whose rounding differed came out weaker "
+                               "in session 5 (README, adapt section).")
     lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on matrices (not on biases and norms).")

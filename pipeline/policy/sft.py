@@ -542,8 +542,10 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
         opt.zero_grad(set_to_none=True)
         n = int((batch["labels"][:, 1:] != IGNORE).sum())
         loss = torch.zeros(())
-        by_length = torch.argsort(batch["attention_mask"].sum(1), descending=True, stable=True)
-        for rows in torch.tensor_split(by_length, micro_batches):
+        order = torch.arange(batch["input_ids"].shape[0])
+        if micro_batches > 1:  # one chunk keeps the batch's own row order: its step is bit-identical to before chunks
+            order = torch.argsort(batch["attention_mask"].sum(1), descending=True, stable=True)
+        for rows in torch.tensor_split(order, micro_batches):
             if rows.numel() == 0:
                 continue
             T = int(batch["attention_mask"][rows].sum(1).max())
