@@ -60,6 +60,16 @@ def test_import_sets_offline_defaults_without_overriding_the_user_and_stays_ligh
     assert heavy == []
 
 
+def test_the_repository_tracks_no_symbolic_links():
+    # Two experiment folders once leaked into commits as symlinks (configs/configs, a loop; data/data, dangling):
+    # a clean clone then broke every test that copies the project.
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listing = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in listing.splitlines() if line.startswith("120000 ")]
+    assert not links, f"tracked symbolic links: {links}"
+
+
 def test_dvc_config_turns_analytics_off():
     text = (ROOT / ".dvc" / "config").read_text()
     assert "analytics = false" in text and "check_update = false" in text
