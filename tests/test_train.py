@@ -348,13 +348,21 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
         r["return"], r["group"] = float((i * 7) % 5) / 4, i // 4
     assert len({len(r["token_ids"]) for r in records}) > 1  # rows of different lengths, so chunks pad differently
 
-    def step(micro_batches: int, force_two_forwards: bool = False) -> dict:
+    def step(micro_batches: int, force_two_forwards: bool = False, nan_chunk: int | None = None) -> dict:
         cfg = load_section(TrainConfig, "train").model_copy(update={
             "algorithm": algorithm, "group_size": 4, "tasks_per_update": 3, "micro_batches": micro_batches,
             "lr_warmup_steps": 0, "entropy_coef": 0.01, "entropy_target": None})
         patch = pytest.MonkeyPatch()
         if force_two_forwards:
             patch.setattr(trainer, "one_forward", lambda cfg: False)
+        if nan_chunk is not None:  # the policy loss of one chunk turns NaN (on this, the only rank)
+            calls, real = [], trainer.A.ppo_policy_loss
+
+            def poisoned(*args, **kwargs):
+                loss, mets = real(*args, **kwargs)
+                calls.append(1)
+                return (loss * float("nan") if len(calls) == nan_chunk + 1 else loss), mets
+            patch.setattr(trainer.A, "ppo_policy_loss", poisoned)
         torch.manual_seed(0)  # the same value head for every variant
         policy = load_policy("models/adapted")[0]
         actor = trainer.ActorCritic(policy, with_value=algorithm == "ppo")
@@ -368,7 +376,7 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
         mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
                               marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0), fp32, dist)
         patch.undo()
-        assert mets["train/skipped_steps_nonfinite"] == 0
+        assert mets["train/skipped_steps_nonfinite"] == (nan_chunk is not None)
         return {k: v.detach() - before[k] for k, v in actor.named_parameters()}
 
     fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731 - exact sums; bf16 would differ by padding
@@ -378,3 +386,5 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     for other in variants:
         for k in whole:
             assert torch.allclose(whole[k], other[k], atol=1e-7, rtol=1e-4), k
+    # A NaN loss in the second of 3 chunks: the step is counted as skipped and no weight moves at all.
+    assert all(not d.any() for d in step(3, nan_chunk=1).values())
