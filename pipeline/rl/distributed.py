@@ -53,8 +53,9 @@ class Dist:
     def close(self) -> None:
         """End of a multi-rank run: wait for every rank, then tear the process group down together. Without it a rank
         that finished early (rank 1 while rank 0 still writes metrics) exited with SIGABRT in the group's teardown
-        (one clean-clone CI run of session 4, `tests/test_train.py::test_two_deepspeed_ranks_train_and_report`). A group of one (tests that call the worker in-process) is left as it is, so a
-        later call in the same process reuses it."""
+        (one clean-clone CI run of session 4, `tests/test_train.py::test_two_deepspeed_ranks_train_and_report`). A
+        group of one (tests that call the worker in-process) is left as it is, so a later call in the same process
+        reuses it."""
         if self.world_size > 1:
             import torch.distributed as dist
 

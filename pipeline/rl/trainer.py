@@ -695,7 +695,12 @@ def _no_grad_logp(forward, batch: Batch, chunks: list[torch.Tensor], temperature
 
 def _step_engine(engine, apply: bool) -> None:
     """The optimizer step that ends an accumulation; ``apply=False`` runs it at a learning rate of 0, so DeepSpeed's
-    counters and schedule advance but no weight moves (AdamW's decoupled weight decay is scaled by the rate too)."""
+    counters and schedule advance but no weight moves (AdamW's decoupled weight decay is scaled by the rate too).
+
+    What a skipped step still changes: AdamW's moment estimates and step count take in the gradient that was
+    accumulated (the finite chunks' part; a non-finite chunk contributes exactly zero, see `_learn`), so the next
+    applied step's bias correction and momentum carry it. The moments stay finite; restoring them would need a copy
+    of the optimizer state every step, which this rare path does not justify."""
     groups = engine.optimizer.param_groups
     saved = [g["lr"] for g in groups]
     if not apply:
