@@ -78,9 +78,12 @@ def test_health_ready_and_a_task_in_answer_and_trajectory_out(server):
 
 
 def test_malformed_requests_get_4xx_with_a_reason_and_never_reach_the_model(server):
-    base, _ = server
+    base, project = server
+    task = json.loads((project / "data/tasks/test.jsonl").read_text().splitlines()[0])
     before = httpx.get(f"{base}/stats").json()
     cases = [
+        (json.dumps({**task, "allowed_writes": 5}).encode(), 422, "allowed_writes"),  # a full record is checked too
+        (json.dumps({**task, "question": 7}).encode(), 422, "'question' must be a non-empty string"),
         (b"{not json", 400, "not valid JSON"),
         (json.dumps({"task_id": "x"}).encode(), 422, "'question' must be a non-empty string"),
         (json.dumps({"question": ""}).encode(), 422, "non-empty"),

@@ -58,6 +58,9 @@ def parse_task(obj: Any, max_question_chars: int = 1000):
         extra = set(obj) - full - {"seed"}
         if extra:
             raise RequestError(f"unknown task fields {sorted(extra)}")
+        if not isinstance(obj["question"], str):
+            raise RequestError("'question' must be a non-empty string")
+        _check_writes(obj["allowed_writes"])
         try:
             task = Task.from_dict(obj)
         except TypeError as exc:
@@ -73,12 +76,7 @@ def parse_task(obj: Any, max_question_chars: int = 1000):
         answer = obj.get("answer")
         if answer is not None and not isinstance(answer, (str, int, float)):
             raise RequestError("'answer' (ground truth) must be a string or a number")
-        writes = obj.get("allowed_writes", [])
-        if not isinstance(writes, list) or not all(
-                isinstance(w, dict) and set(w) == {"table", "name", "field"} and all(isinstance(v, str)
-                                                                                     for v in w.values())
-                for w in writes):
-            raise RequestError("'allowed_writes' must be a list of {table, name, field} string objects")
+        writes = _check_writes(obj.get("allowed_writes", []))
         task_id = obj.get("task_id")
         if task_id is not None and not isinstance(task_id, (str, int)):
             raise RequestError("'task_id' must be a string or an integer")
@@ -93,6 +91,16 @@ def parse_task(obj: Any, max_question_chars: int = 1000):
     if not task.question.strip():
         raise RequestError("'question' must be a non-empty string")
     return task
+
+
+def _check_writes(writes: Any) -> list:
+    """`writes` itself when it is a list of {table, name, field} string objects (a task's ``allowed_writes``), else a
+    RequestError: checked before an episode starts, in a bare request and in a complete task record alike."""
+    if not isinstance(writes, list) or not all(
+            isinstance(w, dict) and set(w) == {"table", "name", "field"} and all(isinstance(v, str) for v in w.values())
+            for w in writes):
+        raise RequestError("'allowed_writes' must be a list of {table, name, field} string objects")
+    return writes
 
 
 def _has_truth(obj: Any) -> bool:
