@@ -97,6 +97,27 @@ def test_truncated_importance_weights():
     assert torch.allclose(w, torch.tensor([[2.0, 3.0, 0.0]]), atol=1e-5)
 
 
+def test_loss_weights_token_mean_and_sequence_mean_on_hand_made_tensors():
+    # rows 0 and 1 are two segments of episode 0 (1 + 1 action tokens), row 2 is episode 1 (4 action tokens);
+    # the masked position of row 2 holds a value that must not count
+    per_token = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 0.0], [10.0, 10.0, 10.0, 10.0, 99.0]])
+    mask = torch.tensor([[1.0, 0, 0, 0, 0], [1.0, 0, 0, 0, 0], [1.0, 1, 1, 1, 0]])
+    episode = torch.tensor([0, 0, 1])
+    tok = A.loss_weights(mask, episode, 2, "token-mean")
+    assert torch.equal(tok, mask)
+    assert A.masked_mean(per_token, tok).item() == pytest.approx((1 + 3 + 40) / 6)
+    seq = A.loss_weights(mask, episode, 2, "seq-mean-token-mean")
+    assert A.masked_mean(per_token, seq).item() == pytest.approx(((1 + 3) / 2 + 10) / 2)  # each episode once
+    assert seq.sum().item() == pytest.approx(2.0) and seq[:, 4].abs().sum() == 0
+    empty = A.loss_weights(torch.zeros(2, 3), torch.tensor([0, 1]), 2, "seq-mean-token-mean")
+    assert torch.equal(empty, torch.zeros(2, 3))  # an episode left out of the loss stays out, no division by zero
+    with pytest.raises(ValueError, match="token-mean, seq-mean-token-mean"):
+        A.loss_weights(mask, episode, 2, "seq-sum")
+    # the importance correction ignores the weights' values (only where they are non-zero)
+    w, _ = A.truncated_importance_weights(torch.zeros(3, 5), torch.zeros(3, 5), seq, 2.0)
+    assert torch.equal(w, (mask > 0).float())
+
+
 def test_group_advantages_and_zero_variance_groups():
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])

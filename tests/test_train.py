@@ -322,8 +322,9 @@ def test_train_config_refuses_impossible_combinations():
         parse_section(TrainConfig, {"clip_epsilon": 0.1}, "params.yaml:train")
 
 
-@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
-def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_project, algorithm):
+@pytest.mark.parametrize("algorithm,loss_agg", [("rloo", "token-mean"), ("ppo", "token-mean"),
+                                                ("rloo", "seq-mean-token-mean")])
+def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_project, algorithm, loss_agg):
     """`_learn` itself, on one batch of real rollouts: the accumulated step over length-sorted chunks
     (`train.micro_batches`) and, for group baselines, the one-forward on-policy step against the separate π_old
     forward, all move every weight the same way as one forward of the whole batch."""
@@ -348,9 +349,11 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
         r["return"], r["group"] = float((i * 7) % 5) / 4, i // 4
     assert len({len(r["token_ids"]) for r in records}) > 1  # rows of different lengths, so chunks pad differently
 
-    def step(micro_batches: int, force_two_forwards: bool = False, nan_chunk: int | None = None) -> dict:
+    def step(micro_batches: int, force_two_forwards: bool = False, nan_chunk: int | None = None,
+             agg: str = loss_agg) -> dict:
         cfg = load_section(TrainConfig, "train").model_copy(update={
             "algorithm": algorithm, "group_size": 4, "tasks_per_update": 3, "micro_batches": micro_batches,
+            "loss_agg": agg,
             "lr_warmup_steps": 0, "entropy_coef": 0.01, "entropy_target": None})
         patch = pytest.MonkeyPatch()
         if force_two_forwards:
@@ -386,5 +389,8 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     for other in variants:
         for k in whole:
             assert torch.allclose(whole[k], other[k], atol=1e-7, rtol=1e-4), k
+    if loss_agg != "token-mean":  # the aggregation is not a no-op: episodes of different lengths weigh differently
+        other = step(1, agg="token-mean")
+        assert any(not torch.allclose(whole[k], other[k], atol=1e-7, rtol=1e-4) for k in whole)
     # A NaN loss in the second of 3 chunks: the step is counted as skipped and no weight moves at all.
     assert all(not d.any() for d in step(3, nan_chunk=1).values())

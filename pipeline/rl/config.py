@@ -47,6 +47,7 @@ class TrainConfig(PhaseConfig):
     level_weight_floor: float = Field(0.1, ge=0, le=1, description="Open levels are sampled with weight max(floor, 1 − recent success): rollouts go where the policy still fails.")
     level_success_window: int = Field(64, ge=4, description="Episodes per level in the recent-success window.")
     goal_sampling: bool = Field(True, description="Within a level, sample tasks with p(g) ∝ 1/(count(g)+1) (seed 3.2).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field("token-mean", description="How the policy loss averages over the batch: `token-mean`, every action token the same (a long episode weighs by its length); `seq-mean-token-mean`, each episode's token mean, then the mean over episodes (every episode once). Only the policy term; entropy, value and KL stay token means.")
     skip_zero_variance_groups: bool = Field(True, description="Groups whose returns are all equal carry no signal: leave them out of the loss (they are counted either way).")
     max_staleness: int = Field(0, ge=0, description="Rollouts may come from a policy up to this many versions behind the learner (0: synchronous, on-policy).")
     is_clip: float = Field(2.0, ge=1, description="c of the truncated importance weight w = min(c, π_train/π_sample).")

@@ -34,6 +34,29 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def loss_weights(mask: torch.Tensor, episode: torch.Tensor, n_episodes: int, mode: str = "token-mean") -> torch.Tensor:
+    """Per-token weights that set how the policy loss averages, to be used as the `mask` of the loss functions.
+
+    Args: mask (rows, seq) the loss mask (0/1); episode (rows,) the episode of each row (an episode re-based into
+    several segments has several rows); n_episodes the number of episodes.
+
+    - ``token-mean``: `mask` itself; every action token of the batch counts the same, so a long episode weighs as much
+      as its number of tokens (verl's ``loss_agg_mode="token-mean"``).
+    - ``seq-mean-token-mean``: each token gets 1/(its episode's masked tokens), so every episode counts once, whatever
+      its length, and a masked mean with these weights is the mean over episodes of each episode's token mean. Failed
+      episodes that ramble (invalid actions, repeated calls) then no longer outweigh short successful ones.
+    """
+    if mode == "token-mean":
+        return mask
+    if mode != "seq-mean-token-mean":
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}")
+    per_episode = torch.zeros(n_episodes, dtype=mask.dtype).index_add_(0, episode, mask.sum(1))
+    return mask / per_episode[episode].clamp(min=1.0)[:, None]
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
@@ -137,12 +160,13 @@ def truncated_importance_weights(logp_train: torch.Tensor, logp_sample: torch.Te
                                  c: float) -> tuple[torch.Tensor, dict]:
     """w = min(c, π_train/π_sample) per token, no gradient (a correction factor, not a learned quantity).
 
-    Returns the weights (batch, seq), 0 where mask is 0, and their statistics.
+    Returns the weights (batch, seq), 0 where mask is 0, and their statistics. Only where `mask` is non-zero matters,
+    not its value: a weighted mask (:func:`loss_weights`) weighs the loss, not the correction.
     """
     with torch.no_grad():
         ratio = torch.exp((logp_train - logp_sample).clamp(max=20.0))
-        w = torch.clamp(ratio, max=c) * mask
         m = mask > 0
+        w = torch.clamp(ratio, max=c) * m
         stats = {
             "offpolicy/is_weight_mean": float(w[m].mean()) if m.any() else 1.0,
             "offpolicy/is_weight_max": float(ratio[m].max()) if m.any() else 1.0,

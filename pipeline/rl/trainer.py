@@ -550,6 +550,7 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     loss_mask = batch.mask.clone()
     if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
         loss_mask = loss_mask * (~zero_var[batch.episode]).float()[:, None]
+    loss_mask = A.loss_weights(loss_mask, batch.episode, len(records), cfg.loss_agg)  # weights: see train.loss_agg
     if cfg.algorithm != "ppo" and ref is None and cfg.bc_coef == 0:
         keep = torch.nonzero(loss_mask.sum(1) > 0).flatten()
         if keep.numel() == 0:
