@@ -82,8 +82,12 @@ def test_malformed_requests_get_4xx_with_a_reason_and_never_reach_the_model(serv
     task = json.loads((project / "data/tasks/test.jsonl").read_text().splitlines()[0])
     before = httpx.get(f"{base}/stats").json()
     cases = [
-        (json.dumps({**task, "allowed_writes": 5}).encode(), 422, "allowed_writes"),  # a full record is checked too
-        (json.dumps({**task, "question": 7}).encode(), 422, "'question' must be a non-empty string"),
+        # a complete task record is type-checked too (these used to fail inside the episode, a 500)
+        (json.dumps({**task, "allowed_writes": 5}).encode(), 422, "'allowed_writes' must be list"),
+        (json.dumps({**task, "plan": 5}).encode(), 422, "'plan' must be list"),
+        (json.dumps({**task, "plan": [{"tool": "lookup"}]}).encode(), 422, "list of {tool, params} steps"),
+        (json.dumps({**task, "min_calls": "x"}).encode(), 422, "'min_calls' must be int"),
+        (json.dumps({**task, "question": 7}).encode(), 422, "'question' must be str"),
         (b"{not json", 400, "not valid JSON"),
         (json.dumps({"task_id": "x"}).encode(), 422, "'question' must be a non-empty string"),
         (json.dumps({"question": ""}).encode(), 422, "non-empty"),

@@ -58,9 +58,7 @@ def parse_task(obj: Any, max_question_chars: int = 1000):
         extra = set(obj) - full - {"seed"}
         if extra:
             raise RequestError(f"unknown task fields {sorted(extra)}")
-        if not isinstance(obj["question"], str):
-            raise RequestError("'question' must be a non-empty string")
-        _check_writes(obj["allowed_writes"])
+        _check_record(obj)
         try:
             task = Task.from_dict(obj)
         except TypeError as exc:
@@ -91,6 +89,31 @@ def parse_task(obj: Any, max_question_chars: int = 1000):
     if not task.question.strip():
         raise RequestError("'question' must be a non-empty string")
     return task
+
+
+_STR, _INT = (str,), (int,)
+RECORD_TYPES = {"task_id": (str, int), "split": _STR, "family": _STR, "level": _INT, "template_id": _STR,
+                "template_seen": (bool,), "question": _STR, "entities": (list,), "plan": (list,),
+                "answer": (str, int, float), "min_calls": _INT, "allowed_writes": (list,)}
+
+
+def _check_record(obj: dict) -> None:
+    """Type-check every field of a complete task record before an episode starts (the README's task schema, without
+    the dataset-level Great Expectations suite, which is too slow per request): a wrong type is a RequestError naming
+    the field, never an exception inside the episode (a `plan` of 5 or a `min_calls` of "x" used to fail there)."""
+    for key, types in RECORD_TYPES.items():
+        v = obj[key]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise RequestError(f"task field {key!r} must be {' or '.join(t.__name__ for t in types)}, "
+                               f"got {type(v).__name__}")
+    if not obj["question"].strip():
+        raise RequestError("'question' must be a non-empty string")
+    if obj["min_calls"] < 1:
+        raise RequestError("task field 'min_calls' must be at least 1")
+    if not all(isinstance(st, dict) and isinstance(st.get("tool"), str) and isinstance(st.get("params"), dict)
+               for st in obj["plan"]):
+        raise RequestError("task field 'plan' must be a list of {tool, params} steps")
+    _check_writes(obj["allowed_writes"])
 
 
 def _check_writes(writes: Any) -> list:
