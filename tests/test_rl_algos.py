@@ -113,6 +113,10 @@ def test_loss_weights_token_mean_and_sequence_mean_on_hand_made_tensors():
     assert torch.equal(empty, torch.zeros(2, 3))  # an episode left out of the loss stays out, no division by zero
     with pytest.raises(ValueError, match="token-mean, seq-mean-token-mean"):
         A.loss_weights(mask, episode, 2, "seq-sum")
+    from typing import get_args
+
+    from pipeline.rl.config import TrainConfig
+    assert get_args(TrainConfig.model_fields["loss_agg"].annotation) == A.LOSS_AGGREGATIONS  # config offers each mode
     # the importance correction ignores the weights' values (only where they are non-zero)
     w, _ = A.truncated_importance_weights(torch.zeros(3, 5), torch.zeros(3, 5), seq, 2.0)
     assert torch.equal(w, (mask > 0).float())
