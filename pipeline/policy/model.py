@@ -37,6 +37,38 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+# ------------------------------------------------------------------------------------------------------------ memory
+_LIBC = None
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim(0)``); False where there is no glibc.
+
+    Why: PyTorch's CPU tensors come from glibc malloc, whose mmap threshold rises to the largest freed block (up to
+    32 MiB), so after the first steps every activation is carved from the heap. With a new sequence length in every
+    batch the freed blocks rarely fit the next request, and the resident size grows although the live tensors do not:
+    300 SFT steps of the default grew a process from 0.7 to 4.2 GiB. Trimming (``sft.TRIM_EVERY``) brings it back to
+    the live size, 1.4 GiB; measured on 150 SFT steps of the default (session 7): trimming every 5 steps, peak 3.2 GiB
+    at 9.2k tokens/s; every 10, 3.5 GiB at 9.8k; every step, 2.5 GiB at 7.1k; never, 4.3 GiB (300 steps) at 10.0k.
+    A fixed low mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``) also stops the growth but page-faults every
+    activation afresh: 3.4k tokens/s. Nothing numerical changes: the same tensors are computed in the same order.
+    """
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC = lib if hasattr(lib, "malloc_trim") else False
+        except OSError:
+            _LIBC = False
+    if _LIBC is False:
+        return False
+    _LIBC.malloc_trim(0)
+    return True
+
+
 # ------------------------------------------------------------------------------------------------------------- dtype
 def supports_bf16(device: str | torch.device = "cpu") -> bool:
     """Whether bf16 compute is fast on `device` (CPU: oneDNN's bf16 check, true with AVX512-BF16 or AMX)."""

@@ -97,7 +97,7 @@ from pipeline.env.protocol import InvalidAction, parse_action
 from pipeline.env.tasks import Task
 from pipeline.errors import AgentRLError
 from pipeline.policy.config import RolloutConfig
-from pipeline.policy.model import autocast_context
+from pipeline.policy.model import autocast_context, release_free_memory
 from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_context, encode_continuation, marker_ids
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -458,6 +458,7 @@ class RolloutEngine:
                                  max_turns)
         for r in records:
             r["policy_version"] = policy_version
+        release_free_memory()  # the run's freed KV cache and activations back to the OS (why: see the function)
         return records
 
     def complete(self, contexts: list[str], seeds: list[int] | None = None, greedy: bool | None = None) -> list[dict]:

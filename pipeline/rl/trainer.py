@@ -324,7 +324,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     complete) restores the policy from there without training: DVC deletes a stage's outputs before it reruns it.
     Returns the learning curve and the evaluation history (rank 0 also logs them to `run`).
     """
-    from pipeline.policy.model import autocast_context, copy_policy, load_policy, save_policy
+    from pipeline.policy.model import autocast_context, copy_policy, load_policy, release_free_memory, save_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.rl.distributed import make_engine, resolve_ds_config
@@ -432,6 +432,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             else:
                 metrics = _learn(cfg, engine, ref, records, state, pad_id, rollout_cfg.temperature, u, staleness,
                                  demo_examples, bc_rng, autocast_context, dist)
+                release_free_memory()  # the learner's freed activations back to the OS (why: see the function)
             t_learn = time.perf_counter() - t1
             n_tokens = sum(sum(r["action_mask"]) for r in records)
             metrics.update({
