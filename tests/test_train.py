@@ -267,6 +267,18 @@ def test_the_checkpoint_key_changes_with_the_code(tmp_path, monkeypatch):
     assert worker.run_key(*args) != key
 
 
+def test_the_checkpoint_key_hashes_the_train_stage_code_that_dvc_yaml_lists():
+    """source_digest covers exactly the train stage's code deps in dvc.yaml, so the two cannot drift apart."""
+    import yaml
+
+    from pipeline.rl import worker
+
+    root = Path(__file__).resolve().parents[1]
+    deps = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["train"]["deps"]
+    assert sorted(d for d in deps if d.startswith("pipeline/")) == sorted(worker.TRAIN_SOURCES)
+    assert all((root / src).exists() for src in worker.TRAIN_SOURCES)
+
+
 def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):
     from pipeline.rl.worker import run_worker
 

@@ -163,14 +163,25 @@ def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_d
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
+# The train stage's code, as `dvc.yaml` lists it in the stage's deps (a test keeps the two lists equal).
+TRAIN_SOURCES = ("pipeline/rl", "pipeline/phases/train.py", "pipeline/policy", "pipeline/env",
+                 "pipeline/evaluation.py", "pipeline/validation.py", "pipeline/config.py")
+
+
 def source_digest() -> str:
-    """SHA-256 over every Python source file of the `pipeline` package (relative path and content, in path order)."""
+    """SHA-256 over the Python sources of the train stage (:data:`TRAIN_SOURCES`: relative path and content, in path
+    order). Only the stage's own code counts, as for DVC: an edit to serving or drift code does not make a killed
+    training run start over."""
     import hashlib
 
-    root = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
+    files: list[Path] = []
+    for src in TRAIN_SOURCES:
+        p = repo / src
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in sorted(files):
+        h.update(f.relative_to(repo).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
