@@ -283,3 +283,20 @@ def test_release_free_memory_hands_a_fragmented_heap_back_to_the_os():
     after = _rss_mib()
     assert after < before - 200, f"RSS {before:.0f} -> {after:.0f} MiB"  # about 400 MiB were freed
     assert sum(float(k.sum()) for k in keep) == 300 * 2048  # live tensors untouched
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_heap_trimmer_trims_only_after_the_resident_size_grew_by_its_headroom():
+    from pipeline.policy.model import HeapTrimmer
+
+    big = torch.ones(16 * 2**20 // 4)  # raises glibc's mmap threshold, as in the test above
+    del big
+    lazy, eager = HeapTrimmer(headroom_mib=10**6), HeapTrimmer(headroom_mib=100)
+    keep, scratch = [], []
+    for i in range(300):  # about 400 MiB of heap, then freed around small survivors (as in the test above)
+        scratch.append(torch.ones(200_000 + 997 * i))
+        keep.append(torch.ones(2048))
+    assert lazy.maybe() is False and lazy.trims == 0  # grew, but not by its headroom
+    del scratch
+    assert eager.maybe() is True and eager.trims == 1
+    assert eager.maybe() is False  # the limit moved to the trimmed size plus the headroom

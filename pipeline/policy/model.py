@@ -47,11 +47,14 @@ def release_free_memory() -> bool:
     Why: PyTorch's CPU tensors come from glibc malloc, whose mmap threshold rises to the largest freed block (up to
     32 MiB), so after the first steps every activation is carved from the heap. With a new sequence length in every
     batch the freed blocks rarely fit the next request, and the resident size grows although the live tensors do not:
-    300 SFT steps of the default grew a process from 0.7 to 4.2 GiB. Trimming (``sft.TRIM_EVERY``) brings it back to
-    the live size, 1.4 GiB; measured on 150 SFT steps of the default (session 7): trimming every 5 steps, peak 3.2 GiB
-    at 9.2k tokens/s; every 10, 3.5 GiB at 9.8k; every step, 2.5 GiB at 7.1k; never, 4.3 GiB (300 steps) at 10.0k.
-    A fixed low mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``) also stops the growth but page-faults every
-    activation afresh: 3.4k tokens/s. Nothing numerical changes: the same tensors are computed in the same order.
+    300 SFT steps of the default grew a process from 0.7 to 4.2 GiB, while a trim brings it back to 1.4 GiB. A trim
+    is not free: the pages it returns are faulted in again by the next steps. Measured on 200 SFT steps of the default
+    (session 7, alternated runs): never trimming, peak 3.9-4.1 GiB at 9.2-10.0k tokens/s; trimming every 10 steps,
+    3.4 GiB at 8.4k; every 5, 3.1 GiB at 8.0-8.1k; :class:`HeapTrimmer` with 1 GiB of headroom (the SFT loop's
+    choice, :data:`pipeline.policy.sft.TRIM_HEADROOM_MIB`), 2.8 GiB at 7.6k; with 0.5 GiB, 2.5 GiB at 7.0k. So the
+    bound costs 10-20 % of SFT throughput, which the default pays to stay under the 4 GiB memory goal. A fixed low
+    mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``) also stops the growth but page-faults every activation afresh:
+    3.4k tokens/s. Nothing numerical changes: the same tensors are computed in the same order.
     """
     global _LIBC
     if _LIBC is None:
@@ -67,6 +70,38 @@ def release_free_memory() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux ``/proc/self/statm``); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class HeapTrimmer:
+    """Call :meth:`maybe` after every step: it trims the heap (:func:`release_free_memory`) once the resident size
+    has grown by `headroom_mib` since the last trim, so a long loop stays within about the live size plus the
+    headroom and pays for a trim only when fragmentation has built up (see :func:`release_free_memory`)."""
+
+    def __init__(self, headroom_mib: float = 1024.0):
+        self.headroom = headroom_mib
+        now = resident_mib()
+        self.limit = None if now is None else now + headroom_mib
+        self.trims = 0
+
+    def maybe(self) -> bool:
+        if self.limit is None:
+            return False
+        now = resident_mib()
+        if now is None or now <= self.limit:
+            return False
+        release_free_memory()
+        self.trims += 1
+        self.limit = (resident_mib() or now) + self.headroom
+        return True
 
 
 # ------------------------------------------------------------------------------------------------------------- dtype

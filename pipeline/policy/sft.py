@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from pipeline.env.prompt import render_context
 from pipeline.env.tools import default_tools, signature
 from pipeline.errors import AgentRLError
-from pipeline.policy.model import release_free_memory
+from pipeline.policy.model import HeapTrimmer
 from pipeline.policy.tokenizer import encode_context, encode_continuation
 
 IGNORE = -100  # label of tokens outside the loss (torch's cross_entropy default ignore_index)
-TRIM_EVERY = 5  # train_lm hands the heap's free pages back to the OS every this many steps (release_free_memory)
+TRIM_HEADROOM_MIB = 1024  # train_lm trims the C heap once its resident size grew this much since the last trim
 
 
 # ------------------------------------------------------------------------------------------------------- examples
@@ -537,6 +537,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     losses, tokens, loss_tokens = [], 0, 0
     t0 = tw = time.perf_counter()
     window_tokens = 0
+    trimmer = HeapTrimmer(TRIM_HEADROOM_MIB)
     for step in range(steps):
         batch = next(data)
         for g in opt.param_groups:
@@ -561,8 +562,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
         gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
         losses.append(loss.item())
-        if (step + 1) % TRIM_EVERY == 0:
-            release_free_memory()  # the heap's free pages back to the OS (why: see the function)
+        trimmer.maybe()  # the heap's free pages back to the OS once it has grown (why: release_free_memory)
         ntok = int(batch["attention_mask"].sum())
         tokens += ntok
         window_tokens += ntok
