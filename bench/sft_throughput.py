@@ -55,11 +55,6 @@ def matmul_peak(dtype_name: str, threads: int, seconds: float = 1.0) -> dict:
     return best
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize() / 2 ** 20
-
-
 def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int, threads: int, vocab: int,
                 micro_batches: int = 1) -> None:
     import warnings
@@ -70,7 +65,7 @@ def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int,
     warnings.filterwarnings("ignore", category=FutureWarning)  # peft's deprecation notices, not ours
     from pipeline.policy import adapters, sft
     from pipeline.policy.config import AdapterConfig, ModelConfig
-    from pipeline.policy.model import autocast_context
+    from pipeline.policy.model import autocast_context, resident_mib
 
     torch.set_num_threads(threads)
     mcfg = ModelConfig(dtype=dtype_name)
@@ -86,7 +81,7 @@ def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int,
     data = [{"input_ids": (ids := torch.randint(7, vocab, (batch, seq), generator=g)),
              "attention_mask": torch.ones_like(ids), "labels": ids} for _ in range(4)]
     stream = (data[i % 4] for i in range(10 ** 9))
-    rss0 = _rss_mb()
+    rss0 = resident_mib() or float("nan")
     amp = lambda: autocast_context(mcfg)  # noqa: E731
     sft.train_lm(wrapped, stream, 2, 1e-4, autocast=amp, micro_batches=micro_batches)  # warm-up (allocator, kernels)
     res = sft.train_lm(wrapped, stream, steps, 1e-4, autocast=amp, micro_batches=micro_batches)

@@ -261,42 +261,43 @@ def test_autocast_context_follows_the_dtype():
         assert torch.is_autocast_enabled("cpu") == supports_bf16()
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+
+LINUX_PROC = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
-def test_release_free_memory_hands_a_fragmented_heap_back_to_the_os():
-    """Tensors of ever-changing sizes fragment glibc's heap (see release_free_memory); a trim returns the free pages."""
-    from pipeline.policy.model import release_free_memory
-
-    big = torch.ones(16 * 2**20 // 4)  # freeing a 16 MiB block raises the mmap threshold: later tensors use the heap
+def _fragment_heap() -> tuple[list, list]:
+    """About 400 MiB of tensors in glibc's heap, each followed by a small survivor, as variable-length batches leave
+    it (see release_free_memory). Freeing a 16 MiB block first raises the mmap threshold, so the tensors use the heap."""
+    big = torch.ones(16 * 2**20 // 4)
     del big
     keep, scratch = [], []
-    for i in range(300):  # interleave small survivors with large freed blocks, as variable-length batches do
+    for i in range(300):
         scratch.append(torch.ones(200_000 + 997 * i))
         keep.append(torch.ones(2048))
+    return keep, scratch
+
+
+@LINUX_PROC
+def test_release_free_memory_hands_a_fragmented_heap_back_to_the_os():
+    from pipeline.policy.model import release_free_memory, resident_mib
+
+    keep, scratch = _fragment_heap()
     del scratch
-    before = _rss_mib()
+    before = resident_mib()
     assert release_free_memory() is True  # glibc on this Linux
-    after = _rss_mib()
+    after = resident_mib()
     assert after < before - 200, f"RSS {before:.0f} -> {after:.0f} MiB"  # about 400 MiB were freed
     assert sum(float(k.sum()) for k in keep) == 300 * 2048  # live tensors untouched
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@LINUX_PROC
 def test_heap_trimmer_trims_only_after_the_resident_size_grew_by_its_headroom():
     from pipeline.policy.model import HeapTrimmer
 
-    big = torch.ones(16 * 2**20 // 4)  # raises glibc's mmap threshold, as in the test above
-    del big
     lazy, eager = HeapTrimmer(headroom_mib=10**6), HeapTrimmer(headroom_mib=100)
-    keep, scratch = [], []
-    for i in range(300):  # about 400 MiB of heap, then freed around small survivors (as in the test above)
-        scratch.append(torch.ones(200_000 + 997 * i))
-        keep.append(torch.ones(2048))
+    keep, scratch = _fragment_heap()
     assert lazy.maybe() is False and lazy.trims == 0  # grew, but not by its headroom
     del scratch
     assert eager.maybe() is True and eager.trims == 1
     assert eager.maybe() is False  # the limit moved to the trimmed size plus the headroom
+    assert len(keep) == 300
