@@ -87,6 +87,7 @@ def test_malformed_requests_get_4xx_with_a_reason_and_never_reach_the_model(serv
         (json.dumps({**task, "plan": 5}).encode(), 422, "'plan' must be list"),
         (json.dumps({**task, "plan": [{"tool": "lookup"}]}).encode(), 422, "list of {tool, params} steps"),
         (json.dumps({**task, "min_calls": "x"}).encode(), 422, "'min_calls' must be int"),
+        (json.dumps({**task, "entities": [{"x": 1}]}).encode(), 422, "'entities' must be a list of strings"),
         (json.dumps({**task, "question": 7}).encode(), 422, "'question' must be str"),
         (b"{not json", 400, "not valid JSON"),
         (json.dumps({"task_id": "x"}).encode(), 422, "'question' must be a non-empty string"),

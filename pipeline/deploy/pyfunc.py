@@ -108,6 +108,8 @@ def _check_record(obj: dict) -> None:
                                f"got {type(v).__name__}")
     if not obj["question"].strip():
         raise RequestError("'question' must be a non-empty string")
+    if not all(isinstance(e, str) for e in obj["entities"]):
+        raise RequestError("task field 'entities' must be a list of strings")
     if obj["min_calls"] < 1:
         raise RequestError("task field 'min_calls' must be at least 1")
     if not all(isinstance(st, dict) and isinstance(st.get("tool"), str) and isinstance(st.get("params"), dict)
