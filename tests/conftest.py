@@ -2,6 +2,9 @@
 
 `mlflow_tmp_uri` is autouse: no test writes into the repository's own `mlflow.db`/`mlartifacts`, whichever phase it
 runs. A test that needs a store of its own can still point MLFLOW_TRACKING_URI elsewhere with monkeypatch.
+
+`fixed_seeds` is autouse: every test starts from the same global random state (Python, NumPy, torch), so a test's
+draw is the same in CI as here and in any order; a test that means to range over draws parametrizes its seeds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,20 @@ def mlflow_tmp_uri(tmp_path_factory: pytest.TempPathFactory):
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
         yield uri
+
+
+@pytest.fixture(autouse=True)
+def fixed_seeds():
+    """Seed the global generators before each test (see the module docstring)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
 
 
 @pytest.fixture(scope="module")

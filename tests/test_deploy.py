@@ -24,12 +24,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ----------------------------------------------------------------------------------------------------- quantisation
-def test_row_quantisation_error_is_at_most_half_a_step():
-    w = torch.randn(64, 48) * torch.linspace(0.01, 3.0, 64)[:, None]
+@pytest.mark.parametrize("seed", range(5))
+def test_row_quantisation_error_is_at_most_half_a_step(seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 48, generator=g) * torch.linspace(0.01, 3.0, 64)[:, None]
     q, scale = quantize_rows(w)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     err = (q.float() * scale[:, None] - w).abs()
-    assert torch.all(err <= scale[:, None] / 2 + 1e-7)
+    # half a step, plus the fp32 rounding of q * scale: under one ulp of |w| over 2,000 seeds, so two ulps of slack
+    # (a fixed 1e-7 was below one ulp for |w| near 3 and failed in CI on an unlucky unseeded draw)
+    assert torch.all(err <= scale[:, None] / 2 + 2 * torch.finfo(torch.float32).eps * w.abs())
 
 
 @pytest.fixture(scope="module")
