@@ -100,7 +100,9 @@ RECORD_TYPES = {"task_id": (str, int), "split": _STR, "family": _STR, "level": _
 def _check_record(obj: dict) -> None:
     """Type-check every field of a complete task record before an episode starts (the README's task schema, without
     the dataset-level Great Expectations suite, which is too slow per request): a wrong type is a RequestError naming
-    the field, never an exception inside the episode (a `plan` of 5 or a `min_calls` of "x" used to fail there)."""
+    the field, never an exception inside the episode (a `plan` of 5 or a `min_calls` of "x" used to fail there).
+    The vocabularies are checked too: `family` is one of the environment's families, `level` is that family's level,
+    and every `plan` step names one of its tools."""
     for key, types in RECORD_TYPES.items():
         v = obj[key]
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
@@ -116,6 +118,17 @@ def _check_record(obj: dict) -> None:
                for st in obj["plan"]):
         raise RequestError("task field 'plan' must be a list of {tool, params} steps")
     _check_writes(obj["allowed_writes"])
+    from pipeline.env.tasks import FAMILIES, FAMILY_LEVEL
+    from pipeline.env.tools import TOOL_NAMES
+
+    if obj["family"] not in FAMILIES:
+        raise RequestError(f"task field 'family' must be one of {list(FAMILIES)}, got {obj['family'][:40]!r}")
+    if obj["level"] != FAMILY_LEVEL[obj["family"]]:
+        raise RequestError(f"task field 'level' is {obj['level']}, but family {obj['family']!r} is level "
+                           f"{FAMILY_LEVEL[obj['family']]}")
+    unknown = sorted({st["tool"][:40] for st in obj["plan"]} - set(TOOL_NAMES))
+    if unknown:
+        raise RequestError(f"task field 'plan' names unknown tools {unknown}; the tools are {list(TOOL_NAMES)}")
 
 
 def _check_writes(writes: Any) -> list:
