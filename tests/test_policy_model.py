@@ -261,7 +261,6 @@ def test_autocast_context_follows_the_dtype():
         assert torch.is_autocast_enabled("cpu") == supports_bf16()
 
 
-
 LINUX_PROC = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
 
 
