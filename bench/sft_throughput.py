@@ -1,11 +1,14 @@
 """SFT training throughput of the policy as achieved FLOP/s against this machine's measured matrix-multiply peak.
 
     python bench/sft_throughput.py [--steps 8] [--batch 32] [--seq 128] [--threads N] [--modes full,lora]
+        [--compile both|on|off]
 
 For each dtype (fp32; bf16 autocast where the CPU supports it) and each mode (full fine-tuning; LoRA as the adapt
 stage trains it), one child process builds the default policy model (``ModelConfig()``; vocabulary sized like the
 built-in tokenizer), times ``--steps`` AdamW steps of the adapt stage's own loop (:func:`pipeline.policy.sft.train_lm`)
 on full-length batches of random tokens (no padding, so every token counts), and reports its peak resident memory.
+Each row runs eager and with ``torch.compile`` (``adapt.sft.compile``, on by default; its compilation happens in the
+warm-up steps and is not timed: the adapt stage pays it once, ~30 s on a cold cache).
 In the same run, the peak is measured with square ``torch.mm`` in the same dtype (best of several sizes and repeats).
 
 How FLOPs are counted (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", section 2.1):
@@ -56,7 +59,7 @@ def matmul_peak(dtype_name: str, threads: int, seconds: float = 1.0) -> dict:
 
 
 def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int, threads: int, vocab: int,
-                micro_batches: int = 1) -> None:
+                micro_batches: int = 1, compile: bool = False) -> None:
     import warnings
 
     import torch
@@ -83,13 +86,16 @@ def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int,
     stream = (data[i % 4] for i in range(10 ** 9))
     rss0 = resident_mib() or float("nan")
     amp = lambda: autocast_context(mcfg)  # noqa: E731
-    sft.train_lm(wrapped, stream, 2, 1e-4, autocast=amp, micro_batches=micro_batches)  # warm-up (allocator, kernels)
-    res = sft.train_lm(wrapped, stream, steps, 1e-4, autocast=amp, micro_batches=micro_batches)
+    forward = torch.compile(wrapped, dynamic=True) if compile else wrapped  # as train_lm(compile=True) does
+    # warm-up (allocator, kernels, compilation), then the timed steps through the same compiled module
+    sft.train_lm(forward, stream, 2, 1e-4, autocast=amp, micro_batches=micro_batches)
+    res = sft.train_lm(forward, stream, steps, 1e-4, autocast=amp, micro_batches=micro_batches)
     tokens = res.tokens
     L, d = mcfg.n_layers, mcfg.d_model
     model_flops = (6 * n_matmul * tokens) if mode == "full" else (4 * n_matmul * tokens + 6 * n_lora * tokens)
     attn_flops = 12 * L * seq * d * tokens
-    q.put({"dtype": dtype_name, "mode": mode, "tokens_per_s": tokens / res.seconds, "seconds": res.seconds,
+    q.put({"dtype": dtype_name, "mode": mode + (" compiled" if compile else ""), "tokens_per_s": tokens / res.seconds,
+           "seconds": res.seconds,
            "n_matmul_params": n_matmul, "n_lora_params": n_lora, "model_flops_per_s": model_flops / res.seconds,
            "attn_flops_per_s": attn_flops / res.seconds, "rss_before_mb": rss0,
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
@@ -134,6 +140,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--modes", default="full,lora")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="chunks per step with gradient accumulation (default: adapt.sft.micro_batches' default)")
+    ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
+                    help="eager and compiled rows (both), or only one of them")
     ap.add_argument("--vocab", type=int, default=1000, help="vocabulary size (the built-in tokenizer's is about 1000)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
@@ -151,15 +159,17 @@ def main(argv=None) -> list[dict]:
           f"{threads} threads, {micro} chunk(s) per step")
     for dt in dtypes:
         peak = run_in_child(peak_child, dt, threads)
-        for mode in args.modes.split(","):
-            r = run_in_child(train_child, dt, mode, args.steps, args.batch, args.seq, threads, args.vocab, micro)
+        compiles = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
+        for mode, comp in [(m, c) for m in args.modes.split(",") for c in compiles]:
+            r = run_in_child(train_child, dt, mode, args.steps, args.batch, args.seq, threads, args.vocab, micro, comp)
             r["peak_matmul_flops_per_s"] = peak["flops"]
             r["utilisation"] = r["model_flops_per_s"] / peak["flops"]
             r["utilisation_with_attention"] = (r["model_flops_per_s"] + r["attn_flops_per_s"]) / peak["flops"]
             # the peak again, right after, to show how much the shared machine moved during the run
             r["peak_after_flops_per_s"] = run_in_child(peak_child, dt, threads)["flops"]
             rows.append(r)
-            print(f"  {dt:4s} {mode:4s}: {r['tokens_per_s']:8.0f} tokens/s  {r['model_flops_per_s'] / 1e9:6.1f} GFLOP/s "
+            print(f"  {dt:4s} {r['mode']:13s}: {r['tokens_per_s']:8.0f} tokens/s  "
+                  f"{r['model_flops_per_s'] / 1e9:6.1f} GFLOP/s "
                   f"(+{r['attn_flops_per_s'] / 1e9:.1f} attention) vs matmul peak {peak['flops'] / 1e9:6.1f} "
                   f"(after: {r['peak_after_flops_per_s'] / 1e9:.1f}) GFLOP/s = {r['utilisation']:.0%} "
                   f"({r['utilisation_with_attention']:.0%} with attention); peak RSS {r['peak_rss_mb']:.0f} MB "

@@ -63,7 +63,7 @@ def tiny_adapt_config(**over) -> AdaptConfig:
     base = dict(threads=None,
                 pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50),
                 adapter=AdapterConfig(kind="lora", lora_r=4, lora_alpha=8),
-                sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2),
+                sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False),
                 eval=CapabilityConfig(max_tasks=6, sampled_per_task=2),
                 gate=GateConfig(enabled=False))
     base.update(over)
@@ -252,6 +252,25 @@ def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demo
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-7, rtol=1e-4), n
 
 
+def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks):
+    """torch.compile (adapt.sft.compile) trains the module itself and gives the same steps as eager PyTorch (fp32, up
+    to the fused kernels' rounding), over batches of two different lengths (the second runs the dynamic graph)."""
+    batch = _batch(tokenizer, demos, tasks)
+    short = {k: v[:, :int(batch["attention_mask"].sum(1).min())] for k, v in batch.items()}
+    runs = []
+    for compile in (False, True):
+        model = build_policy(TINY, tokenizer)  # TINY's seed: the same weights both times
+        res = sft.train_lm(model, iter([batch, short, batch]), steps=3, lr=1e-3, compile=compile)
+        runs.append((res.losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (eager_losses, eager_w), (comp_losses, comp_w) = runs
+    assert comp_losses == pytest.approx(eager_losses, rel=1e-4)
+    moved = 0
+    for n, w in eager_w.items():
+        assert torch.allclose(comp_w[n], w, atol=1e-5, rtol=1e-4), n
+        moved += not torch.equal(w, build_policy(TINY, tokenizer).state_dict()[n])
+    assert moved == len(eager_w)  # every weight trained, in both
+
+
 @pytest.mark.parametrize("kind", ["lora", "bottleneck", "none"])
 def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_loss(kind, tokenizer, demos, tasks):
     model = build_policy(TINY, tokenizer)
@@ -428,7 +447,9 @@ def test_phase_publishes_a_loadable_model_and_metrics(good_run):
 def good_run(data_dir, tmp_path_factory) -> Path:
     """One good run of the phase (models/adapted and metrics/adapt.json), made once per module."""
     out = tmp_path_factory.mktemp("good")
-    run_phase(data_dir, out)
+    # SFT compiled, as on the default (the other tiny runs stay eager: compiling costs more than their few steps)
+    run_phase(data_dir, out, tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2,
+                                                             compile=True)))
     return out
 
 

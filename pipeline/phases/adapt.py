@@ -227,7 +227,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                                          tokenizer.pad_token_id),
                        cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
                        grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
-                       micro_batches=cfg.sft.micro_batches)
+                       micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile)
     model = adapters.finalize(trainable_model)
     sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
                    "demos": len(inputs["demos"]), "loss_curve": curve,

@@ -514,7 +514,8 @@ class TrainResult:
 def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float, *, warmup: int = 0,
              weight_decay: float = 0.0, grad_clip: float = 1.0, autocast: Callable | None = None,
              log: Callable[[int, dict], None] | None = None, log_every: int = 10,
-             stop: Callable[[int], bool] | None = None, stop_every: int = 100, micro_batches: int = 1) -> TrainResult:
+             stop: Callable[[int], bool] | None = None, stop_every: int = 100, micro_batches: int = 1,
+             compile: bool = False) -> TrainResult:
     """AdamW on the trainable parameters for `steps` batches of `data`; the loss is :func:`masked_lm_loss`.
 
     `micro_batches` > 1 forwards each batch in that many chunks of rows (each trimmed to its own longest row) and
@@ -525,6 +526,11 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     `log(step, metrics)` receives ``loss``, ``lr``, ``grad_norm`` and ``tokens_per_s`` every `log_every` steps;
     `stop(step)`, called every `stop_every` steps, ends training early when it returns True (the lr schedule still
     spans `steps`). The result's `steps` counts the steps taken.
+
+    `compile` runs the training forward (and so its backward) through ``torch.compile`` (Inductor: fused elementwise
+    kernels around the matmuls; dynamic shapes after the first new sequence length). The first steps pay for the
+    compilation (about a minute on 2 cores for the default model); the module itself is trained, so the weights,
+    ``stop`` checks and everything after see the same parameters.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -538,6 +544,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     t0 = tw = time.perf_counter()
     window_tokens = 0
     trimmer = HeapTrimmer(TRIM_HEADROOM_MIB)
+    forward = torch.compile(model, dynamic=True) if compile else model
     for step in range(steps):
         batch = next(data)
         for g in opt.param_groups:
@@ -553,8 +560,8 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
                 continue
             T = int(batch["attention_mask"][rows].sum(1).max())
             with autocast() if autocast is not None else _null():
-                logits = model(input_ids=batch["input_ids"][rows, :T],
-                               attention_mask=batch["attention_mask"][rows, :T]).logits
+                logits = forward(input_ids=batch["input_ids"][rows, :T],
+                                 attention_mask=batch["attention_mask"][rows, :T]).logits
             part, n_part = masked_lm_loss(logits, batch["labels"][rows, :T])
             part = part * (n_part / max(n, 1))
             part.backward()
