@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Probe (session 9): SFT from one pre-trained checkpoint, eager or compiled, on the adapt stage's own batches.
+
+    python scripts/probes/compiled_sft.py PRETRAINED_DIR {eager,compiled} [--steps 1000] [--data data] [--eval 200]
+
+PRETRAINED_DIR is a policy folder saved after the adapt stage's pre-training (``save_policy``). The batches come from
+the same sampler and seed as ``agentrl adapt`` (``DemoSampler``, ``item_batches``, seed [adapt.seed, 2]), so two runs
+differ only in the forward: eager PyTorch or ``torch.compile``. It prints the losses (50-step means every 100 steps)
+and the validation success per level (greedy and sampled) of the result on the first ``--eval`` validation tasks.
+Session 9's figures are in the README's adapt section. Not part of the pipeline or the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.config import load_section  # noqa: E402
+from pipeline.env.config import EnvConfig  # noqa: E402
+from pipeline.env.core import WorldRuntime  # noqa: E402
+from pipeline.env.world import load_world  # noqa: E402
+from pipeline.phases import adapt as A  # noqa: E402
+from pipeline.policy import capability, sft  # noqa: E402
+from pipeline.policy.config import AdaptConfig, RolloutConfig  # noqa: E402
+from pipeline.policy.model import autocast_context, load_policy  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pretrained")
+    ap.add_argument("mode", choices=["eager", "compiled"])
+    ap.add_argument("--steps", type=int, default=None, help="SFT steps (default: adapt.sft.steps)")
+    ap.add_argument("--data", default=str(ROOT / "data"))
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--eval", type=int, default=200, help="validation tasks evaluated afterwards (0: none)")
+    args = ap.parse_args()
+    cfg: AdaptConfig = load_section(AdaptConfig, "adapt", args.params)
+    env_cfg: EnvConfig = load_section(EnvConfig, "env", args.params)
+    rollout_cfg: RolloutConfig = load_section(RolloutConfig, "rollout", args.params)
+    steps = args.steps or cfg.sft.steps
+    data = Path(args.data)
+    inputs = A.load_inputs(data, "validation")
+    model, tok, _ = load_policy(args.pretrained)
+    pool = sft.NamePool.from_entities(json.loads((data / "env" / "entities.json").read_text()))
+    sampler = sft.DemoSampler(tok, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
+                              env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool)
+    for p in model.parameters():  # full fine-tuning, as adapter kind 'auto' does on the built-in model
+        p.requires_grad_(True)
+    rng = np.random.default_rng([cfg.seed, 2])
+    t = time.perf_counter()
+    res = sft.train_lm(model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng, tok.pad_token_id),
+                       steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
+                       grad_clip=cfg.sft.grad_clip, autocast=lambda: autocast_context("auto"),
+                       compile=args.mode == "compiled")
+    L = res.losses
+    print(f"{args.mode}: {steps} steps in {time.perf_counter() - t:.1f} s; 50-step mean losses every 100 steps:",
+          [round(float(np.mean(L[i:i + 50])), 4) for i in range(0, len(L), 100)], "last 50:",
+          round(float(np.mean(L[-50:])), 4))
+    if args.eval:
+        runtime = WorldRuntime(load_world(data / "env"))
+        try:
+            cap, _ = capability.evaluate_capabilities(model, tok, runtime, inputs["eval"][:args.eval], env_cfg,
+                                                      rollout_cfg, cfg.eval.model_copy(update={"sampled_per_task": 2}))
+        finally:
+            runtime.close()
+        print({k: round(v, 3) for k, v in sorted(cap.items()) if "/success_L" in k})
+
+
+if __name__ == "__main__":
+    main()
