@@ -484,6 +484,16 @@ def test_a_tokenizer_that_does_not_match_the_model_is_refused(data_dir, tmp_path
     _untouched(tmp_path, published)
 
 
+def test_compiled_sft_without_a_cxx_compiler_is_refused_before_training(data_dir, tmp_path, published, monkeypatch):
+    """adapt.sft.compile needs a C++ compiler (Inductor's CPU kernels): without one the phase stops at once, naming
+    the key and the way out, and the published model stays as it was."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    cfg = tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=True))
+    with pytest.raises(AgentRLError, match=r"adapt\.sft\.compile is true, but no C\+\+ compiler .*compile: false"):
+        run_phase(data_dir, tmp_path, cfg)
+    _untouched(tmp_path, published)
+
+
 def test_a_demo_file_that_breaks_the_schema_is_refused_by_the_phase(data_dir, tmp_path, published):
     bad = tmp_path / "bad-data"
     shutil.copytree(data_dir, bad)

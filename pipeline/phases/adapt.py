@@ -142,6 +142,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
     capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
+    if cfg.sft.compile:
+        sft.check_compile_available()  # before pre-training, not minutes into the phase
     check_base_exists(model_cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
