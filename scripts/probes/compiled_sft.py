@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 warnings.filterwarnings("ignore")
 
 import numpy as np  # noqa: E402
@@ -28,12 +29,11 @@ import torch  # noqa: E402
 
 from pipeline.config import load_section  # noqa: E402
 from pipeline.env.config import EnvConfig  # noqa: E402
-from pipeline.env.core import WorldRuntime  # noqa: E402
-from pipeline.env.world import load_world  # noqa: E402
 from pipeline.phases import adapt as A  # noqa: E402
-from pipeline.policy import capability, sft  # noqa: E402
-from pipeline.policy.config import AdaptConfig, RolloutConfig  # noqa: E402
+from pipeline.policy import sft  # noqa: E402
+from pipeline.policy.config import AdaptConfig  # noqa: E402
 from pipeline.policy.model import autocast_context, load_policy  # noqa: E402
+from sampled_eval import success_per_level  # noqa: E402  (this folder's sibling probe)
 
 
 def main() -> None:
@@ -47,7 +47,6 @@ def main() -> None:
     args = ap.parse_args()
     cfg: AdaptConfig = load_section(AdaptConfig, "adapt", args.params)
     env_cfg: EnvConfig = load_section(EnvConfig, "env", args.params)
-    rollout_cfg: RolloutConfig = load_section(RolloutConfig, "rollout", args.params)
     steps = args.steps or cfg.sft.steps
     data = Path(args.data)
     inputs = A.load_inputs(data, "validation")
@@ -68,14 +67,7 @@ def main() -> None:
           [round(float(np.mean(L[i:i + 50])), 4) for i in range(0, len(L), 100)], "last 50:",
           round(float(np.mean(L[-50:])), 4))
     if args.eval:
-        runtime = WorldRuntime(load_world(data / "env"))
-        try:
-            cap, _ = capability.evaluate_capabilities(model, tok, runtime, inputs["eval"][:args.eval], env_cfg,
-                                                      rollout_cfg, cfg.eval.model_copy(update={"sampled_per_task": 2}))
-        finally:
-            runtime.close()
-        print({k: round(v, 3) for k, v in sorted(cap.items()) if "/success_L" in k})
-
+        print(success_per_level(model, tok, data, args.params, "validation", 2, args.eval))
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,20 @@ from pipeline.policy.config import AdaptConfig, RolloutConfig  # noqa: E402
 from pipeline.policy.model import load_policy  # noqa: E402
 
 
+def success_per_level(model, tok, data: Path, params: str, split: str, samples: int, max_tasks: int | None = None) -> dict:
+    """Greedy and sampled success per level of `model` on the first `max_tasks` tasks of `split` (all: None)."""
+    tasks = A.load_inputs(data, split)["eval"][:max_tasks]
+    cfg = load_section(AdaptConfig, "adapt", params)
+    runtime = WorldRuntime(load_world(data / "env"))
+    try:
+        cap, _ = capability.evaluate_capabilities(
+            model, tok, runtime, tasks, load_section(EnvConfig, "env", params),
+            load_section(RolloutConfig, "rollout", params), cfg.eval.model_copy(update={"sampled_per_task": samples}))
+    finally:
+        runtime.close()
+    return {k.replace("eval/", ""): round(v, 3) for k, v in sorted(cap.items()) if "/success_L" in k}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("policy")
@@ -38,20 +52,8 @@ def main() -> None:
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     ap.add_argument("--samples", type=int, default=8)
     args = ap.parse_args()
-    data = Path(args.data)
-    inputs = A.load_inputs(data, args.split)
-    cfg = load_section(AdaptConfig, "adapt", args.params)
     model, tok, _ = load_policy(args.policy)
-    runtime = WorldRuntime(load_world(data / "env"))
-    try:
-        cap, _ = capability.evaluate_capabilities(
-            model, tok, runtime, inputs["eval"], load_section(EnvConfig, "env", args.params),
-            load_section(RolloutConfig, "rollout", args.params),
-            cfg.eval.model_copy(update={"sampled_per_task": args.samples}))
-    finally:
-        runtime.close()
-    print(args.policy, args.split, {k.replace("eval/", ""): round(v, 3) for k, v in sorted(cap.items())
-                                    if "/success_L" in k})
+    print(args.policy, args.split, success_per_level(model, tok, Path(args.data), args.params, args.split, args.samples))
 
 
 if __name__ == "__main__":
