@@ -85,6 +85,22 @@ def test_terminated_is_answer_and_truncated_is_budget(runtime, splits):
     assert trunc and not term
 
 
+@pytest.mark.parametrize("value", ["", " ", "\t "])
+def test_a_blank_answer_is_an_invalid_call_not_an_answer(runtime, splits, value):
+    """A policy that answers with nothing has not answered: the call breaks the answer schema, costs a step and the
+    episode goes on (an answer call that succeeds always records a non-blank value, as the GX suites require)."""
+    task = splits["train"][0]
+    env = ToolTasksEnv(world=runtime, tasks=[task])
+    env.reset(seed=0)
+    _, _, term, trunc, info = env.step(format_action("answer", {"value": value}))
+    assert info["outcome"] == "invalid_params" and not (term or trunc)
+    assert "answer" in info["tool_result"] and "value" in info["tool_result"]
+    _, _, term, _, info = env.step(format_action("answer", {"value": task.answer}))
+    assert term and info["is_success"] and info["answer"] == task.answer
+    assert info["n_calls"] == 2  # the blank answer was charged as a call
+    env.close()
+
+
 def test_dict_actions_and_text_actions_agree(runtime, splits):
     task = next(t for t in splits["train"] if t.family == "lookup")
     env = ToolTasksEnv(world=runtime, tasks=[task])

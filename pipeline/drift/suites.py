@@ -19,7 +19,9 @@ what is wrong:
   step's action text parses (the protocol's own parser) to exactly that tool and those parameters (compared after the
   environment's printable-ASCII sanitising, which the echoed action text went through);
 - **no empty answers where an answer was given** (``answer_problem``): an episode whose answer call succeeded records
-  a non-blank ``answer`` equal to that call's value; an episode without one records no answer.
+  a non-blank ``answer`` equal to that call's value; an episode without one records no answer. The environment
+  refuses a blank answer (the `answer` tool's schema), so a row that breaks this rule is a recording defect, not a
+  policy that answered with nothing.
 
 Deliberately left out: the demonstrations' schema (suite "demos" in pipeline.validation) and cross-record rules.
 """
