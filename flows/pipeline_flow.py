@@ -45,7 +45,10 @@ SUMMARY_KEY = "agentrl-pipeline-summary"
 
 
 class StageFailed(AgentRLError):
-    """A stage's command exited non-zero; the message carries the end of its output."""
+    """A stage's command exited non-zero; the message carries the end of its output, and `command_s` the command's
+    own seconds (None when it recorded none), so a failed run's cost does not book them as orchestration overhead."""
+
+    command_s: float | None = None
 
 
 # torch.distributed's rank variables: a stage is never a rank of this process's group. A process that once ran a
@@ -98,12 +101,14 @@ def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: 
         records = [json.loads(l) for l in Path(times_path).read_text().splitlines() if l.strip()]
     finally:
         os.unlink(times_path)
+    command_s = sum(r["seconds"] for r in records) if records else None
     if proc.returncode != 0:
-        raise StageFailed(
+        failed = StageFailed(
             f"stage '{stage}' failed (`{' '.join(args)}` exited {proc.returncode}); last output:\n"
             + "\n".join(tail)
         )
-    command_s = sum(r["seconds"] for r in records) if records else None
+        failed.command_s = command_s  # the failed command's own time is stage time, not orchestration overhead
+        raise failed
     peaks = [r["peak_rss_mib"] for r in records if r.get("peak_rss_mib") is not None]
     return {"seconds": seconds, "command_s": command_s, "peak_mib": max(peaks) if peaks else None,
             "status": "up to date" if skipped else "ran"}
@@ -216,7 +221,8 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
                 try:
                     result = repro_stage(stage, str(root), run.run_id, uri, force=stage in forced)
                 except BaseException as exc:
-                    results[stage] = {"seconds": time.perf_counter() - began, "command_s": None, "status": "FAILED"}
+                    results[stage] = {"seconds": time.perf_counter() - began,
+                                      "command_s": getattr(exc, "command_s", None), "status": "FAILED"}
                     error = str(exc)
                     run.set_tags({f"agentrl.stage.{stage}": "FAILED", "agentrl.failed_stage": stage})
                     raise
