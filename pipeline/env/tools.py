@@ -338,8 +338,6 @@ class Answer:
         # A blank answer is no answer: `"value": ""` (or only whitespace) breaks the schema, so the call is an
         # invalid-parameters error that costs a step and the episode goes on. An answer call that succeeds therefore
         # always carries a non-blank value, which the GX suites rely on ("no empty answers where an answer was given").
-        # Before this, a sampled `answer("")` ended the episode as answered and the `evaluate` stage's suite refused
-        # the episode file (session 10, a fresh-clone run).
         "properties": {"value": {"type": ["string", "number"], "pattern": "\\S"}},
         "required": ["value"],
         "additionalProperties": False,
