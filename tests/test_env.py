@@ -267,6 +267,22 @@ def test_splits_hold_out_entities_and_templates(splits):
     assert all(len(TEMPLATES[f]) == 5 for f in FAMILIES)
 
 
+def test_the_hardest_level_composes_steps_that_level_2_teaches(runtime, splits):
+    """Level 4 (search -> lookup -> calc -> answer) is level 2's `search_lookup` (search -> lookup of the quoted
+    flagship -> answer) with `lookup_calc`'s multiplication before the answer: every step of it is taught on level 2,
+    so a level-4 success can come from composing skills the demonstrations teach (README, the environment)."""
+    by_family = {f: [t for t in splits["train"] if t.family == f] for f in ("search_lookup", "search_lookup_calc",
+                                                                            "lookup_calc")}
+    assert all(by_family.values()) and {t.level for t in by_family["search_lookup"]} == {2}
+    s2, s4, c2 = by_family["search_lookup"][0], by_family["search_lookup_calc"][0], by_family["lookup_calc"][0]
+    assert [p["tool"] for p in s2.plan] == ["search", "lookup", "answer"]
+    assert s2.plan[1]["params"]["name"] == s4.plan[1]["params"]["name"] == "{0:quoted}"
+    assert [p["tool"] for p in s4.plan] == [p["tool"] for p in s2.plan[:2]] + [c2.plan[1]["tool"], "answer"]
+    env = ToolTasksEnv(world=runtime, tasks=splits["train"])
+    recs = [run_episode(env, ExpertPolicy(), t, i) for i, t in enumerate(by_family["search_lookup"][:10])]
+    assert all(r["success"] for r in recs)
+
+
 def test_generation_is_seeded(runtime):
     a = generate_tasks(runtime.world, "train", 50, {1: 1, 4: 1}, seed=3, solver=lambda p, w: runtime.solve(p, w))
     b = generate_tasks(runtime.world, "train", 50, {1: 1, 4: 1}, seed=3, solver=lambda p, w: runtime.solve(p, w))

@@ -406,3 +406,55 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
         assert any(not torch.allclose(whole[k], other[k], atol=1e-7, rtol=1e-4) for k in whole)
     # A NaN loss in the second of 3 chunks: the step is counted as skipped and no weight moves at all.
     assert all(not d.any() for d in step(3, nan_chunk=1).values())
+
+
+def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_signal(in_project):
+    """`train.bc_coef`: the behaviour-cloning term reads demonstrations, so the learner forwards none of the
+    zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
+    demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.policy.sft import demo_examples, load_demos
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.rl import trainer
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.distributed import init_dist, make_engine, resolve_ds_config
+
+    dist = init_dist()
+    model, tok, _ = load_policy("models/adapted")
+    tasks = load_tasks("data/tasks/train.jsonl")[:2]
+    records = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+                            load_section(RolloutConfig, "rollout")).run([t for t in tasks for _ in range(4)],
+                                                                        list(range(8)), greedy=False)
+    for i, r in enumerate(records):  # every group's returns equal: no RL signal anywhere
+        r["return"], r["group"] = 0.5, i // 4
+    questions = {t.task_id: t.question for t in load_tasks("data/tasks/train.jsonl")}
+    demos = demo_examples(tok, [d for d in load_demos(Path("data/demos/train.jsonl")) if d["success"]], questions, 6)
+
+    def step(bc_coef: float) -> tuple[dict, float]:
+        cfg = load_section(TrainConfig, "train").model_copy(update={
+            "group_size": 4, "tasks_per_update": 2, "micro_batches": 2, "lr_warmup_steps": 0, "entropy_coef": 0.0,
+            "entropy_target": None, "bc_coef": bc_coef, "bc_batch": 4})
+        policy = load_policy("models/adapted")[0]
+        actor = trainer.ActorCritic(policy, with_value=False)
+        actor.train()
+        ds = resolve_ds_config(cfg.deepspeed_config, micro_batch=1, grad_accum=2, world_size=1,
+                               max_grad_norm=cfg.max_grad_norm, device="cpu")
+        ds["zero_allow_untested_optimizer"] = True
+        engine = make_engine(actor, torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0), ds,
+                             dist)
+        before = {k: v.detach().clone() for k, v in actor.named_parameters()}
+        mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
+                              marker_ids(tok)[PAD], 1.0, 0, 0, demos, np.random.default_rng(0),
+                              lambda dtype, device: contextlib.nullcontext(), dist)
+        assert mets["rollout/zero_variance_group_share"] == 1.0 and mets["train/rows_forwarded"] == 1
+        moved = sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters())
+        return mets, moved
+
+    mets, moved = step(0.5)
+    assert mets["losses/bc"] > 0 and moved > 0
+    assert step(0.0)[1] == 0.0

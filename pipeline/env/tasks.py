@@ -13,6 +13,7 @@ level  family                plan                                          min_c
 1      lookup                lookup → answer                                2
 2      lookup_calc           lookup → calc → answer                         3
 2      lookup_convert        lookup → convert → answer                      3
+2      search_lookup         search → lookup → answer                       3
 3      two_lookup            lookup → lookup → calc → answer                4
 3      update                lookup → calc → update → answer (safety)       4
 4      search_lookup_calc    search → lookup → calc → answer                4
@@ -39,8 +40,8 @@ import numpy as np
 
 from pipeline.env.world import World
 
-FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "two_lookup", "update", "search_lookup_calc")
-FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "two_lookup": 3, "update": 3,
+FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_lookup", "update", "search_lookup_calc")
+FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "search_lookup": 2, "two_lookup": 3, "update": 3,
                 "search_lookup_calc": 4}
 HELDOUT_TEMPLATE = 4  # index of the test-only template in every family
 FIELD_WORDS = {"price": "price", "stock": "stock", "supplier": "supplier", "category": "category"}
@@ -67,6 +68,13 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "How heavy is \"{p}\" in {u}?",
         "Convert the weight of \"{p}\" to {u}.",
         "Tell me the mass of one \"{p}\" expressed in {u}.",
+    ),
+    "search_lookup": (
+        "What is the {f} of the flagship product of \"{s}\"?",
+        "Look up the {f} of the flagship product of \"{s}\".",
+        "Find the {f} for the flagship product of \"{s}\".",
+        "I need the {f} of the flagship product of \"{s}\".",
+        "The supplier \"{s}\" has a flagship product; what is its {f}?",
     ),
     "two_lookup": (
         "What is the combined {f} of \"{p}\" and \"{q}\"?",
@@ -170,6 +178,9 @@ def _plan(family: str, slots: dict) -> list[dict]:
     if family == "update":
         return [_step("lookup", name=p, field="stock"), _step("calc", expr=f"{{0}}+{n}"),
                 _step("update", name=p, field="stock", value="{1}"), _step("answer", value="{1}")]
+    if family == "search_lookup":
+        return [_step("search", query=f"{slots['s']} flagship product"),
+                _step("lookup", name="{0:quoted}", field=slots["field"]), _step("answer", value="{1}")]
     if family == "search_lookup_calc":
         # the query starts with the supplier's name, so the policy copies it right after a quote, as it copies names
         # into every other call (measured with "flagship product of <name>": the name after a space is a different
@@ -185,6 +196,10 @@ def _slots(family: str, split: str, world: World, rng: np.random.Generator) -> t
     if family == "search_lookup_calc":
         sup = pick(world.suppliers_in(split))
         return {"s": sup["name"], "n": int(rng.integers(2, 10))}, [sup["name"], sup["flagship"]]
+    if family == "search_lookup":
+        sup = pick(world.suppliers_in(split))
+        fld = pick(("price", "stock", "category"))
+        return {"s": sup["name"], "field": fld, "f": FIELD_WORDS[fld]}, [sup["name"], sup["flagship"]]
     p = pick(products)["name"]
     if family == "lookup":
         fld = pick(("price", "stock", "supplier", "category"))

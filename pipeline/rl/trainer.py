@@ -533,8 +533,9 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
       forward itself (the ratio is exactly 1, as it would be after a separate no-grad forward) and that forward is
       skipped. PPO needs V_old and π_old before its first step, so it keeps the separate forward.
     - **Only rows that carry signal are forwarded**: rows whose loss mask is empty (zero-variance groups left out of
-      the loss) contribute no policy gradient, so they are dropped before the learner's forwards unless a KL or
-      behaviour-cloning term is on; the entropy bonus is then estimated on the rows that are trained on. A rank left
+      the loss) contribute no policy gradient, so they are dropped before the learner's forwards unless the KL term
+      is on (behaviour cloning reads demonstrations, not these rows); the entropy bonus is then estimated on the rows
+      that are trained on. A rank left
       with no such row (or a chunk left empty) still forwards one row with its loss multiplied by 0, so every rank
       joins every collective step.
 
@@ -552,7 +553,7 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
         loss_mask = loss_mask * (~zero_var[batch.episode]).float()[:, None]
     loss_mask = A.loss_weights(loss_mask, batch.episode, len(records), cfg.loss_agg)  # weights: see train.loss_agg
-    if cfg.algorithm != "ppo" and ref is None and cfg.bc_coef == 0:
+    if cfg.algorithm != "ppo" and ref is None:  # behaviour cloning reads demonstrations, not these rows
         keep = torch.nonzero(loss_mask.sum(1) > 0).flatten()
         if keep.numel() == 0:
             batch, loss_mask = batch.select(torch.tensor([0])), loss_mask[:1] * 0
@@ -621,12 +622,12 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
                     kl, km = A.kl_penalty(logp, cut(ref_logp), mask)
                     loss = loss + w_act * cfg.kl_coef * kl
                     mets.update({key: (v, w_act) for key, v in km.items()})
-                if cfg.bc_coef > 0 and demo_examples and c == 0:  # once per optimizer step
+                if dummy or n_pg == 0:  # nothing to learn here: keep the collective step, contribute zero
+                    loss = loss * 0.0
+                if cfg.bc_coef > 0 and demo_examples and c == 0:  # once per optimizer step, with or without RL signal
                     bc = _bc_loss(engine, demo_examples, cfg.bc_batch, bc_rng, pad_id, device, autocast_context)
                     loss = loss + cfg.bc_coef * bc
                     mets["losses/bc"] = (float(bc.detach()), 1.0)
-                if dummy or n_pg == 0:  # nothing to learn here: keep the collective step, contribute zero
-                    loss = loss * 0.0
                 if not all(dist.all_gather(bool(torch.isfinite(loss.detach())))):
                     finite_everywhere = False  # a NaN/inf loss on any rank: this chunk contributes nothing anywhere
                     loss = sum(p.sum() for p in engine.module.parameters() if p.requires_grad) * 0.0

@@ -54,6 +54,11 @@ def deltas(sft: dict, rl: dict) -> dict:
         d[f"level_{lv}_success"] = rl["per_level"][lv]["success_rate"] - sft["per_level"][lv]["success_rate"]
     a, b = sft["overall"]["mean_tool_calls_solved"], rl["overall"]["mean_tool_calls_solved"]
     d["tool_calls_per_solved_task"] = None if a is None or b is None else b - a
+    # per level too: the overall figure mixes levels (a policy that solves more level-4 tasks, 4 calls each, raises it
+    # even when every level's solved tasks take fewer calls)
+    for lv in sft["per_level"]:
+        a, b = sft["per_level"][lv]["mean_tool_calls_solved"], rl["per_level"][lv]["mean_tool_calls_solved"]
+        d[f"level_{lv}_tool_calls_per_solved_task"] = None if a is None or b is None else b - a
     d["safety_violations"] = rl["overall"]["safety_violations"] - sft["overall"]["safety_violations"]
     return d
 
@@ -141,7 +146,8 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
             d = metrics["delta_rl_minus_sft"]
             print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "
                   f"{comparison['rl']['overall']['success_rate']:.3f} ({d['overall_success']:+.3f}); per level "
-                  + ", ".join(f"L{k.split('_')[1]} {v:+.3f}" for k, v in d.items() if k.startswith("level_")))
+                  + ", ".join(f"L{k.split('_')[1]} {v:+.3f}" for k, v in d.items()
+                              if k.startswith("level_") and k.endswith("_success")))
     dist.close()
     return result
 
