@@ -271,6 +271,32 @@ def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks):
     assert moved == len(eager_w)  # every weight trained, in both
 
 
+def test_compiled_sft_runs_under_deterministic_algorithms_and_restores_the_setting(tokenizer, demos, tasks,
+                                                                                  monkeypatch):
+    """Inductor's CPU kernels are not reproducible run to run by default (session 11: two processes, the same weights
+    and batches, different losses from the first steps; with deterministic algorithms, bit-identical), so the compiled
+    loop runs under ``torch.use_deterministic_algorithms(True)`` and puts the previous setting back afterwards; the
+    eager loop is left alone."""
+    seen = []
+
+    def fake_compile(model, **kwargs):  # the compiled forward, observed: is determinism on while it runs?
+        def forward(**inputs):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            return model(**inputs)
+        return forward
+
+    monkeypatch.setattr(sft.torch, "compile", fake_compile)
+    batch = _batch(tokenizer, demos, tasks)
+    assert not torch.are_deterministic_algorithms_enabled()
+    sft.train_lm(build_policy(TINY, tokenizer), iter([batch, batch]), steps=2, lr=1e-3, compile=True)
+    assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
+    seen.clear()
+    hooked = build_policy(TINY, tokenizer)
+    hooked.register_forward_pre_hook(lambda m, a: seen.append(torch.are_deterministic_algorithms_enabled()))
+    sft.train_lm(hooked, iter([batch]), steps=1, lr=1e-3, compile=False)
+    assert seen == [False]
+
+
 @pytest.mark.parametrize("kind", ["lora", "bottleneck", "none"])
 def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_loss(kind, tokenizer, demos, tasks):
     model = build_policy(TINY, tokenizer)
