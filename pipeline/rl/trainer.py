@@ -363,6 +363,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     start, history, evals, best = 0, [], [], {"success": -1.0, "update": None}
     stopper = EarlyStopping(cfg.early_stopping_metric, cfg.early_stopping_patience, cfg.early_stopping_min_delta)
     evaluate = evaluate or _evaluate
+    bc_rng = np.random.default_rng([cfg.seed, 11, dist.rank])
     if (ckpt_dir / "latest").is_file():
         try:
             path, client = engine.load_checkpoint(str(ckpt_dir), load_optimizer_states=True)
@@ -374,13 +375,14 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                                f"(fingerprint {client and client.get('fingerprint')} != {fingerprint}); delete it "
                                f"to start over")
         state.load_state_dict(client["sampler"])
+        if client.get("bc_rng") is not None:  # which demonstrations behaviour cloning draws next (one per rank)
+            bc_rng.bit_generator.state = client["bc_rng"][dist.rank]
         torch.set_rng_state(torch.tensor(client["torch_rng"], dtype=torch.uint8))
         start, history, evals, best = client["update"], client["history"], client["evals"], client["best"]
         stopper.load_state_dict(client["early_stopping"])
         log(f"resumed from {path} at update {start}")
 
     worker = AsyncRollouts(new_engine, policy, cfg.rollout_workers) if cfg.async_rollouts else None
-    bc_rng = np.random.default_rng([cfg.seed, 11, dist.rank])
 
     def plan(u: int) -> tuple[list[Task], list[int]]:
         tasks = plan_update(state, tasks_by_level, cfg)
@@ -491,7 +493,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 engine.save_checkpoint(str(ckpt_dir), tag=f"update-{u + 1}", client_state={
                     "update": u + 1, "sampler": state.state_dict(), "fingerprint": fingerprint,
                     "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best,
-                    "early_stopping": stopper.state_dict()})
+                    "early_stopping": stopper.state_dict(),
+                    "bc_rng": dist.all_gather(bc_rng.bit_generator.state)})
     finally:
         if worker is not None:
             worker.close()
