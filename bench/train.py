@@ -13,7 +13,9 @@
 Needs `models/adapted` and `data/` (run `dvc repro adapt` first). Runs write only under a temporary folder.
 FLOPs are counted as 2·N·T for the no-grad forward (π_old, V_old; skipped by a one-step on-policy update) plus 6·N·T
 for each training forward+backward, with N the parameter count and T the tokens of the padded rows the learner
-forwards (attention's extra FLOPs are ignored: sequences are short).
+forwards (attention's extra FLOPs are ignored: sequences are short). The behaviour-cloning forward on
+demonstrations (`train.bc_coef`, on by default since session 11: `bc_batch` demonstrations per step and rank) is not
+counted either, so the learning FLOP/s figure is a lower bound when it is on.
 """
 
 from __future__ import annotations

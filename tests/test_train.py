@@ -320,6 +320,27 @@ def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_projec
     assert all(h["sys/idle_s"] >= 0 for h in result["history"])
 
 
+def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
+    """The overall tool calls per solved task mix levels: a policy that solves more 4-call level-4 tasks raises it
+    even when every level's solved tasks take no more calls, so `deltas` reports each level too."""
+    from pipeline.rl.worker import deltas
+
+    def summary(per_level: dict) -> dict:  # (success rate, calls per solved task, solved) per level
+        solved = sum(s for _, _, s in per_level.values())
+        return {"overall": {"success_rate": solved / (10 * len(per_level)),
+                            "mean_tool_calls_solved": sum(c * s for _, c, s in per_level.values()) / solved,
+                            "safety_violations": 0},
+                "per_level": {lv: {"success_rate": r, "mean_tool_calls_solved": c} for lv, (r, c, _) in
+                              per_level.items()}}
+
+    sft = summary({"1": (0.9, 2.0, 9), "4": (0.1, 4.5, 1)})
+    rl = summary({"1": (0.9, 2.0, 9), "4": (0.8, 4.0, 8)})
+    d = deltas(sft, rl)
+    assert d["tool_calls_per_solved_task"] > 0  # overall: more calls ...
+    assert d["level_1_tool_calls_per_solved_task"] == 0 and d["level_4_tool_calls_per_solved_task"] == -0.5
+    assert d["level_4_success"] == pytest.approx(0.7)
+
+
 def test_train_config_refuses_impossible_combinations():
     from pipeline.config import ConfigError, parse_section
     from pipeline.rl.config import TrainConfig
@@ -332,6 +353,22 @@ def test_train_config_refuses_impossible_combinations():
         parse_section(TrainConfig, {"async_rollouts": True, "sync_every": 2, "max_staleness": 1}, "params.yaml:train")
     with pytest.raises(ConfigError, match="did you mean 'clip_eps'"):
         parse_section(TrainConfig, {"clip_epsilon": 0.1}, "params.yaml:train")
+
+
+def _sgd_learner(cfg, dist, with_value: bool):
+    """The adapted policy (plus a value head for PPO) in a DeepSpeed engine with plain SGD at lr 1, so one step moves
+    every weight by exactly minus its (clipped) gradient: steps of different code paths compare weight by weight."""
+    from pipeline.policy.model import load_policy
+    from pipeline.rl import trainer
+    from pipeline.rl.distributed import make_engine, resolve_ds_config
+
+    actor = trainer.ActorCritic(load_policy("models/adapted")[0], with_value=with_value)
+    actor.train()
+    ds = resolve_ds_config(cfg.deepspeed_config, micro_batch=1, grad_accum=cfg.micro_batches, world_size=1,
+                           max_grad_norm=cfg.max_grad_norm, device="cpu")
+    ds["zero_allow_untested_optimizer"] = True  # SGD: the step is the (clipped) gradient itself, comparable
+    opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0)
+    return actor, make_engine(actor, opt, ds, dist)
 
 
 @pytest.mark.parametrize("algorithm,loss_agg", [("rloo", "token-mean"), ("ppo", "token-mean"),
@@ -349,7 +386,7 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.rl import trainer
     from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist, make_engine, resolve_ds_config
+    from pipeline.rl.distributed import init_dist
 
     dist = init_dist()
     model, tok, _ = load_policy("models/adapted")
@@ -379,14 +416,7 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
                 return (loss * float("nan") if len(calls) == nan_chunk + 1 else loss), mets
             patch.setattr(trainer.A, "ppo_policy_loss", poisoned)
         torch.manual_seed(0)  # the same value head for every variant
-        policy = load_policy("models/adapted")[0]
-        actor = trainer.ActorCritic(policy, with_value=algorithm == "ppo")
-        actor.train()
-        ds = resolve_ds_config(cfg.deepspeed_config, micro_batch=1, grad_accum=micro_batches, world_size=1,
-                               max_grad_norm=cfg.max_grad_norm, device="cpu")
-        ds["zero_allow_untested_optimizer"] = True  # SGD: the step is the (clipped) gradient itself, comparable
-        opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0)  # the step is -grad
-        engine = make_engine(actor, opt, ds, dist)
+        actor, engine = _sgd_learner(cfg, dist, with_value=algorithm == "ppo")
         before = {k: v.detach().clone() for k, v in actor.named_parameters()}
         mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
                               marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0), fp32, dist)
@@ -422,7 +452,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.rl import trainer
     from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist, make_engine, resolve_ds_config
+    from pipeline.rl.distributed import init_dist
 
     dist = init_dist()
     model, tok, _ = load_policy("models/adapted")
@@ -439,14 +469,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
         cfg = load_section(TrainConfig, "train").model_copy(update={
             "group_size": 4, "tasks_per_update": 2, "micro_batches": 2, "lr_warmup_steps": 0, "entropy_coef": 0.0,
             "entropy_target": None, "bc_coef": bc_coef, "bc_batch": 4})
-        policy = load_policy("models/adapted")[0]
-        actor = trainer.ActorCritic(policy, with_value=False)
-        actor.train()
-        ds = resolve_ds_config(cfg.deepspeed_config, micro_batch=1, grad_accum=2, world_size=1,
-                               max_grad_norm=cfg.max_grad_norm, device="cpu")
-        ds["zero_allow_untested_optimizer"] = True
-        engine = make_engine(actor, torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0), ds,
-                             dist)
+        actor, engine = _sgd_learner(cfg, dist, with_value=False)
         before = {k: v.detach().clone() for k, v in actor.named_parameters()}
         mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
                               marker_ids(tok)[PAD], 1.0, 0, 0, demos, np.random.default_rng(0),
