@@ -5,6 +5,7 @@ stage's output, and a rerun after the stop resumes into the same decision instea
 from __future__ import annotations
 
 import json
+import math
 import typing
 from pathlib import Path
 
@@ -75,6 +76,23 @@ def test_metrics_read_the_evaluation_summary_and_match_the_config_choices():
     assert metric_value("success", summary) == 0.25 and metric_value("mean_return", summary) == -0.5
     choices = typing.get_args(TrainConfig.model_fields["early_stopping_metric"].annotation)
     assert set(choices) == set(METRICS)
+
+
+def test_the_level_mean_weighs_every_level_the_same_whatever_its_share_of_the_tasks():
+    """Level 4 rising from 0.2 to 0.6 while level 1 slips from 1.0 to 0.95: over the tasks (level 1 is nine tenths
+    of them) success falls, so `success` would keep the earlier policy; the per-level mean rises."""
+    def summary(l1: float, l4: float) -> dict:
+        return {"overall": {"success_rate": 0.9 * l1 + 0.1 * l4},
+                "per_level": {1: {"success_rate": l1}, 4: {"success_rate": l4}}}
+
+    before, after = summary(1.0, 0.2), summary(0.95, 0.6)
+    assert metric_value("success", after) < metric_value("success", before)
+    assert metric_value("level_mean_success", before) == pytest.approx(0.6)
+    assert metric_value("level_mean_success", after) == pytest.approx(0.775)
+    es = EarlyStopping("level_mean_success", 1)
+    assert [es.update(metric_value("level_mean_success", s), step).improved
+            for step, s in ((10, before), (20, after))] == [True, True]
+    assert math.isnan(metric_value("level_mean_success", {"overall": {}, "per_level": {}}))
 
 
 @pytest.mark.parametrize("cut", range(1, 7))

@@ -246,6 +246,8 @@ def test_complete_writes_one_action_per_context(model, tokenizer):
 def test_bad_calls_are_clear_errors(model, tokenizer, runtime, tasks):
     with pytest.raises(AgentRLError, match="one seed per episode"):
         RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run(tasks[:2], [0])
+    with pytest.raises(AgentRLError, match="2 tasks but 1 options"):
+        RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run(tasks[:2], [0, 1], options=[None])
     with pytest.raises(AgentRLError, match="needs a WorldRuntime"):
         RolloutEngine(model, tokenizer, cfg=ROLL).run(tasks[:1], [0])
     assert RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run([], []) == []

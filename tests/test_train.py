@@ -339,6 +339,11 @@ def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     assert d["tool_calls_per_solved_task"] > 0  # overall: more calls ...
     assert d["level_1_tool_calls_per_solved_task"] == 0 and d["level_4_tool_calls_per_solved_task"] == -0.5
     assert d["level_4_success"] == pytest.approx(0.7)
+    assert "template_seen_success" not in d  # only when the summaries split by wording
+    sft["template_seen"], sft["template_unseen"] = {"success_rate": 0.5}, {"success_rate": 0.0}
+    rl["template_seen"], rl["template_unseen"] = {"success_rate": 0.75}, {"success_rate": 0.05}
+    d = deltas(sft, rl)
+    assert d["template_seen_success"] == pytest.approx(0.25) and d["template_unseen_success"] == pytest.approx(0.05)
 
 
 def test_train_config_refuses_impossible_combinations():
@@ -481,3 +486,59 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     mets, moved = step(0.5)
     assert mets["losses/bc"] > 0 and moved > 0
     assert step(0.0)[1] == 0.0
+
+
+def test_rl_rollouts_and_the_learner_use_the_train_temperature_and_the_test_comparison_does_not(in_project,
+                                                                                                  monkeypatch):
+    """`train.rollout_temperature` replaces `rollout.temperature` for what `train()` samples and learns from (one
+    distribution, softmax(logits / T), on both sides of the importance ratio); the greedy SFT-against-RL comparison
+    reads the `rollout` section as it is. null keeps `rollout.temperature`."""
+    from pipeline.rl import trainer, worker
+
+    seen = {}
+
+    def fake_train(cfg, env_cfg, rollout_cfg, **kw):
+        seen["train"] = rollout_cfg.temperature
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    for value, expected in (("0.5", 0.5), ("null", 1.0)):
+        with pytest.raises(SystemExit, match="stop here"):
+            worker.run_worker(_params_with("params-temp.yaml", rollout_temperature=value, bc_coef=0.0),
+                              ckpt="ckpt-temp", out="models/policy-temp")
+        assert seen["train"] == expected
+
+
+def test_behaviour_cloning_demonstrations_can_carry_fictitious_names(in_project):
+    """`train.bc_entity_augmentation`: each replayed demonstration, with that probability, has the entities its task
+    names replaced by fictitious ones (never a real name of any split) everywhere, question, calls and tool results
+    alike; 0 leaves them as written. (A name that only a tool result brings, such as the supplier a lookup returns,
+    stays real, as in SFT's `augment_names`.)"""
+    from pipeline.env.core import load_tasks
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.sft import NamePool, demo_examples, load_demos
+
+    _, tok, _ = load_policy("models/adapted")
+    tasks = load_tasks("data/tasks/train.jsonl")
+    questions, entities = {t.task_id: t.question for t in tasks}, {t.task_id: t.entities for t in tasks}
+    demos = [d for d in load_demos(Path("data/demos/train.jsonl")) if d["success"]]
+    ents = json.loads(Path("data/env/entities.json").read_text())
+    pool = NamePool.from_entities(ents)
+
+    def texts(prob: float) -> list[tuple[str, str]]:  # (task_id, decoded segment)
+        exs = demo_examples(tok, demos, questions, 6, entities=entities, pool=pool, augment_prob=prob,
+                            rng=np.random.default_rng(0))
+        task_of = {d["demo_id"]: d["task_id"] for d in demos}
+        return [(task_of[e.source], tok.decode(e.input_ids)) for e in exs]
+
+    def naming_own_entities(pairs) -> int:
+        return sum(any(n in text for n in entities[task]) for task, text in pairs)
+
+    plain, augmented = texts(0.0), texts(1.0)
+    assert naming_own_entities(plain) == len(plain)  # every segment names its task's entities ...
+    assert naming_own_entities(augmented) == 0  # ... and none once augmented
+    fake = {w for _, text in augmented for w in re.findall(r'"name": "([^"]+)"', text)}
+    assert fake and not fake & set(pool.kind_of)  # the calls name fictitious entities, never a real one
+    assert augmented == texts(1.0)  # drawn once, from the run's seed: the replay is a fixed list
+    with pytest.raises(AgentRLError, match="NamePool"):
+        demo_examples(tok, demos, questions, 6, augment_prob=0.5)

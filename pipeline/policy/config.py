@@ -43,7 +43,7 @@ class ModelConfig(PhaseConfig):
 class RolloutConfig(PhaseConfig):
     """How the rollout engine samples actions (see pipeline.policy.rollout)."""
 
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (logits / T). RL keeps 1.0 so the recorded log-probabilities are the policy's own.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (logits / T) of sampled rollouts: the sampled capability metrics of `adapt` and the default of RL rollouts, which `train.rollout_temperature` sets on its own (the learner then divides its logits by the same T, so both sides of the importance ratio are one distribution).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (renormalised); 1.0 disables it.")
     max_new_tokens: int = Field(48, ge=1, le=1024, description="Most tokens the policy may write for one action; an action without </call> by then is sent to the environment as it is (an invalid action).")
     batch_size: int = Field(64, ge=1, le=4096, description="Episodes decoded together; when one ends, the next task takes its slot (continuous batching).")

@@ -365,10 +365,10 @@ class _Stream:
 class _EnvEpisode:
     """Drives one ToolTasksEnv episode for the engine (the same record fields as `evaluation.run_episode`)."""
 
-    def __init__(self, runtime: WorldRuntime, env_cfg: EnvConfig, task: Task, seed: int):
+    def __init__(self, runtime: WorldRuntime, env_cfg: EnvConfig, task: Task, seed: int, options: dict | None = None):
         self.task, self.seed = task, seed
         self.env = ToolTasksEnv(world=runtime, tasks=[task], config=env_cfg)
-        obs, _ = self.env.reset(seed=seed, options={"task": task})
+        obs, _ = self.env.reset(seed=seed, options={**(options or {}), "task": task})
         self.context = obs["context"]
         self.tool_names, self.max_chars = runtime.tool_names, env_cfg.max_action_chars
         self.steps: list[dict] = []
@@ -444,15 +444,22 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------------------ public
     def run(self, tasks: list[Task], seeds: list[int], greedy: bool | None = None,
-            policy_version: int = 0) -> list[dict]:
+            policy_version: int = 0, options: list[dict | None] | None = None) -> list[dict]:
         """Play one episode per (task, seed); returns the episode records in the order of `tasks`.
 
-        `greedy` None means ``cfg.greedy``. The same tasks and seeds give the same records."""
+        `greedy` None means ``cfg.greedy``. `options`, one per episode, are extra reset options of the environment
+        (e.g. ``rename``, :meth:`pipeline.env.core.ToolTasksEnv._rename`). The same tasks, seeds and options give the
+        same records."""
         if self.runtime is None:
             raise AgentRLError("RolloutEngine.run needs a WorldRuntime (pass runtime=...)")
         if len(tasks) != len(seeds):
             raise AgentRLError(f"run() got {len(tasks)} tasks but {len(seeds)} seeds; give one seed per episode")
-        makers = [lambda t=t, s=s: _EnvEpisode(self.runtime, self.env_cfg, t, int(s)) for t, s in zip(tasks, seeds)]
+        if options is not None and len(options) != len(tasks):
+            raise AgentRLError(f"run() got {len(tasks)} tasks but {len(options)} options; give one (or None) per "
+                               f"episode")
+        options = options or [None] * len(tasks)
+        makers = [lambda t=t, s=s, o=o: _EnvEpisode(self.runtime, self.env_cfg, t, int(s), o)
+                  for t, s, o in zip(tasks, seeds, options)]
         max_turns = self.env_cfg.max_steps
         records = self._generate(makers, [int(s) for s in seeds], self.cfg.greedy if greedy is None else greedy,
                                  max_turns)

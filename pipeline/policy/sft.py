@@ -106,12 +106,20 @@ def encode_segment(tokenizer, prompt: str, pairs: Sequence[tuple[str, str]], sou
 
 
 def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], window: int,
-                  max_len: int | None = None) -> list[Example]:
+                  max_len: int | None = None, *, entities: dict[str, Sequence[str]] | None = None,
+                  pool: "NamePool | None" = None, augment_prob: float = 0.0,
+                  rng: np.random.Generator | None = None) -> list[Example]:
     """Every demonstration as training sequences; `questions` maps task_id to the task's question.
 
+    With `augment_prob` > 0, each demonstration has, with that probability (drawn from `rng`), its entity names
+    (`entities`: task_id -> the names the task mentions) replaced by fictitious ones from `pool`, once, here
+    (:func:`augment_names`): a fixed list, as a behaviour-cloning replay needs.
     A segment longer than `max_len` tokens is cut at the end (its mask with it); whatever is cut is reported by the
     caller through the count of truncated examples.
     """
+    if augment_prob > 0 and (pool is None or rng is None or entities is None):
+        raise AgentRLError("entity augmentation of demonstrations needs a NamePool (data/env/entities.json), the "
+                           "tasks' entities and an RNG")
     sigs = tool_signatures()
     out = []
     for d in demos:
@@ -120,7 +128,10 @@ def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], w
         except KeyError:
             raise AgentRLError(f"demonstration {d['demo_id']!r} refers to task {d['task_id']!r}, "
                                "which is not in the training tasks") from None
-        for prompt, pairs in demo_segments(question, d["steps"], window, sigs):
+        steps = d["steps"]
+        if augment_prob > 0 and rng.random() < augment_prob:
+            question, steps, _ = augment_names(question, steps, entities[d["task_id"]], pool, rng)
+        for prompt, pairs in demo_segments(question, steps, window, sigs):
             ex = encode_segment(tokenizer, prompt, pairs, d["demo_id"], int(d["level"]))
             if max_len is not None and len(ex) > max_len:
                 ex = Example(ex.input_ids[:max_len], ex.loss_mask[:max_len], ex.source, ex.level)

@@ -32,10 +32,18 @@ def _overall(key: str) -> Callable[[Mapping], float]:
     return lambda summary: float(summary["overall"][key])
 
 
+def _level_mean(summary: Mapping) -> float:
+    levels = summary["per_level"]
+    return float(sum(s["success_rate"] for s in levels.values()) / len(levels)) if levels else math.nan
+
+
 # validation metric name -> how to read it from `pipeline.evaluation.summarize` output (all maximised)
 METRICS: dict[str, Callable[[Mapping], float]] = {
     "success": _overall("success_rate"),
     "mean_return": _overall("mean_return"),
+    # every level weighs the same, whatever its share of the validation tasks: a climb on the hardest level is not
+    # drowned by the three levels that start near their ceiling, and a fall on one of them costs as much
+    "level_mean_success": _level_mean,
 }
 
 

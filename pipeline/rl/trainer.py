@@ -55,7 +55,8 @@ from pipeline.rl.early_stopping import EarlyStopping, metric_value
 from pipeline.rl.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
 
 BEST = "best"  # the best policy so far, inside the run's checkpoint folder
-COLLAPSE = {"entropy": 0.05, "reward_spread": 1e-6, "advantage_var": 1e-8}
+# collapse alarms: a diagnostic below its floor logs a warning (the entropy floor is `train.entropy_alarm`)
+COLLAPSE = {"reward_spread": 1e-6, "advantage_var": 1e-8}
 
 
 # ------------------------------------------------------------------------------------------------------------ model
@@ -198,6 +199,27 @@ def episode_scores(records: list[dict], state: SamplerState) -> torch.Tensor:
     return torch.tensor(scores, dtype=torch.float32)
 
 
+def rename_options(tasks: list[Task], seeds: list[int], pool, prob: float) -> list[dict | None]:
+    """Reset options of each episode: with probability `prob`, {"rename": {product: fictitious name}} for the
+    products a task names (:meth:`pipeline.env.core.ToolTasksEnv._rename`), drawn from the episode's seed, so a
+    resumed run draws the same names. Tasks that search the corpus are never renamed (its documents name the real
+    products). A fictitious name (`pool`, :class:`pipeline.policy.sft.NamePool`) is never a real entity's."""
+    out: list[dict | None] = []
+    for task, seed in zip(tasks, seeds):
+        rng = np.random.default_rng([int(seed), 17])
+        if prob <= 0 or rng.random() >= prob or any(s.get("tool") == "search" for s in task.plan):
+            out.append(None)
+            continue
+        mapping: dict[str, str] = {}
+        for e in task.entities:
+            if pool.kind_of.get(e) == "products":
+                new = pool.fake("products", rng, set(mapping.values()))
+                if new:
+                    mapping[e] = new
+        out.append({"rename": mapping} if mapping else None)
+    return out
+
+
 def group_ids_of(records: list[dict]) -> torch.Tensor:
     keys = {}
     return torch.tensor([keys.setdefault(r["group"], len(keys)) for r in records])
@@ -248,17 +270,19 @@ class AsyncRollouts:
             item = self.requests[i].get()
             if item is None:
                 return
-            tasks, seeds, version = item
+            tasks, seeds, options, version = item
             try:
-                records = engine.run(tasks, seeds, greedy=False, policy_version=version) if tasks else []
+                records = (engine.run(tasks, seeds, greedy=False, policy_version=version, options=options)
+                           if tasks else [])
                 self.results[i].put((records, None))
             except Exception as exc:  # surfaced in the learner's thread
                 self.results[i].put((None, exc))
 
-    def submit(self, tasks: list[Task], seeds: list[int]) -> None:
+    def submit(self, tasks: list[Task], seeds: list[int], options: list[dict | None] | None = None) -> None:
         self._t0 = time.perf_counter()
+        options = options or [None] * len(tasks)
         for i in range(self.n):
-            self.requests[i].put((tasks[i::self.n], seeds[i::self.n], self.version))
+            self.requests[i].put((tasks[i::self.n], seeds[i::self.n], options[i::self.n], self.version))
 
     def collect(self) -> tuple[list[dict], float]:
         parts = []
@@ -308,7 +332,7 @@ def _evaluate(rollout, tasks: list[Task], dist, seed: int) -> dict:
 def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
           val_tasks: list[Task], runtime: WorldRuntime, out_dir: Path, ckpt_dir: Path, dist, run,
           demo_examples: list | None = None, stop_after: int | None = None, log=print, evaluate=None,
-          before_learn: Callable[[int], None] | None = None) -> dict:
+          before_learn: Callable[[int], None] | None = None, name_pool=None) -> dict:
     """Train from the adapted policy in `policy_dir`; the best policy (by the validation metric
     `cfg.early_stopping_metric`) goes to `out_dir`, and training stops early after `cfg.early_stopping_patience`
     evaluations without improvement (:mod:`pipeline.rl.early_stopping`).
@@ -322,8 +346,13 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     The best policy is kept in ``ckpt_dir/best`` while the run goes and copied to `out_dir` when the run completes, so
     `out_dir` only ever holds a finished run's policy, and a finished run that is started again (its checkpoints are
     complete) restores the policy from there without training: DVC deletes a stage's outputs before it reruns it.
+    `name_pool` (:class:`pipeline.policy.sft.NamePool`) supplies the fictitious names of
+    `cfg.rollout_entity_augmentation` (:func:`rename_options`).
     Returns the learning curve and the evaluation history (rank 0 also logs them to `run`).
     """
+    if cfg.rollout_entity_augmentation > 0 and name_pool is None:
+        raise AgentRLError("train.rollout_entity_augmentation needs a NamePool of fictitious names "
+                           "(data/env/entities.json)")
     from pipeline.policy.model import autocast_context, copy_policy, load_policy, release_free_memory, save_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.policy.tokenizer import PAD, marker_ids
@@ -389,7 +418,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         mine = tasks[dist.rank * per_rank_tasks:(dist.rank + 1) * per_rank_tasks]
         ep_tasks = [t for t in mine for _ in range(cfg.group_size)]
         base = (cfg.seed * 1_000_003 + u * 7919) * 64 + dist.rank * episodes_per_rank
-        return ep_tasks, [base + i for i in range(len(ep_tasks))]
+        seeds = [base + i for i in range(len(ep_tasks))]
+        return ep_tasks, seeds, rename_options(ep_tasks, seeds, name_pool, cfg.rollout_entity_augmentation)
 
     pending = None
     if worker is not None and start < cfg.updates:
@@ -403,11 +433,10 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             t0 = time.perf_counter()
             idle = 0.0
             if worker is None:
-                ep_tasks, seeds = plan(u)
-                records = rollout.run(ep_tasks, seeds, greedy=False, policy_version=u)
+                ep_tasks, seeds, options = plan(u)
+                records = rollout.run(ep_tasks, seeds, greedy=False, policy_version=u, options=options)
                 t_rollout = time.perf_counter() - t0
             else:
-                ep_tasks, seeds = pending
                 records, t_rollout = worker.collect()
                 idle = time.perf_counter() - t0
                 if u + 1 < cfg.updates:  # next batch is generated while this one trains
@@ -451,12 +480,13 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 **{f"curriculum/weight_l{lv}": w for lv, w in state.curriculum.weights().items()},
                 **tool_usage(records),
             })
+            floors = {**COLLAPSE, "entropy": cfg.entropy_alarm}
             for name, key in (("entropy", "policy/entropy"), ("reward_spread", "rollout/reward_spread"),
                               ("advantage_var", "policy/advantage_var")):
-                if key in metrics and metrics[key] < COLLAPSE[name]:
+                if key in metrics and metrics[key] < floors[name]:
                     metrics[f"alarms/{name}_collapse"] = 1.0
                     if dist.is_main:
-                        log(f"warning: update {u}: {name} collapsed ({metrics[key]:.3g} < {COLLAPSE[name]})")
+                        log(f"warning: update {u}: {name} collapsed ({metrics[key]:.3g} < {floors[name]})")
             history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
             if (u + 1) % cfg.eval_every == 0 or u + 1 == cfg.updates:
                 summary = evaluate(rollout if worker is None else new_engine(policy), val_tasks[:cfg.eval_tasks],
@@ -487,7 +517,9 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 log(f"update {u + 1}/{cfg.updates}: success {metrics['rollout/success']:.3f} return "
                     f"{metrics['rollout/return']:.3f} loss {metrics.get('losses/total', float('nan')):.4f} "
                     f"rollout {t_rollout:.1f}s learn {t_learn:.1f}s"
-                    + (f" | val {metrics['eval/val_success']:.3f}" if "eval/val_success" in metrics else ""))
+                    + (f" | val {metrics['eval/val_success']:.3f} (" + " ".join(
+                        f"L{k[-1]} {v:.2f}" for k, v in sorted(metrics.items()) if k.startswith("eval/val_success_l"))
+                       + ")" if "eval/val_success" in metrics else ""))
             done_here += 1
             if (u + 1) % cfg.checkpoint_every == 0 or u + 1 == cfg.updates or stopper.stopped:
                 engine.save_checkpoint(str(ckpt_dir), tag=f"update-{u + 1}", client_state={
