@@ -542,3 +542,26 @@ def test_behaviour_cloning_demonstrations_can_carry_fictitious_names(in_project)
     assert augmented == texts(1.0)  # drawn once, from the run's seed: the replay is a fixed list
     with pytest.raises(AgentRLError, match="NamePool"):
         demo_examples(tok, demos, questions, 6, augment_prob=0.5)
+
+
+def test_rename_options_are_drawn_from_the_episode_seed_and_spare_search_tasks(in_project):
+    """`train.rollout_entity_augmentation`: which episodes are renamed, and to what, depends only on the episode's
+    seed (a resumed run draws the same); a task with a search step is never renamed; new names are fictitious."""
+    from pipeline.env.core import load_tasks
+    from pipeline.policy.sft import NamePool
+    from pipeline.rl.trainer import rename_options
+
+    pool = NamePool.from_entities(json.loads(Path("data/env/entities.json").read_text()))
+    tasks = load_tasks("data/tasks/train.jsonl")
+    seeds = list(range(100, 100 + len(tasks)))
+    opts = rename_options(tasks, seeds, pool, 1.0)
+    assert opts == rename_options(tasks, seeds, pool, 1.0)
+    assert opts[1:] == rename_options(tasks[1:], seeds[1:], pool, 1.0)  # per episode, not per batch position
+    searching = [any(s.get("tool") == "search" for s in t.plan) for t in tasks]
+    assert any(searching) and not any(o for o, s in zip(opts, searching) if s)
+    renamed = [o["rename"] for o in opts if o]
+    assert renamed and all(set(m) <= set(t.entities) for t, o in zip(tasks, opts) if o for m in [o["rename"]])
+    assert not {n for m in renamed for n in m.values()} & set(pool.kind_of)
+    assert rename_options(tasks, seeds, pool, 0.0) == [None] * len(tasks)
+    half = rename_options(tasks, seeds, pool, 0.5)
+    assert 0 < sum(o is not None for o in half) < sum(o is not None for o in opts)
