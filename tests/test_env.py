@@ -390,3 +390,12 @@ def test_an_episode_can_rename_the_products_its_task_names(runtime, splits):
                         (task, {old[0]: old[1]}, "already taken")):
         with pytest.raises(ValueError, match=why):
             ToolTasksEnv(world=runtime, tasks=[t]).reset(seed=0, options={"task": t, "rename": bad})
+    # a refused reset in the middle of an episode leaves nothing to step: the old episode is over, no new one began
+    env = ToolTasksEnv(world=runtime, tasks=[task])
+    env.reset(seed=0, options={"task": task})
+    with pytest.raises(ValueError, match="already taken"):
+        env.reset(seed=1, options={"task": task, "rename": {old[0]: old[1]}})
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.step(format_action("lookup", {"name": old[0], "field": "price"}))
+    env.reset(seed=0, options={"task": task})  # and the next reset works
+    env.close()

@@ -358,6 +358,8 @@ def test_train_config_refuses_impossible_combinations():
         parse_section(TrainConfig, {"async_rollouts": True, "sync_every": 2, "max_staleness": 1}, "params.yaml:train")
     with pytest.raises(ConfigError, match="did you mean 'clip_eps'"):
         parse_section(TrainConfig, {"clip_epsilon": 0.1}, "params.yaml:train")
+    with pytest.raises(ConfigError, match="there is no behaviour cloning"):
+        parse_section(TrainConfig, {"bc_coef": 0.0, "bc_entity_augmentation": 0.5}, "params.yaml:train")
 
 
 def _sgd_learner(cfg, dist, with_value: bool):

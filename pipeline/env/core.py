@@ -138,6 +138,7 @@ class ToolTasksEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         options = options or {}
+        self._done = True  # until this reset succeeds: a refused option leaves no half-built episode to step
         self._task = self._choose_task(options)
         if self._conn is not None:
             self._conn.close()
@@ -145,8 +146,7 @@ class ToolTasksEnv(gym.Env):
         renamed = bool(options.get("rename")) and self._rename(dict(options["rename"]))
         if self.config.randomize_values:
             self._redraw_values()
-            self._truth = self.runtime.solve(self._task.plan, self._task.allowed_writes, self._conn)
-        elif renamed:
+        if self.config.randomize_values or renamed:  # the stored answer no longer applies: solve on this copy
             self._truth = self.runtime.solve(self._task.plan, self._task.allowed_writes, self._conn)
         else:
             self._truth = self._task.answer

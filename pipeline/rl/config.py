@@ -80,6 +80,10 @@ class TrainConfig(PhaseConfig):
             raise ValueError(f"async_rollouts with sync_every={self.sync_every} produces batches up to "
                              f"{self.sync_every} versions old, so max_staleness must be at least that (got "
                              f"{self.max_staleness}); otherwise every such batch would be dropped")
+        if self.bc_entity_augmentation > 0 and self.bc_coef == 0:
+            raise ValueError(f"bc_entity_augmentation={self.bc_entity_augmentation} renames the behaviour-cloning "
+                             f"demonstrations, but bc_coef is 0, so there is no behaviour cloning; set bc_coef > 0 "
+                             f"or bc_entity_augmentation to 0")
         if self.entropy_target is not None and self.entropy_coef_max < self.entropy_coef:
             raise ValueError("entropy_coef_max must be at least entropy_coef")
         return self

@@ -204,10 +204,12 @@ def rename_options(tasks: list[Task], seeds: list[int], pool, prob: float) -> li
     products a task names (:meth:`pipeline.env.core.ToolTasksEnv._rename`), drawn from the episode's seed, so a
     resumed run draws the same names. Tasks that search the corpus are never renamed (its documents name the real
     products). A fictitious name (`pool`, :class:`pipeline.policy.sft.NamePool`) is never a real entity's."""
+    if prob <= 0:
+        return [None] * len(tasks)
     out: list[dict | None] = []
     for task, seed in zip(tasks, seeds):
         rng = np.random.default_rng([int(seed), 17])
-        if prob <= 0 or rng.random() >= prob or any(s.get("tool") == "search" for s in task.plan):
+        if rng.random() >= prob or any(s.get("tool") == "search" for s in task.plan):
             out.append(None)
             continue
         mapping: dict[str, str] = {}
@@ -421,6 +423,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
         seeds = [base + i for i in range(len(ep_tasks))]
         return ep_tasks, seeds, rename_options(ep_tasks, seeds, name_pool, cfg.rollout_entity_augmentation)
 
+    floors = {**COLLAPSE, "entropy": cfg.entropy_alarm}  # collapse alarms' thresholds
     pending = None
     if worker is not None and start < cfg.updates:
         pending = plan(start)
@@ -480,7 +483,6 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 **{f"curriculum/weight_l{lv}": w for lv, w in state.curriculum.weights().items()},
                 **tool_usage(records),
             })
-            floors = {**COLLAPSE, "entropy": cfg.entropy_alarm}
             for name, key in (("entropy", "policy/entropy"), ("reward_spread", "rollout/reward_spread"),
                               ("advantage_var", "policy/advantage_var")):
                 if key in metrics and metrics[key] < floors[name]:

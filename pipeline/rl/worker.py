@@ -101,9 +101,9 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
 
         pool = NamePool.from_entities(json.loads((data / "env" / "entities.json").read_text()))
     if cfg.bc_coef > 0:
-        from pipeline.policy.model import load_policy
         import numpy as np
 
+        from pipeline.policy.model import load_policy
         from pipeline.policy.sft import demo_examples, load_demos
 
         _, tok, _ = load_policy(adapted)
