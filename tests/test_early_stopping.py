@@ -214,6 +214,36 @@ def test_patience_null_trains_every_update_and_still_keeps_the_best(project, tmp
     assert load_policy(project / "policy-null")[2]["rl_update"] == 2
 
 
+def test_the_kept_policy_is_the_weight_ensemble_with_the_start_when_merge_alpha_is_below_one(project):
+    """`train.merge_alpha`: validation scores, and the output keeps, θ_start + α(θ_RL − θ_start), while RL trains on
+    θ_RL: the same run with α 1 (which scores θ_RL itself) follows the same weights, and every ensemble scored at
+    α 0.5 lies halfway between the start and those weights."""
+    from pipeline.policy.model import load_policy
+
+    params = project / "params.yaml"
+    original = params.read_text()
+    start = load_policy(project / "models" / "adapted")[0].state_dict()
+    runs = {}
+    try:
+        for alpha in (1.0, 0.5):
+            params.write_text(original.replace("updates: 8", "updates: 3").replace("early_stopping_patience: 2",
+                                                                               "early_stopping_patience: null")
+                              + f"  merge_alpha: {alpha}\n")
+            scripted = ScriptedValidation([0.2, 0.6, 0.1])
+            runs[alpha] = scripted, _train(project, scripted, f"ckpt-merge-{alpha}", f"policy-merge-{alpha}")[0]
+    finally:
+        params.write_text(original)
+    (rl, _), (ens, result) = runs[1.0], runs[0.5]
+    assert result["best"]["update"] == 2
+    for theta, scored in zip(rl.weights, ens.weights):
+        assert any(not torch.equal(theta[k], start[k]) for k in start)  # RL moved the weights ...
+        for k in start:  # ... and the scored policy is the halfway point
+            assert torch.allclose(scored[k], start[k] + 0.5 * (theta[k] - start[k]), atol=1e-6), k
+    model, _, meta = load_policy(project / "policy-merge-0.5")
+    assert meta["merge_alpha"] == 0.5 and meta["rl_update"] == 2
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ens.weights[1].items())
+
+
 def test_the_worker_records_the_decision_in_train_json(project, monkeypatch):
     """The real validation evaluation (no script): whatever the tiny policy scores, train.json, the output policy and
     the evaluation history agree about the best update and about why training ended."""

@@ -223,6 +223,25 @@ def test_kl_entropy_explained_variance():
     assert A.explained_variance(ret, ret, mask) == pytest.approx(1.0)
 
 
+def test_weight_interpolation_on_hand_made_state_dicts():
+    """WiSE-FT: θ_start + α(θ − θ_start), in float32, returned in the current dtypes; integer tensors from current."""
+    start = {"w": torch.tensor([0.0, 2.0, -4.0]), "b": torch.tensor([1.0], dtype=torch.bfloat16),
+             "steps": torch.tensor([3])}
+    current = {"w": torch.tensor([4.0, 2.0, 0.0]), "b": torch.tensor([3.0], dtype=torch.bfloat16),
+               "steps": torch.tensor([7])}
+    half = A.interpolate_weights(start, current, 0.5)
+    assert torch.equal(half["w"], torch.tensor([2.0, 2.0, -2.0]))
+    assert half["b"].dtype == torch.bfloat16 and float(half["b"]) == 2.0
+    assert int(half["steps"]) == 7
+    assert all(torch.equal(A.interpolate_weights(start, current, 1.0)[k], current[k]) for k in current)
+    assert torch.equal(A.interpolate_weights(start, current, 0.0)["w"], start["w"])
+    assert half["w"] is not current["w"] and torch.equal(current["w"], torch.tensor([4.0, 2.0, 0.0]))  # no aliasing
+    with pytest.raises(ValueError, match="differ in keys"):
+        A.interpolate_weights({"w": start["w"]}, current, 0.5)
+    with pytest.raises(ValueError, match="shape"):
+        A.interpolate_weights({**start, "w": torch.zeros(2)}, current, 0.5)
+
+
 def test_reward_normalizer_window():
     n = RewardNormalizer(window=4)
     n.update([0, 0, 10, 10, 2, 4])  # window keeps 10, 10, 2, 4

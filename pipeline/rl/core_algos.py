@@ -12,7 +12,8 @@ References: PPO clipped surrogate and value clipping (Schulman et al. 2017; clea
 2016), computed over action tokens only, skipping observation tokens as verl does for multi-turn rollouts; GRPO group
 baseline (Shao et al. 2024) and RLOO leave-one-out baseline (Ahmadian et al. 2024); approximate KL ``k3``
 (Schulman, "Approximating KL divergence", 2020); truncated importance sampling ``w = min(c, π_train/π_sample)``
-(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (seed 1.4, 2.3).
+(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (seed 1.4, 2.3); weight-space ensembling
+of the RL policy with its start (WiSE-FT, Wortsman et al. 2022).
 """
 
 from __future__ import annotations
@@ -230,3 +231,24 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if float(var_r) == 0.0:
         return float("nan")
     return float(1 - masked_var(returns - values, mask) / var_r)
+
+
+def interpolate_weights(start: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
+                        alpha: float) -> dict[str, torch.Tensor]:
+    """Weight-space ensemble θ = θ_start + α·(θ_current − θ_start) of two state dicts of one architecture (WiSE-FT,
+    Wortsman et al. 2022), computed in float32 and returned in `current`'s dtypes. α = 1 gives `current`, 0 `start`;
+    tensors that are not floating point (counters, integer buffers) are taken from `current`. Both dicts must have
+    the same keys and shapes."""
+    if start.keys() != current.keys():
+        raise ValueError(f"interpolate_weights: the state dicts differ in keys "
+                         f"({sorted(start.keys() ^ current.keys())[:5]})")
+    out = {}
+    for k, cur in current.items():
+        if not cur.is_floating_point():
+            out[k] = cur.clone()
+            continue
+        s = start[k].to(cur.device, torch.float32)
+        if s.shape != cur.shape:
+            raise ValueError(f"interpolate_weights: {k} has shape {tuple(s.shape)} against {tuple(cur.shape)}")
+        out[k] = (s + alpha * (cur.float() - s)).to(cur.dtype)
+    return out

@@ -20,7 +20,9 @@ One update, on every rank:
 
 Every `checkpoint_every` updates: the DeepSpeed engine state plus the curriculum, goal sampler, normaliser, entropy
 coefficient and RNG states, so a killed run resumes and continues as if it had not stopped. The best policy so far
-lives beside them (``<checkpoint folder>/best``) and is copied to `models/policy` when the run completes.
+lives beside them (``<checkpoint folder>/best``) and is copied to `models/policy` when the run completes. With
+`merge_alpha` below 1 the policy that validation scores and `best` keeps is the weight-space ensemble
+θ_start + α(θ − θ_start) of the RL weights with the adapted ones (WiSE-FT); RL itself trains on θ.
 
 Asynchronous mode (seed 1.4): a rollout thread generates with a snapshot of the weights while the learner trains on
 the previous batch; the snapshot is refreshed every `sync_every` updates, and a batch older than `max_staleness`
@@ -365,6 +367,10 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                            "distribution, and a nucleus-truncated sampler would bias the importance ratios")
     torch.manual_seed(cfg.seed + dist.rank)
     model, tokenizer, meta = load_policy(policy_dir)
+    # the adapted weights, for the weight-space ensemble that is validated and kept (`cfg.merge_alpha`); taken before
+    # a resumed run loads its checkpoint, so they are always the start's
+    start_weights = ({k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.merge_alpha < 1
+                     else None)
     pad_id = marker_ids(tokenizer)[PAD]
     actor = ActorCritic(model, with_value=cfg.algorithm == "ppo")
     actor.train()
@@ -385,6 +391,11 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     policy = engine.module.policy
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
     rollout = new_engine(policy)
+    merged = None  # the ensemble θ_start + α(θ − θ_start) that validation scores and `best` keeps
+    if start_weights is not None:
+        merged = copy.deepcopy(policy).eval()
+        for p in merged.parameters():
+            p.requires_grad_(False)
     state = make_sampler_state(cfg)
     fingerprint = _fingerprint(engine.module, meta)
     tasks_by_level: dict[int, list[Task]] = {}
@@ -491,8 +502,12 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                         log(f"warning: update {u}: {name} collapsed ({metrics[key]:.3g} < {floors[name]})")
             history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
             if (u + 1) % cfg.eval_every == 0 or u + 1 == cfg.updates:
-                summary = evaluate(rollout if worker is None else new_engine(policy), val_tasks[:cfg.eval_tasks],
-                                   dist, seed=10_000)
+                if merged is not None:
+                    merged.load_state_dict(A.interpolate_weights(start_weights, policy.state_dict(), cfg.merge_alpha))
+                    kept, scored = merged, new_engine(merged)
+                else:
+                    kept, scored = policy, rollout if worker is None else new_engine(policy)
+                summary = evaluate(scored, val_tasks[:cfg.eval_tasks], dist, seed=10_000)
                 val = summary["overall"]["success_rate"]
                 entry = {"update": u + 1, "val_success": val, **{f"val_success_l{lv}": s["success_rate"]
                                                                  for lv, s in summary["per_level"].items()}}
@@ -509,9 +524,9 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 if decision.improved:
                     best = {"success": val, "update": u + 1, cfg.early_stopping_metric: decision.value}
                     if dist.is_main:
-                        save_policy(policy, tokenizer, ckpt_dir / BEST, {
+                        save_policy(kept, tokenizer, ckpt_dir / BEST, {
                             **meta, "phase": "train", "step": u + 1, "rl_update": u + 1, "val_success": val,
-                            "algorithm": cfg.algorithm, "train_config": cfg.model_dump(),
+                            "algorithm": cfg.algorithm, "merge_alpha": cfg.merge_alpha, "train_config": cfg.model_dump(),
                             "parent": {"phase": meta.get("phase"), "step": meta.get("step")}})
                 dist.barrier()
             if dist.is_main:
