@@ -391,11 +391,12 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     policy = engine.module.policy
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
     rollout = new_engine(policy)
-    merged = None  # the ensemble θ_start + α(θ − θ_start) that validation scores and `best` keeps
+    merged = None  # the ensemble θ_start + α(θ − θ_start) that validation scores and `best` keeps, and its engine
     if start_weights is not None:
         merged = copy.deepcopy(policy).eval()
         for p in merged.parameters():
             p.requires_grad_(False)
+        merged_rollout = new_engine(merged)
     state = make_sampler_state(cfg)
     fingerprint = _fingerprint(engine.module, meta)
     tasks_by_level: dict[int, list[Task]] = {}
@@ -504,7 +505,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             if (u + 1) % cfg.eval_every == 0 or u + 1 == cfg.updates:
                 if merged is not None:
                     merged.load_state_dict(A.interpolate_weights(start_weights, policy.state_dict(), cfg.merge_alpha))
-                    kept, scored = merged, new_engine(merged)
+                    kept, scored = merged, merged_rollout
                 else:
                     kept, scored = policy, rollout if worker is None else new_engine(policy)
                 summary = evaluate(scored, val_tasks[:cfg.eval_tasks], dist, seed=10_000)

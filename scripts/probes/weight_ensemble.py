@@ -24,7 +24,11 @@ def checkpoint_weights(folder: Path, like: dict) -> dict:
     """θ of the policy inside a train-stage DeepSpeed checkpoint (keys `policy.<name>` of its module states)."""
     import torch
 
-    module = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    states = folder / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        raise SystemExit(f"{folder}: no {states.name} (not a DeepSpeed checkpoint folder such as "
+                         f"checkpoints/train/<key>/update-N)")
+    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
     missing = [k for k in like if f"policy.{k}" not in module]
     if missing:
         raise SystemExit(f"{folder}: no policy weights for {missing[:3]} (a checkpoint of another model?)")
@@ -41,6 +45,9 @@ def main() -> None:
     ap.add_argument("--split", default="validation", choices=("validation", "test", "train"))
     ap.add_argument("--tasks", type=int, default=400)
     args = ap.parse_args()
+    bad = [a for a in args.alphas if not 0 <= a <= 1]
+    if bad:
+        raise SystemExit(f"alphas outside [0, 1]: {bad}")
 
     from pipeline.config import load_section
     from pipeline.env.config import EnvConfig
@@ -57,12 +64,18 @@ def main() -> None:
     seed = {"validation": 10_000, "test": 20_000, "train": 30_000}[args.split]
     runtime = WorldRuntime(load_world(Path("data/env")))
     env, rollout = load_section(EnvConfig, "env", "params.yaml"), load_section(RolloutConfig, "rollout", "params.yaml")
+    for folder in (args.start, args.rl):
+        if folder is not None and not (Path(folder) / "policy.json").is_file():
+            raise SystemExit(f"{folder}: not a policy folder (no policy.json)")
     model, tok, _ = load_policy(args.start)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     rl = (load_policy(args.rl)[0].state_dict() if args.rl
           else checkpoint_weights(Path(args.rl_checkpoint), start))
     for a in args.alphas:
-        model.load_state_dict(interpolate_weights(start, rl, a))
+        try:
+            model.load_state_dict(interpolate_weights(start, rl, a))
+        except ValueError as exc:
+            raise SystemExit(f"{args.start} and {args.rl or args.rl_checkpoint} are not one architecture: {exc}")
         s = _evaluate(RolloutEngine(model, tok, runtime, env, rollout), tasks, Dist(), seed=seed)
         print(f"alpha {a:.2f}: {args.split} {s['overall']['success_rate']:.3f} (" + " / ".join(
             f"L{lv} {v['success_rate']:.2f}" for lv, v in sorted(s["per_level"].items())) + ")", flush=True)
