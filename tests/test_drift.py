@@ -149,6 +149,32 @@ def test_effect_floor_keeps_a_significant_but_tiny_difference_from_counting_as_d
     assert raw.drifted
 
 
+def _failed_copies(records: list[dict]) -> list[dict]:
+    """The same episodes (same tools, calls, lengths) with the outcome turned to failure: only the answer key differs."""
+    out = []
+    for r in records:
+        comps = {**r["components"], "correctness": 0.0}
+        out.append({**r, "success": False, "components": comps, "return": r["return"] - r["components"]["correctness"]})
+    return out
+
+
+def test_behaviour_check_gates_on_what_the_policy_does_and_reports_outcomes(episodes):
+    _, expert, rand = episodes
+    reference, same_acts_failed = expert * 2, _failed_copies(expert) * 2
+    report = C.trajectory_drift(reference, same_acts_failed, DriftConfig(alpha=ALPHA))
+    d = report.to_dict()
+    assert report.passed and d["status"] == "pass"  # nothing the policy did changed
+    assert {"success", "correctness", "return"} <= set(d["outcomes"]["drifted_features"])  # ...but it is reported
+    assert d["outcomes"]["gated"] is False and not {"success", "return", "correctness"} & set(d["features"])
+    assert "reported, not gated" in report.describe()
+    gated = C.trajectory_drift(reference, same_acts_failed, DriftConfig(alpha=ALPHA, trajectory_outcomes="test"))
+    assert not gated.passed and "success" in gated.drifted_features and "outcomes" not in gated.to_dict()
+    acted = C.trajectory_drift(reference, rand * 2, DriftConfig(alpha=ALPHA))  # random actions: behaviour drift
+    assert not acted.passed and {"tool_sequence", "n_failed"} & set(acted.drifted_features), acted.describe()
+    with pytest.raises(ValueError, match="trajectory_outcomes"):
+        DriftConfig(trajectory_outcomes="ignore")
+
+
 def test_config_rejects_unknown_features_and_bad_callables():
     with pytest.raises(ValueError, match="unknown features \\['levle'\\]"):
         DriftConfig(skip_features=["levle"])

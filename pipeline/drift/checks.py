@@ -19,6 +19,13 @@ features, which matters here: return, success and correctness move together). A 
 significant *and* its effect size reaches a floor (KS statistic D; Cohen's w = sqrt(chi2 / n) for chi-square): with
 100k samples a difference of no practical consequence is still significant.
 
+Outcome features of the behaviour check (success, return, correctness; ``check_drift.trajectory_outcomes``): by
+default they are tested as a family of their own and reported, but do not fail the check. The reference episodes are
+the policy's rollouts on its own training tasks, where a policy that fits its training set always does better than on
+new tasks, so an outcome test measures the generalisation gap, not drift; whether the policy is good enough on new
+data is the promotion gate's held-out comparison with the champion. The behaviour features (what the policy does:
+tool sequences, calls, failed calls, lengths) stay gated; ``'test'`` gates the outcomes too.
+
 Multivariate test on the policy's hidden states (:func:`mmd_test`): a kernel two-sample test, the maximum mean
 discrepancy with a Gaussian (RBF) kernel whose bandwidth is the median pairwise distance of the pooled sample (the
 median heuristic; Gretton et al., "A Kernel Two-Sample Test", JMLR 2012), with its p-value from a permutation test
@@ -49,7 +56,8 @@ import pandas as pd
 from scipy import stats
 
 from pipeline.drift.config import DriftConfig
-from pipeline.drift.features import TASK_FEATURES, TRAJECTORY_FEATURES, Feature, task_features, trajectory_features
+from pipeline.drift.features import (OUTCOME_FEATURES, TASK_FEATURES, TRAJECTORY_FEATURES, Feature, task_features,
+                                     trajectory_features)
 
 OTHER = "(other)"
 SHOWN_CATEGORIES = 8  # categories listed per chi-square result (largest share changes first)
@@ -90,6 +98,8 @@ class DriftReport:
     alpha: float
     correction: str
     tests: list[FeatureTest]
+    reported: list[FeatureTest] = field(default_factory=list)  # tested as their own family; never fail the check
+    reported_why: str = ""
 
     @property
     def tested(self) -> list[FeatureTest]:
@@ -115,12 +125,20 @@ class DriftReport:
             "skipped_features": {t.feature: t.note for t in self.tests if t.test == "skipped"},
             "features": {t.feature: {k: v for k, v in dataclasses.asdict(t).items() if k != "feature"}
                          for t in self.tests},
+            **({"outcomes": {
+                "gated": False, "why": self.reported_why,
+                "drifted_features": [t.feature for t in self.reported if t.drifted],
+                "features": {t.feature: {k: v for k, v in dataclasses.asdict(t).items() if k != "feature"}
+                             for t in self.reported}}} if self.reported else {}),
         }
 
     def describe(self) -> str:
         head = (f"{self.check}: {self.status.upper()} ({len(self.tested)} tests, {self.correction}, "
                 f"alpha {self.alpha})")
-        return "\n".join([head, *(f"  {t.describe()}" for t in self.tests)])
+        lines = [head, *(f"  {t.describe()}" for t in self.tests)]
+        if self.reported:
+            lines += [f"  reported, not gated ({self.reported_why}):", *(f"    {t.describe()}" for t in self.reported)]
+        return "\n".join(lines)
 
 
 # ============================================================================================ per-feature tests
@@ -247,8 +265,19 @@ def task_drift(reference_tasks: Sequence[dict], current_tasks: Sequence[dict], r
 def trajectory_drift(reference: Sequence[dict], current: Sequence[dict], cfg: DriftConfig | None = None) -> DriftReport:
     """Per-feature drift between two sets of episode records (behaviour drift)."""
     cfg = cfg or DriftConfig()
-    return compare_features(trajectory_features(reference), trajectory_features(current),
-                            _selected(TRAJECTORY_FEATURES, cfg), cfg, "trajectory_drift")
+    ref, cur = trajectory_features(reference), trajectory_features(current)
+    selected = _selected(TRAJECTORY_FEATURES, cfg)
+    if cfg.trajectory_outcomes == "test":
+        return compare_features(ref, cur, selected, cfg, "trajectory_drift")
+    behaviour = {k: f for k, f in selected.items() if k not in OUTCOME_FEATURES}
+    outcomes = {k: f for k, f in selected.items() if k in OUTCOME_FEATURES}
+    report = compare_features(ref, cur, behaviour, cfg, "trajectory_drift")
+    if not outcomes:
+        return report
+    return dataclasses.replace(report, reported=compare_features(ref, cur, outcomes, cfg, "trajectory_outcomes").tests,
+                               reported_why="check_drift.trajectory_outcomes is 'report': an outcome gap between "
+                                            "training tasks and new tasks is the policy's generalisation gap, gated "
+                                            "by deploy's vs-champion test on held-out data")
 
 
 # ================================================================================================ multivariate

@@ -81,6 +81,18 @@ class DriftConfig(PhaseConfig):
         description="Chi-square: a categorical feature drifts only if it is significant AND its effect size "
                     "(Cohen's w = Cramér's V for two samples, sqrt(chi2 / n)) is at least this (0.1 is Cohen's "
                     "'small'); 0 disables the floor.")
+    trajectory_outcomes: Literal["report", "test"] = Field(
+        "report",
+        description="The behaviour check's outcome features (success, return, correctness: the ones only the "
+                    "verifier's answer key gives). 'report': tested and written under trajectory_drift.outcomes as "
+                    "their own family, but they do not fail the check, which then gates on what the policy does "
+                    "(tool sequences, calls, failures, lengths). 'test': they join the gated family. Why 'report' "
+                    "is the default: the reference episodes are the policy's own training tasks, so any policy that "
+                    "fits its training set scores higher there than on new tasks, and an outcome test fires on that "
+                    "generalisation gap rather than on drift (default run 4: success 0.98 on training tasks against "
+                    "0.90 on the validation split failed the gate for a policy better than the champion); production "
+                    "logs rarely carry outcomes; and performance on held-out data is gated by deploy's "
+                    "vs-champion test.")
     skip_features: list[str] = Field(
         default_factory=list,
         description="Features left out of the per-feature checks (names from pipeline.drift.features.TASK_FEATURES "

@@ -82,6 +82,10 @@ TRAJECTORY_FEATURES: dict[str, Feature] = _registry(
     Feature("n_action_tokens", "continuous", "episode", "tokens the policy sampled (action_mask == 1; rollouts only)"),
 )
 
+OUTCOME_FEATURES: tuple[str, ...] = ("success", "return", "correctness")
+"""Trajectory features that need the verifier's answer key (how well the policy did, not what it did)."""
+assert set(OUTCOME_FEATURES) <= set(TRAJECTORY_FEATURES)
+
 ALL_FEATURES: dict[str, Feature] = {**TASK_FEATURES, **TRAJECTORY_FEATURES}
 assert len(ALL_FEATURES) == len(TASK_FEATURES) + len(TRAJECTORY_FEATURES), "feature names must be unique"
 

@@ -18,7 +18,9 @@ Checks, each ``pass``, ``fail`` or ``skipped`` (with the reason) in the verdict:
 - ``task_drift``: per-feature tests on task features (pipeline.drift.checks);
 - ``calibration``: the task check's false-alarm rate on repeated fresh samples of the reference generator against
   the reference tasks; fails above ``max_false_alarm_rate`` (the task verdict would not be trustworthy);
-- ``trajectory_drift``: per-feature tests on episode features (behaviour drift);
+- ``trajectory_drift``: per-feature tests on episode features (behaviour drift); the outcome features (success,
+  return, correctness) are reported under ``outcomes`` but gate only with ``trajectory_outcomes: test``
+  (pipeline.drift.checks says why);
 - ``state_drift``: the MMD test on the policy's hidden states of reference and current observations;
 - ``trajectory_suite``: the Great Expectations suite "trajectories" on the rollouts this phase produced.
 
