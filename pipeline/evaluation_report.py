@@ -22,6 +22,9 @@ The three symptoms of overfitting the seed names (5.2.1), each a *flag* with its
   their parameters) per task across the seeds. Behaviour is flagged rigid when diversity is below
   ``min_behavior_diversity`` *and* the distinct solutions per task are below ``min_distinct_solutions``.
 
+Tool calls per solved task, like for like (:func:`tool_calls_on_common_solved`): on the test tasks both policies solve,
+the paired difference of their calls, overall and per level, with the calls RL spends on the tasks only it solves.
+
 Deliberately left out: significance tests between the two policies (the report carries per-task test successes keyed
 by task id, so the promotion gate can run its own paired test), and any judgement of whether a flag should block a
 release (the gate decides).
@@ -254,6 +257,38 @@ def behaviour_diversity(records: Sequence[dict], cfg: EvaluateConfig) -> dict:
     }
 
 
+def tool_calls_on_common_solved(sft: Sequence[dict], rl: Sequence[dict], cfg: EvaluateConfig,
+                                rng: np.random.Generator) -> dict:
+    """Tool calls per solved task, like for like: on the tasks *both* policies solve (same task, same seed), the
+    mean calls of each and the paired difference RL − SFT with a bootstrap interval (resampling those tasks), overall
+    and per level; also the mean calls on the tasks only RL solves. The per-policy mean over each one's own solved
+    tasks (``tool_calls`` of the solved episodes, as metrics/train.json reports it) mixes a change of efficiency with
+    a change of *which* tasks are solved: a policy that newly solves hard tasks by recovering from a wrong first call
+    looks less efficient there even when it is as efficient as before on everything both solve."""
+    a = {r["task_id"]: r for r in sft}
+    b = {r["task_id"]: r for r in rl}
+    common = sorted(t for t in set(a) & set(b) if a[t]["success"] and b[t]["success"])
+    rl_only = sorted(t for t in set(a) & set(b) if b[t]["success"] and not a[t]["success"])
+
+    def summary(ids: list[str], only: list[str]) -> dict:
+        out: dict = {"n": len(ids), "n_rl_only": len(only),
+                     "rl_only_rl": float(np.mean([b[t]["n_calls"] for t in only])) if only else None}
+        if not ids:
+            return {**out, "sft": None, "rl": None, "rl_minus_sft": None, "ci_low": None, "ci_high": None}
+        x = np.array([a[t]["n_calls"] for t in ids], dtype=float)
+        y = np.array([b[t]["n_calls"] for t in ids], dtype=float)
+        d = y - x
+        boot = d[rng.integers(0, len(d), size=(cfg.bootstrap_samples, len(d)))].mean(axis=1)
+        q = (1 - cfg.confidence) / 2
+        return {**out, "sft": float(x.mean()), "rl": float(y.mean()), "rl_minus_sft": float(d.mean()),
+                "ci_low": float(np.quantile(boot, q)), "ci_high": float(np.quantile(boot, 1 - q))}
+
+    levels = sorted({int(a[t]["level"]) for t in a})
+    return {"overall": summary(common, rl_only),
+            "per_level": {str(lv): summary([t for t in common if int(a[t]["level"]) == lv],
+                                           [t for t in rl_only if int(a[t]["level"]) == lv]) for lv in levels}}
+
+
 # --------------------------------------------------------------------------------------------------------- report
 def build_report(greedy: dict[str, dict[str, list[dict]]], sampled: dict[str, list[dict]],
                  cfg: EvaluateConfig) -> dict:
@@ -272,8 +307,12 @@ def build_report(greedy: dict[str, dict[str, list[dict]]], sampled: dict[str, li
         }
     raised = [f"{p}: {k}" for p, fl in flags.items() for k, v in fl.items() if v.get("flagged")]
     per_task = {p: {r["task_id"]: bool(r["success"]) for r in splits["test"]} for p, splits in greedy.items()}
-    return {"policies": policies, "flags": flags, "flagged": raised, "per_task_test_success": per_task,
-            "paired_test": paired_counts(per_task)}
+    report = {"policies": policies, "flags": flags, "flagged": raised, "per_task_test_success": per_task,
+              "paired_test": paired_counts(per_task)}
+    if not set(POLICIES) - set(greedy):
+        report["tool_calls_both_solved"] = tool_calls_on_common_solved(
+            greedy["sft"]["test"], greedy["rl"]["test"], cfg, np.random.default_rng([cfg.seed, zlib.crc32(b"calls")]))
+    return report
 
 
 def paired_counts(per_task: dict[str, dict[str, bool]]) -> dict | None:
@@ -330,6 +369,17 @@ def markdown_report(report: dict) -> str:
         pt = report["paired_test"]
         lines += ["", f"Paired test tasks: {pt['tasks']}; both solve {pt['both']}, neither {pt['neither']}, only RL "
                       f"{pt['rl_only']}, only SFT {pt['sft_only']}."]
+    if report.get("tool_calls_both_solved"):
+        tc = report["tool_calls_both_solved"]
+        lines += ["", "Tool calls on the test tasks both policies solve (paired; RL − SFT with its interval), and RL's "
+                      "calls on the tasks only RL solves:", "",
+                  "| level | tasks both solve | SFT | RL | RL − SFT | only RL solves: tasks, RL calls |",
+                  "|---|---|---|---|---|---|"]
+        for lv, g in [*tc["per_level"].items(), ("all", tc["overall"])]:
+            if g["n"]:
+                only = f"{g['n_rl_only']}, {g['rl_only_rl']:.2f}" if g["n_rl_only"] else "0"
+                lines.append(f"| {lv} | {g['n']} | {g['sft']:.2f} | {g['rl']:.2f} | {g['rl_minus_sft']:+.2f} "
+                             f"[{g['ci_low']:+.2f}, {g['ci_high']:+.2f}] | {only} |")
     return "\n".join(lines) + "\n"
 
 
@@ -343,6 +393,10 @@ def flat_metrics(report: dict) -> dict[str, float]:
                     out[f"eval/{policy}/{split}/{name}"] = m["mean"]
             for lv, g in rep["per_level"].items():
                 out[f"eval/{policy}/{split}/success_L{lv}"] = g["success"]["mean"]
+    tc = report.get("tool_calls_both_solved")
+    for lv, g in ([*tc["per_level"].items(), ("all", tc["overall"])] if tc else []):
+        if g["rl_minus_sft"] is not None:
+            out[f"tool_calls_both_solved/{'overall' if lv == 'all' else 'L' + lv}/rl_minus_sft"] = g["rl_minus_sft"]
     for policy, fl in report["flags"].items():
         for check, v in fl.items():
             if v.get("flagged") is not None:
@@ -355,5 +409,6 @@ def flat_metrics(report: dict) -> dict[str, float]:
 
 __all__ = ["EPISODE_METRICS", "POLICIES", "SPLITS", "EvaluateConfig", "behaviour_diversity", "bootstrap_gap",
            "bootstrap_means", "build_report", "cosine", "episode_values", "flat_metrics", "markdown_report",
-           "overfitting", "paired_counts", "solution", "split_report", "success_rows", "trajectory_features",
+           "overfitting", "paired_counts", "solution", "split_report", "success_rows", "tool_calls_on_common_solved",
+           "trajectory_features",
            "unseen_templates"]

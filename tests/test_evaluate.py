@@ -18,8 +18,8 @@ from pipeline.env.config import BuildEnvConfig, EnvConfig
 from pipeline.errors import AgentRLError
 from pipeline.evaluation_report import (EPISODE_METRICS, EvaluateConfig, behaviour_diversity, bootstrap_gap,
                                         bootstrap_means, build_report, cosine, episode_values, overfitting,
-                                        paired_counts, split_report, success_rows, trajectory_features,
-                                        unseen_templates)
+                                        paired_counts, split_report, success_rows, tool_calls_on_common_solved,
+                                        trajectory_features, unseen_templates)
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +196,7 @@ def test_report_pairs_policies_by_task_and_tabulates_success():
     assert report["per_task_test_success"]["rl"] == {"c0": False, "c1": True, "c2": True, "c3": True}
     assert report["paired_test"] == {"tasks": 4, "both": 1, "neither": 0, "rl_only": 2, "sft_only": 1}
     assert paired_counts({"rl": {}}) is None
+    assert report["tool_calls_both_solved"]["overall"]["n"] == 1  # c1: the one test task both solve
     assert "sft: rigid_behavior" in report["flagged"] and "rl: rigid_behavior" in report["flagged"]
     rows = success_rows(report["policies"])
     assert len(rows) == 2 * 3 * 3  # policies × splits × (levels 1, 2 and all)
@@ -204,6 +205,32 @@ def test_report_pairs_policies_by_task_and_tabulates_success():
     # the same seed gives the same report, whatever the order in which the policies are listed
     again = build_report({"rl": greedy["rl"], "sft": greedy["sft"]}, sampled, cfg())
     assert again["policies"]["sft"] == report["policies"]["sft"] and again["flags"] == report["flags"]
+
+
+def test_tool_calls_are_compared_on_the_tasks_both_policies_solve():
+    def calls(n):  # n − 1 lookups, then the answer
+        return [{"tool": "lookup", "params": {}, "outcome": "ok"}] * (n - 1) + [{"tool": "answer", "params": {},
+                                                                               "outcome": "answer"}]
+
+    # level 1: both solve t0 (SFT 2 calls, RL 2) and t1 (SFT 4, RL 3); level 2: both solve t2 (3, 3); only RL solves
+    # t3 (6 calls, a recovery) and t4 (level 1, 5 calls); only SFT solves t5
+    spec = {"t0": (1, (True, 2), (True, 2)), "t1": (1, (True, 4), (True, 3)), "t2": (2, (True, 3), (True, 3)),
+            "t3": (2, (False, 2), (True, 6)), "t4": (1, (False, 1), (True, 5)), "t5": (2, (True, 2), (False, 8))}
+    sft = [episode(t, ok, level=lv, calls=calls(n)) for t, (lv, (ok, n), _) in spec.items()]
+    rl = [episode(t, ok, level=lv, calls=calls(n)) for t, (lv, _, (ok, n)) in spec.items()]
+    tc = tool_calls_on_common_solved(sft, rl, cfg(), np.random.default_rng(0))
+    o = tc["overall"]
+    assert (o["n"], o["sft"], o["rl"], o["rl_minus_sft"]) == (3, 3.0, pytest.approx(8 / 3), pytest.approx(-1 / 3))
+    assert o["ci_low"] <= o["rl_minus_sft"] <= o["ci_high"] <= 0.0 and o["ci_low"] >= -1.0
+    assert (o["n_rl_only"], o["rl_only_rl"]) == (2, 5.5)
+    l1, l2 = tc["per_level"]["1"], tc["per_level"]["2"]
+    assert (l1["n"], l1["sft"], l1["rl"], l1["n_rl_only"], l1["rl_only_rl"]) == (2, 3.0, 2.5, 1, 5.0)
+    assert (l2["n"], l2["rl_minus_sft"], l2["ci_low"], l2["ci_high"], l2["rl_only_rl"]) == (1, 0.0, 0.0, 0.0, 6.0)
+    # the per-policy mean over each one's own solved tasks tells another story: RL's solved tasks cost more calls
+    mean_solved = lambda recs: np.mean([r["n_calls"] for r in recs if r["success"]])  # noqa: E731
+    assert mean_solved(rl) > mean_solved(sft)
+    none = tool_calls_on_common_solved(sft[5:], rl[5:], cfg(), np.random.default_rng(0))["overall"]
+    assert none["n"] == 0 and none["rl_minus_sft"] is None and none["rl_only_rl"] is None
 
 
 # ----------------------------------------------------------------------------------------------- the phase itself

@@ -187,5 +187,9 @@ def main(params_path: str = "params.yaml") -> dict:
     for policy in POLICIES:
         parts = [f"{split} {result['policies'][policy][split]['overall']['success']['mean']:.3f}" for split in SPLITS]
         print(f"evaluate: {policy} success " + ", ".join(parts))
+    tc = result.get("tool_calls_both_solved")
+    if tc:
+        parts = [f"L{lv} {g['sft']:.2f} -> {g['rl']:.2f} (n {g['n']})" for lv, g in tc["per_level"].items() if g["n"]]
+        print("evaluate: tool calls on the test tasks both solve, SFT -> RL: " + ", ".join(parts))
     print("evaluate: flags: " + ("; ".join(result["flagged"]) or "none") + f" -> {METRICS_PATH}, {PLOT_PATH}")
     return result
