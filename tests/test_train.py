@@ -346,6 +346,31 @@ def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     assert d["template_seen_success"] == pytest.approx(0.25) and d["template_unseen_success"] == pytest.approx(0.05)
 
 
+def test_efficiency_weight_rescores_episodes_from_their_reward_components():
+    """`train.efficiency_weight` changes the return RL optimises, not the environment's: with the environment's own
+    weights the recomputed score is the recorded return; a larger β charges a wasted call more in a solved episode
+    and leaves a failed one (shaping on_success) as it was."""
+    from pipeline.env.config import RewardWeights
+    from pipeline.env.reward import RewardComponents, composite
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.trainer import episode_scores, make_sampler_state
+
+    env_w = RewardWeights()  # β 0.5, on_success
+    comps = [RewardComponents(1.0, 0.0, 0.0, 1.0),  # solved with the minimum calls
+             RewardComponents(1.0, -1 / 8, 0.0, 0.75),  # solved after one wasted call of 8 steps
+             RewardComponents(0.0, -3 / 8, 0.0, 0.5)]  # failed
+    records = [{"return": composite(c, env_w), "components": c.as_dict()} for c in comps]
+    state = make_sampler_state(TrainConfig())
+    same = episode_scores(records, state, env_w)
+    assert torch.allclose(same, episode_scores(records, state), atol=1e-6)
+    heavy = episode_scores(records, state, env_w.model_copy(update={"efficiency": 2.0}))
+    assert heavy[0] == pytest.approx(1.1) and heavy[1] == pytest.approx(1 - 2 / 8 + 0.075)
+    assert heavy[2] == same[2] == 0.0
+    assert (same[0] - same[1]).item() == pytest.approx(0.5 / 8 + 0.025) and (heavy[0] - heavy[1]).item() > 0.25
+    with pytest.raises(ValueError, match="efficiency_weight"):
+        TrainConfig(efficiency_weight=-1)
+
+
 def test_train_config_refuses_impossible_combinations():
     from pipeline.config import ConfigError, parse_section
     from pipeline.rl.config import TrainConfig

@@ -46,8 +46,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.env.config import EnvConfig
+from pipeline.env.config import EnvConfig, RewardWeights
 from pipeline.env.core import WorldRuntime
+from pipeline.env.reward import RewardComponents, composite
 from pipeline.env.tasks import Task
 from pipeline.errors import AgentRLError
 from pipeline.evaluation import summarize
@@ -191,8 +192,14 @@ def plan_update(state: SamplerState, tasks_by_level: dict[int, list[Task]], cfg:
 
 
 # ------------------------------------------------------------------------------------------------------ advantages
-def episode_scores(records: list[dict], state: SamplerState) -> torch.Tensor:
-    returns = np.array([r["return"] for r in records], dtype=np.float64)
+def episode_scores(records: list[dict], state: SamplerState, weights: RewardWeights | None = None) -> torch.Tensor:
+    """The score of each episode that advantages start from: its return R, or with `weights` R recomputed from its
+    reward components (`train.efficiency_weight`), then normalised when reward normalisation is on."""
+    if weights is None:
+        returns = np.array([r["return"] for r in records], dtype=np.float64)
+    else:
+        returns = np.array([composite(RewardComponents(**r["components"]), weights) for r in records],
+                           dtype=np.float64)
     if state.normalizer is not None:
         scores = state.normalizer.normalize(returns)
         state.normalizer.update(returns)
@@ -390,6 +397,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     engine = make_engine(actor, optimizer, ds_cfg, dist, warmup_steps=cfg.lr_warmup_steps)
     policy = engine.module.policy
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
+    score_weights = (None if cfg.efficiency_weight is None
+                     else env_cfg.reward.model_copy(update={"efficiency": cfg.efficiency_weight}))
     rollout = new_engine(policy)
     merged = None  # the ensemble θ_start + α(θ − θ_start) that validation scores and `best` keeps, and its engine
     if start_weights is not None:
@@ -477,7 +486,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                     log(f"update {u + 1}: dropped a batch {staleness} versions old (max_staleness={cfg.max_staleness})")
             else:
                 metrics = _learn(cfg, engine, ref, records, state, pad_id, rollout_cfg.temperature, u, staleness,
-                                 demo_examples, bc_rng, autocast_context, dist)
+                                 demo_examples, bc_rng, autocast_context, dist, score_weights)
                 release_free_memory()  # the learner's freed activations back to the OS (why: see the function)
             t_learn = time.perf_counter() - t1
             n_tokens = sum(sum(r["action_mask"]) for r in records)
@@ -570,7 +579,7 @@ def length_chunks(lengths: torch.Tensor, rows: torch.Tensor, k: int) -> list[tor
 
 
 def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, demo_examples, bc_rng,
-           autocast_context, dist) -> dict:
+           autocast_context, dist, score_weights: RewardWeights | None = None) -> dict:
     """Advantages and the optimisation steps of one update; returns its metrics.
 
     **Gradient accumulation.** Each optimizer step (one per minibatch) forwards its rows in `cfg.micro_batches`
@@ -596,7 +605,7 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     learning rate of 0 (the weights stay as they were; counted in ``train/skipped_steps_nonfinite``).
     """
     batch = collate_records(records, pad_id)
-    scores = episode_scores(records, state)
+    scores = episode_scores(records, state, score_weights)
     groups = group_ids_of(records)
     zero_var = torch.zeros(len(records), dtype=torch.bool)
     device = engine.device
