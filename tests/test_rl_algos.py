@@ -142,6 +142,40 @@ def test_discounted_returns_and_token_rewards():
     assert tr.tolist() == [[0, 0, 0, 0, 3.0, 0], [0] * 6]
 
 
+def test_turn_ids_and_turn_token_rewards_known_answers():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0, 1, 1], [1, 0, 0, 1, 1, 0, 0, 0]])
+    turn = A.turn_ids(mask)
+    assert turn.tolist() == [[-1, 0, 0, -1, 1, -1, 2, 2], [0, -1, -1, 1, 1, -1, -1, -1]]
+    # episode 0 spans rows 0 and 2: its second row continues with turns 3 and 4 (indices from the whole episode)
+    rows_turn = torch.cat([turn, torch.tensor([[-1, 3, -1, 4, 4, -1, -1, -1]])])
+    rows_mask = torch.cat([mask, torch.tensor([[0, 1, 0, 1, 1, 0, 0, 0]])])
+    r = torch.tensor([[0.0, -1.0, 0.0, 0.5, 2.0], [0.25, 3.0, 0.0, 0.0, 0.0]])
+    out = A.turn_token_rewards(r, torch.tensor([0, 1, 0]), rows_turn, rows_mask)
+    assert out.tolist() == [[0, 0, 0.0, 0, -1.0, 0, 0, 0.0], [0.25, 0, 0, 0, 3.0, 0, 0, 0],
+                            [0, 0.5, 0, 0, 2.0, 0, 0, 0]]
+    assert float(out.sum()) == pytest.approx(float(r.sum()))  # every turn's reward lands exactly once
+
+
+def test_turn_advantages_known_answers():
+    # one group of 3 episodes, γ 1: rewards per turn; G_t = reward-to-go
+    rewards = torch.tensor([[-1.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.5, 0.0, 0.0]])
+    tmask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
+    G = A.discounted_returns(rewards * tmask, 1.0)
+    assert G.tolist() == [[0.0, 1.0, 1.0], [2.0, 2.0, 0.0], [0.5, 0.0, 0.0]]
+    groups = torch.tensor([0, 0, 0])
+    adv, zero = A.turn_advantages(G, tmask, groups, "rloo")
+    # baselines: leave-one-out means of G_0 = (0, 2, 0.5): 1.25, 0.25, 1.0
+    assert torch.allclose(adv, torch.tensor([[-1.25, -0.25, -0.25], [1.75, 1.75, 0.0], [-0.5, 0.0, 0.0]]))
+    assert torch.allclose(adv[:, 0], A.group_advantages(G[:, 0], groups, "rloo")[0]) and not zero.any()
+    g_adv, _ = A.turn_advantages(G, tmask, groups, "grpo")
+    std = float(G[:, 0].std(unbiased=True)) + 1e-6
+    assert g_adv[0, 1] == pytest.approx((1.0 - 2.5 / 3) / std, rel=1e-5) and g_adv[1, 2] == 0.0
+    # all rewards on the last turn, γ 1: every turn carries the episode-level advantage
+    last = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    a2, _ = A.turn_advantages(A.discounted_returns(last, 1.0), torch.ones(2, 3), torch.tensor([0, 0]), "rloo")
+    assert a2.tolist() == [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
+
+
 def test_loss_with_gradient_accumulation_equals_the_full_batch():
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 5)

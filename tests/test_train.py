@@ -470,6 +470,59 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     assert all(not d.any() for d in step(3, nan_chunk=1).values())
 
 
+@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
+def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, algorithm):
+    """`train.turn_credit`: rollout records carry one environment reward per sampled action, summing to the return;
+    the per-turn advantages of the first turn are the episode-level ones; the learner takes a finite step with it
+    and logs its metrics; records whose rewards do not match their actions are refused."""
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.rl import core_algos as A
+    from pipeline.rl import trainer
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.distributed import init_dist
+
+    dist = init_dist()
+    model, tok, _ = load_policy("models/adapted")
+    tasks = load_tasks("data/tasks/train.jsonl")[:2]
+    records = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+                            load_section(RolloutConfig, "rollout")).run([t for t in tasks for _ in range(4)],
+                                                                        list(range(8)), greedy=False)
+    for r in records:
+        assert len(r["step_rewards"]) == int(A.turn_ids(torch.tensor(r["action_mask"])).max()) + 1 == len(r["steps"])
+        assert sum(r["step_rewards"]) == pytest.approx(r["return"], abs=1e-9)
+    for i, r in enumerate(records):  # random weights never succeed: a reward on the last turn, varying in the group
+        r["step_rewards"] = [0.0] * (len(r["step_rewards"]) - 1) + [float((i * 7) % 5) / 4]
+        r["return"], r["group"] = r["step_rewards"][-1], i // 4
+    rewards, tmask = trainer.turn_rewards(records)
+    assert tmask.sum(1).tolist() == [len(r["steps"]) for r in records]
+    adv, _ = A.turn_advantages(A.discounted_returns(rewards, 1.0), tmask, trainer.group_ids_of(records), "rloo")
+    episode_adv, _ = A.group_advantages(torch.tensor([r["return"] for r in records]), trainer.group_ids_of(records),
+                                        "rloo")
+    assert torch.allclose(adv[:, 0], episode_adv)
+    cfg = load_section(TrainConfig, "train").model_copy(update={
+        "algorithm": algorithm, "group_size": 4, "tasks_per_update": 2, "turn_credit": True, "gamma": 0.9,
+        "lr_warmup_steps": 0})
+    torch.manual_seed(0)
+    actor, engine = _sgd_learner(cfg, dist, with_value=algorithm == "ppo")
+    before = {k: v.detach().clone() for k, v in actor.named_parameters()}
+    fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731
+    mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
+                          marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0), fp32, dist)
+    assert mets["train/skipped_steps_nonfinite"] == 0 and mets["turn_credit/turns_per_episode"] >= 1
+    assert np.isfinite(mets["losses/grad_norm"]) and mets["policy/advantage_var"] > 0
+    assert sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters()) > 0
+    broken = [dict(r) for r in records]
+    broken[3]["step_rewards"] = broken[3]["step_rewards"] + [0.0]
+    with pytest.raises(AgentRLError, match="step rewards for"):
+        trainer.turn_rewards(broken)
+
+
 def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_signal(in_project):
     """`train.bc_coef`: the behaviour-cloning term reads demonstrations, so the learner forwards none of the
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the

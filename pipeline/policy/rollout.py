@@ -48,7 +48,8 @@ What an episode record holds (the :func:`pipeline.evaluation.run_episode` fields
 plus): ``token_ids`` (the whole episode as the model saw it, prompt included), ``logprobs`` (same length),
 ``action_mask`` (1 exactly on sampled tokens), ``segments`` (start offset of each token segment, see below),
 ``policy_version``, ``actions`` (each step's parsed call: ``{"tool", "params"}``, or ``{"tool": None, "params":
-None, "error": reason}`` for text the protocol rejects) and ``seed``.
+None, "error": reason}`` for text the protocol rejects), ``step_rewards`` (the reward the environment paid at each
+step, the change of R, so they sum to ``return``; per-turn credit reads them) and ``seed``.
 
 Decisions:
 
@@ -373,10 +374,12 @@ class _EnvEpisode:
         self.tool_names, self.max_chars = runtime.tool_names, env_cfg.max_action_chars
         self.steps: list[dict] = []
         self.actions: list[dict] = []
+        self.rewards: list[float] = []
 
     def step(self, text: str) -> tuple[bool, str, bool, str]:
         """Returns (done, observation text, folded, new context)."""
-        obs, _, terminated, truncated, info = self.env.step(text)
+        obs, reward, terminated, truncated, info = self.env.step(text)
+        self.rewards.append(float(reward))
         self.steps.append({"action": info["action_text"], "observation": info["observation_text"]})
         parsed = parse_action(text, self.tool_names, self.max_chars)
         self.actions.append({"tool": None, "params": None, "error": parsed.reason} if isinstance(parsed, InvalidAction)
@@ -395,7 +398,7 @@ class _EnvEpisode:
             "components": dict(info["reward_components"]), "n_calls": info["n_calls"],
             "n_violations": info["n_violations"], "n_failed": info["n_failed"], "verifier": info["verifier"],
             "answer": info["answer"], "ground_truth": info["ground_truth"], "steps": self.steps, "calls": info["calls"],
-            "actions": self.actions, "seed": self.seed,
+            "actions": self.actions, "step_rewards": self.rewards, "seed": self.seed,
         }
 
 

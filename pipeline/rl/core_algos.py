@@ -80,14 +80,58 @@ def token_rewards(episode_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return out
 
 
-def turn_rewards_to_tokens(turn_rewards: list[list[float]], turn_ends: list[list[int]], shape: tuple[int, int],
-                           dtype=torch.float32) -> torch.Tensor:
-    """Per-turn rewards placed on the last token of each turn's action (per-turn credit assignment, seed 2.2)."""
-    out = torch.zeros(shape, dtype=dtype)
-    for b, (rs, ends) in enumerate(zip(turn_rewards, turn_ends)):
-        for r, t in zip(rs, ends):
-            out[b, t] += r
+def turn_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the turn each action token belongs to; −1 where `mask` is 0. A turn is one sampled action: a run of
+    consecutive action tokens (observations, masked 0, separate the runs). (..., seq) -> (..., seq), long.
+
+    >>> turn_ids(torch.tensor([0, 1, 1, 0, 0, 1, 0, 1])).tolist()
+    [-1, 0, 0, -1, -1, 1, -1, 2]
+    """
+    m = mask > 0
+    starts = m & ~torch.nn.functional.pad(m, (1, 0))[..., :-1]
+    idx = torch.cumsum(starts.long(), dim=-1) - 1
+    return torch.where(m, idx, torch.full_like(idx, -1))
+
+
+def turn_token_rewards(turn_rewards: torch.Tensor, episode: torch.Tensor, turn: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """Each turn's reward on the last action token of that turn (per-turn credit for GAE, seed 2.2).
+
+    Args: turn_rewards (episodes, turns) r_{e,t}; episode (rows,) the episode of each row; turn (rows, seq) the turn
+    index of each token (:func:`turn_ids` of the whole episode, so a turn keeps its index in a later row); mask
+    (rows, seq). Returns (rows, seq), zero except at the last token of each turn.
+    """
+    m = mask > 0
+    nxt = torch.nn.functional.pad(turn, (0, 1), value=-1)[:, 1:]
+    last = m & (nxt != turn)
+    ep = episode[:, None].expand_as(turn)
+    out = torch.zeros(mask.shape, dtype=turn_rewards.dtype)
+    out[last] = turn_rewards[ep[last], turn[last]]
     return out
+
+
+def turn_advantages(turn_returns: torch.Tensor, turn_mask: torch.Tensor, group_ids: torch.Tensor,
+                    estimator: str = "grpo", scale_by_std: bool = True,
+                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Critic-free advantages per turn (per-turn credit with a group baseline, seed 2.2).
+
+    Args: turn_returns (episodes, turns) G_{e,t} = Σ_{t'≥t} γ^(t'−t) r_{e,t'} (:func:`discounted_returns`), padded
+    after each episode's last turn; turn_mask (episodes, turns) 1 on real turns; group_ids (episodes,).
+    The baseline of an episode is :func:`group_advantages`' on the episode scores G_{e,0} (group mean for `grpo`, the
+    others' mean for `rloo`), and A_{e,t} = (G_{e,t} − baseline_e), divided by the group's std of G_{·,0} for `grpo`
+    with `scale_by_std`. So the first turn's advantage is the episode-level one, and a later turn's differs from it
+    by what was earned (or lost) before it. Returns (advantages (episodes, turns), zero off `turn_mask`;
+    zero_variance (episodes,) bool, as group_advantages).
+    """
+    ep_adv, zero_var = group_advantages(turn_returns[:, 0], group_ids, estimator, scale_by_std, eps)
+    scale = torch.ones_like(ep_adv)
+    if estimator == "grpo" and scale_by_std:
+        for g in torch.unique(group_ids):
+            idx = group_ids == g
+            if int(idx.sum()) >= 2:
+                scale[idx] = turn_returns[idx, 0].std(unbiased=True) + eps
+    adv = ep_adv[:, None] + (turn_returns - turn_returns[:, :1]) / scale[:, None]
+    return adv * turn_mask, zero_var
 
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,

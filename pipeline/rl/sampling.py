@@ -24,12 +24,16 @@ class RewardNormalizer:
     def update(self, rewards) -> None:
         self.history.extend(float(r) for r in rewards)
 
-    def normalize(self, rewards) -> np.ndarray:
-        r = np.asarray(rewards, dtype=np.float64)
+    def affine(self) -> tuple[float, float]:
+        """(shift, scale) with normalize(r) = (r − shift) / scale: (0, 1) until two returns are known."""
         if len(self.history) < 2:
-            return r
+            return 0.0, 1.0
         h = np.asarray(self.history)
-        return (r - h.mean()) / (h.std() + self.eps)
+        return float(h.mean()), float(h.std() + self.eps)
+
+    def normalize(self, rewards) -> np.ndarray:
+        shift, scale = self.affine()
+        return (np.asarray(rewards, dtype=np.float64) - shift) / scale
 
     def state_dict(self) -> dict:
         return {"window": self.window, "history": list(self.history)}

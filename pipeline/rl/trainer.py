@@ -104,7 +104,7 @@ class Batch:
     mask: torch.Tensor
     sample_logp: torch.Tensor
     episode: torch.Tensor  # (rows,) index of the episode each row belongs to
-    token_reward: torch.Tensor = field(default=None)
+    turn: torch.Tensor  # (rows, T) the episode's turn index of each action token (core_algos.turn_ids), else -1
 
     @property
     def n_rows(self) -> int:
@@ -112,30 +112,58 @@ class Batch:
 
     def select(self, rows: torch.Tensor) -> "Batch":
         return Batch(self.ids[rows], self.attn[rows], self.mask[rows], self.sample_logp[rows], self.episode[rows],
-                     None if self.token_reward is None else self.token_reward[rows])
+                     self.turn[rows])
 
 
 def collate_records(records: list[dict], pad_id: int) -> Batch:
     rows = []
     for e, r in enumerate(records):
         starts = list(r.get("segments") or [0]) + [len(r["token_ids"])]
+        turns = A.turn_ids(torch.tensor(r["action_mask"])).tolist()  # over the whole episode, across its segments
         for a, b in zip(starts[:-1], starts[1:]):
             if b > a:
-                rows.append((e, r["token_ids"][a:b], r["action_mask"][a:b], r["logprobs"][a:b]))
-    T = max(len(ids) for _, ids, _, _ in rows)
+                rows.append((e, r["token_ids"][a:b], r["action_mask"][a:b], r["logprobs"][a:b], turns[a:b]))
+    T = max(len(row[1]) for row in rows)
     n = len(rows)
     ids = torch.full((n, T), pad_id, dtype=torch.long)
     attn = torch.zeros(n, T, dtype=torch.long)
     mask = torch.zeros(n, T)
     logp = torch.zeros(n, T)
     ep = torch.zeros(n, dtype=torch.long)
-    for i, (e, t, m, lp) in enumerate(rows):
+    turn = torch.full((n, T), -1, dtype=torch.long)
+    for i, (e, t, m, lp, tu) in enumerate(rows):
         ids[i, : len(t)] = torch.tensor(t)
         attn[i, : len(t)] = 1
         mask[i, : len(t)] = torch.tensor(m, dtype=torch.float32)
         logp[i, : len(t)] = torch.tensor(lp, dtype=torch.float32)
+        turn[i, : len(t)] = torch.tensor(tu, dtype=torch.long)
         ep[i] = e
-    return Batch(ids, attn, mask, logp * mask, ep)
+    return Batch(ids, attn, mask, logp * mask, ep, turn)
+
+
+def turn_rewards(records: list[dict], weights: RewardWeights | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each episode's per-turn rewards (the environment's ``step_rewards``), (episodes, turns) with a (episodes,
+    turns) mask of real turns. With `weights` (`train.efficiency_weight`) the last turn takes the difference between
+    the rescored return and the environment's, so each row still sums to the return RL optimises. An episode whose
+    rewards do not match its sampled actions (one per turn of the action mask) is refused: its credit would land on
+    the wrong tokens."""
+    per_ep = []
+    for r in records:
+        rewards = r.get("step_rewards")
+        n_turns = int(A.turn_ids(torch.tensor(r["action_mask"])).max()) + 1
+        if rewards is None or len(rewards) != n_turns:
+            raise AgentRLError(f"train.turn_credit: episode of task {r.get('task_id')!r} has "
+                               f"{'no step_rewards' if rewards is None else f'{len(rewards)} step rewards'} for "
+                               f"{n_turns} sampled actions (rollout records carry one reward per action)")
+        rewards = [float(x) for x in rewards]
+        if weights is not None:
+            rewards[-1] += composite(RewardComponents(**r["components"]), weights) - float(r["return"])
+        per_ep.append(rewards)
+    width = max(len(x) for x in per_ep)
+    out, mask = torch.zeros(len(per_ep), width), torch.zeros(len(per_ep), width)
+    for i, x in enumerate(per_ep):
+        out[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), 1.0
+    return out, mask
 
 
 # --------------------------------------------------------------------------------------------------------- sampling
@@ -605,11 +633,21 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     learning rate of 0 (the weights stay as they were; counted in ``train/skipped_steps_nonfinite``).
     """
     batch = collate_records(records, pad_id)
+    turn_credit: dict[str, float] = {}
+    if cfg.turn_credit:  # before episode_scores, which updates the normaliser after using it
+        t_rewards, t_mask = turn_rewards(records, score_weights)
+        shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
+        t_returns = A.discounted_returns(t_rewards, cfg.gamma)
     scores = episode_scores(records, state, score_weights)
     groups = group_ids_of(records)
     zero_var = torch.zeros(len(records), dtype=torch.bool)
     device = engine.device
-    if cfg.algorithm in ("grpo", "rloo"):
+    if cfg.algorithm in ("grpo", "rloo") and cfg.turn_credit:
+        t_adv, zero_var = A.turn_advantages((t_returns - shift) / scale * t_mask, t_mask, groups, cfg.algorithm)
+        spread = (t_adv.masked_fill(t_mask == 0, -math.inf).amax(1) - t_adv.masked_fill(t_mask == 0, math.inf).amin(1))
+        turn_credit = {"turn_credit/turns_per_episode": float(t_mask.sum(1).mean()),
+                       "turn_credit/adv_spread_within_episode": float(spread.mean())}
+    elif cfg.algorithm in ("grpo", "rloo"):
         ep_adv, zero_var = A.group_advantages(scores, groups, cfg.algorithm)
     loss_mask = batch.mask.clone()
     if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
@@ -632,11 +670,20 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
     if ref is not None:
         ref_logp, _ = _no_grad_logp(lambda i, a: (ref(input_ids=i, attention_mask=a).logits, None), batch,
                                     length_chunks(lengths, all_rows, k), temperature, device, autocast_context)
-    if cfg.algorithm in ("grpo", "rloo"):
+    if cfg.algorithm in ("grpo", "rloo") and cfg.turn_credit:
+        adv = t_adv[batch.episode[:, None], batch.turn.clamp(min=0)] * batch.mask
+        returns = None
+    elif cfg.algorithm in ("grpo", "rloo"):
         adv = ep_adv[batch.episode][:, None] * batch.mask
         returns = None
     else:
-        rewards = A.token_rewards(scores[batch.episode], batch.mask)
+        if cfg.turn_credit:  # each turn's reward on its last token; the normaliser's shift on the episode's last turn
+            last = (t_mask.cumsum(1) == t_mask.sum(1, keepdim=True)) & (t_mask > 0)
+            rewards = A.turn_token_rewards((t_rewards - shift * last.float()) / scale, batch.episode, batch.turn,
+                                           batch.mask)
+            turn_credit = {"turn_credit/turns_per_episode": float(t_mask.sum(1).mean())}
+        else:
+            rewards = A.token_rewards(scores[batch.episode], batch.mask)
         adv, returns = A.compute_gae(rewards, old_values * batch.mask, batch.mask, cfg.gamma, cfg.lam)
         adv = A.masked_whiten(adv, batch.mask)
     is_w = is_stats = None
@@ -722,6 +769,7 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
         "train/batch_tokens": int(batch.attn.sum()),
         "train/rows_forwarded": int(batch.n_rows),
         **(is_stats or {}),
+        **turn_credit,
     })
     if returns is not None and old_values is not None:
         out["losses/explained_variance"] = A.explained_variance(old_values * batch.mask, returns, batch.mask)
