@@ -72,6 +72,26 @@ def test_int8_is_at_most_035_of_fp32_and_close_to_it(builtin_model):
         make_variant(model, "int4")
 
 
+def test_weights_digest_tells_the_same_weights_from_changed_ones(builtin_model, tmp_path):
+    """Two saves of the same weights at different times digest alike (policy.json's timestamps are left out); one
+    changed parameter, or an empty folder, does not pass for them."""
+    from pipeline.deploy.registry import weights_digest
+    from pipeline.policy.model import save_policy
+
+    model, tok = builtin_model
+    save_policy(model, tok, tmp_path / "a", meta={"phase": "train", "saved_at": "2026-01-01T00:00:00Z"})
+    save_policy(model, tok, tmp_path / "b", meta={"phase": "train", "saved_at": "2026-12-01T00:00:00Z"})
+    assert (tmp_path / "a/policy.json").read_text() != (tmp_path / "b/policy.json").read_text()
+    assert weights_digest(tmp_path / "a") == weights_digest(tmp_path / "b")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-3
+    save_policy(model, tok, tmp_path / "c", meta={"phase": "train"})
+    assert weights_digest(tmp_path / "c") != weights_digest(tmp_path / "a")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AgentRLError, match="no policy files"):
+        weights_digest(tmp_path / "empty")
+
+
 def test_deploy_config_refuses_a_served_precision_it_does_not_measure():
     with pytest.raises(ValueError, match="serve_precision='bf16' must be one of the measured precisions"):
         DeployConfig(precisions=["fp32", "int8"], serve_precision="bf16")
@@ -227,12 +247,15 @@ def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(serve
     assert set(written["variants"]) == {"fp32", "bf16", "int8"} and written["gate"]["passed"]
     assert written["variants"]["int8"]["size_ratio"] < 1 and written["variants"]["fp32"]["size_ratio"] == 1
     assert written["test_results_source"].startswith("fp32 greedy episodes")
+    assert tags["weights.sha256"] == written["weights_sha256"] and written["same_weights_as"] == []
 
     # v2: the same policy again: paired on the same tasks and seeds, not worse -> promoted
     second = run_deploy(project, name, precisions=["fp32", "int8"])
     vs = next(c for c in second["decision"].checks if c.name == "vs_champion")
     assert second["decision"].passed and vs.values["paired_tasks"] == N_TEST and vs.values["p_value"] == 1.0
     assert registry.alias_version("champion") == "2" and registry.history() == ["1", "2"]
+    assert second["same_weights_as"] == ["1"]  # a bit-for-bit retrain is registered, and recognised as one
+    assert registry.tags("2")["weights.sha256"] == registry.tags("1")["weights.sha256"]
 
     # v3: an evaluation file in which the policy solves 20 of 24 tasks: better than the champion -> promoted
     good = [True] * 20 + [False] * 4

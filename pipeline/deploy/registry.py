@@ -8,6 +8,9 @@ Conventions (one registered model, ``deploy.model_name``):
 - a new version gets the alias ``challenger``; the gate moves ``champion`` to it when every check passes;
 - each check's outcome is a version tag ``gate.<check>`` (``pass``/``fail``) with ``gate.<check>.detail``, plus
   ``gate.decision`` (``promoted``/``rejected``), ``gate.champion_at_decision`` and ``gate.decided_at``;
+- every version is tagged ``weights.sha256``, :func:`weights_digest` of the policy folder it packages, so a retrain
+  that reproduced an earlier policy bit for bit is visible as such (:meth:`ModelRegistry.versions_with_weights`).
+  It is still registered as its own version: its run, data versions and gate evidence are its own;
 - the champions in order are the registered-model tag ``agentrl.champion_history`` (a JSON list of versions);
   :func:`rollback` points ``champion`` at the one before and drops the last, tagging it ``rolled_back_at``.
 
@@ -34,8 +37,31 @@ from pipeline.errors import AgentRLError
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 HISTORY_TAG = "agentrl.champion_history"
+WEIGHTS_TAG = "weights.sha256"
 GATE_DIR = "gate_inputs"
 MODEL_DIR = "model"
+
+
+def weights_digest(policy_dir: str | Path) -> str:
+    """SHA-256 over every file of a saved policy folder (names and bytes, in name order) except ``policy.json``, whose
+    timestamps and commit differ between two runs that trained the same weights: equal digests mean the same weights,
+    config and tokenizer. A missing or empty folder is an AgentRLError."""
+    import hashlib
+
+    from pipeline.policy.model import POLICY_JSON
+
+    root = Path(policy_dir)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != POLICY_JSON)
+    if not files:
+        raise AgentRLError(f"{root}: no policy files to digest (is it a folder written by save_policy?)")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        with p.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 class ModelRegistry:
@@ -125,8 +151,17 @@ class ModelRegistry:
         return f"models:/{self.name}/{version}"
 
     # ------------------------------------------------------------------------------------------------------ writing
-    def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs) -> str:
-        """Log the pyfunc folder and the gate inputs into `run_id`, create a model version, alias it `challenger`."""
+    def versions_with_weights(self, digest: str, exclude: str | None = None) -> list[str]:
+        """Versions (oldest first) tagged with the weights digest `digest`, `exclude` left out."""
+        if not self.exists():
+            return []
+        found = [mv.version for mv in self.client.search_model_versions(f"name='{self.name}'")
+                 if mv.tags.get(WEIGHTS_TAG) == digest and str(mv.version) != str(exclude)]
+        return sorted(found, key=int)
+
+    def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs, tags: dict | None = None) -> str:
+        """Log the pyfunc folder and the gate inputs into `run_id`, create a model version with `tags`, alias it
+        `challenger`."""
         from mlflow.exceptions import MlflowException
 
         for k in GateInputs.REQUIRED:
@@ -140,7 +175,7 @@ class ModelRegistry:
                 if not self.exists():  # not a race with another registration
                     raise
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{MODEL_DIR}"
-        mv = self.client.create_model_version(self.name, source, run_id=run_id)
+        mv = self.client.create_model_version(self.name, source, run_id=run_id, tags=tags or None)
         for _ in range(600):  # a file or SQLite store is READY at once; a remote one may take a moment
             if self.client.get_model_version(self.name, mv.version).status == "READY":
                 break

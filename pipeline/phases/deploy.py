@@ -101,7 +101,7 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
     """The phase on explicit configs and paths (tests call this); returns what it writes to `out_path`."""
     from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
-    from pipeline.deploy.registry import ModelRegistry, champion_evaluator, promote
+    from pipeline.deploy.registry import WEIGHTS_TAG, ModelRegistry, champion_evaluator, promote, weights_digest
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
     from pipeline.policy.model import load_policy
@@ -115,6 +115,7 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
     except (FileNotFoundError, ValueError) as exc:
         raise AgentRLError(f"deploy: {exc}") from None
     model, tokenizer, meta = load_policy(cfg.policy)
+    digest = weights_digest(cfg.policy)
     tracker = tracker or Tracker()
     registry = registry or ModelRegistry(cfg.model_name, tracker.tracking_uri)
     runtime = WorldRuntime(world)
@@ -135,7 +136,8 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
         with tracker.run("deploy", params=params) as run, tempfile.TemporaryDirectory() as tmp:
             run.log_metrics(flat_metrics(measured["variants"], measured["parity"]))
             save_pyfunc(Path(tmp) / "model", cfg.policy, cfg.world_dir, settings)
-            version = registry.register(run.run_id, Path(tmp) / "model", gate_inputs)
+            version = registry.register(run.run_id, Path(tmp) / "model", gate_inputs, tags={WEIGHTS_TAG: digest})
+            same = registry.versions_with_weights(digest, exclude=version)
             run.log_dict(inputs["train"], "provenance/train.json")
             decision = None
             if cfg.promote:
@@ -150,6 +152,7 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
     out = {
         "model_name": cfg.model_name, "version": version, "model_uri": registry.model_uri(version),
         "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step", "git_commit", "saved_at")},
+        "weights_sha256": digest, "same_weights_as": same,
         "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
         "variants": measured["variants"], "parity": measured["parity"],
         "gate": decision.to_dict() if decision else None,
@@ -177,6 +180,9 @@ def flat_metrics(variants: dict, parity: dict) -> dict:
 def report(out: dict) -> str:
     lines = [f"deploy: {out['model_name']} v{out['version']} registered as challenger ({out['tasks']} test tasks; "
              f"test results from {out['test_results_source']})"]
+    if out.get("same_weights_as"):
+        lines.append(f"  weights identical to v{', v'.join(out['same_weights_as'])} (sha256 {out['weights_sha256'][:12]}): "
+                     f"this run reproduced an earlier policy bit for bit")
     for prec, v in out["variants"].items():
         lat = (f"latency/action {v['latency_per_action_ms']:.1f} ms (x{v['latency_ratio']:.2f}), "
                if v.get("latency_ratio") is not None else "")
