@@ -134,6 +134,35 @@ def test_group_advantages_and_zero_variance_groups():
         A.group_advantages(scores, groups, "ppo")
 
 
+def test_gae_over_segments_continues_an_episode_across_its_rows():
+    """An episode folded into two rows (token segments) gets the advantages of the same episode in one row: the end of
+    its first segment bootstraps from the second instead of ending the episode. One row per episode is plain GAE."""
+    g = torch.Generator().manual_seed(2)
+    rewards, values = torch.randn(3, 10, generator=g), torch.randn(3, 10, generator=g)
+    mask = (torch.rand(3, 10, generator=g) > 0.3).float()
+    one = torch.tensor([0, 1, 2])
+    for got, want in zip(A.compute_gae_over_segments(rewards, values, mask, one, 0.97, 0.9),
+                         A.compute_gae(rewards, values, mask, 0.97, 0.9)):
+        assert torch.allclose(got, want)
+    # row 0 cut after position 4: rows (first half, second half) of episode 0, rows 1 and 2 as before, out of order
+    cut = 5
+    rows_r, rows_v, rows_m = [], [], []
+    for x, out in ((rewards, rows_r), (values, rows_v), (mask, rows_m)):
+        a, b = torch.zeros(10), torch.zeros(10)
+        a[:cut], b[: 10 - cut] = x[0, :cut], x[0, cut:]
+        out.extend([a, x[1], b, x[2]])
+    r, v, m = torch.stack(rows_r), torch.stack(rows_v), torch.stack(rows_m)
+    episode = torch.tensor([0, 1, 0, 2])
+    adv, ret = A.compute_gae_over_segments(r, v, m, episode, 0.97, 0.9)
+    full_adv, full_ret = A.compute_gae(rewards, values, mask, 0.97, 0.9)
+    assert torch.allclose(torch.cat([adv[0, :cut], adv[2, : 10 - cut]]), full_adv[0], atol=1e-6)
+    assert torch.allclose(torch.cat([ret[0, :cut], ret[2, : 10 - cut]]), full_ret[0], atol=1e-6)
+    assert torch.allclose(adv[1], full_adv[1]) and torch.allclose(adv[3], full_adv[2])
+    # row-wise GAE would end episode 0 at its first segment: different advantages there
+    assert not torch.allclose(A.compute_gae(r, v, m, 0.97, 0.9)[0][0, :cut], full_adv[0, :cut])
+    assert A.last_rows(episode).tolist() == [False, True, True, True]
+
+
 def test_discounted_returns_and_token_rewards():
     r = torch.tensor([[1.0, 0.0, 2.0]])
     assert torch.allclose(A.discounted_returns(r, 0.5), torch.tensor([[1.5, 1.0, 2.0]]))

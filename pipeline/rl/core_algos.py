@@ -159,6 +159,46 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     return adv, returns
 
 
+def last_rows(episode: torch.Tensor) -> torch.Tensor:
+    """Whether each row is the last of its episode (an episode's token segments are rows in order, see
+    ``trainer.collate_records``). (rows,) long -> (rows,) bool.
+
+    >>> last_rows(torch.tensor([0, 0, 1, 2, 2, 2])).tolist()
+    [False, True, True, False, False, True]
+    """
+    rows = torch.arange(episode.numel(), device=episode.device)
+    last = torch.full((int(episode.max()) + 1,), -1, dtype=torch.long, device=episode.device)
+    last = last.scatter_reduce(0, episode, rows, reduce="amax")
+    return rows == last[episode]
+
+
+def compute_gae_over_segments(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, episode: torch.Tensor,
+                              gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_gae` for episodes that span several rows (token segments, in row order within an episode): the
+    recursion runs over each episode's action tokens across its rows, so the last action of a segment bootstraps from
+    the first action of the next segment instead of ending the episode there.
+
+    Args: rewards, values, mask (rows, seq); episode (rows,) the episode of each row. With one row per episode this
+    is :func:`compute_gae` exactly. Returns (advantages, returns), (rows, seq), zero where mask is 0.
+    """
+    m = mask > 0
+    order = torch.argsort(episode, stable=True)
+    r_sorted, t_idx = torch.nonzero(m[order], as_tuple=True)  # episode by episode, rows in order, then positions
+    rows = order[r_sorted]
+    ep = episode[rows]
+    n_ep = int(episode.max()) + 1 if episode.numel() else 0
+    counts = torch.bincount(ep, minlength=n_ep)
+    pos = torch.arange(ep.numel(), device=ep.device) - (torch.cumsum(counts, 0) - counts)[ep]
+    width = int(counts.max()) if ep.numel() else 0
+    flat = lambda x: torch.zeros(n_ep, width, dtype=rewards.dtype, device=rewards.device).index_put_(  # noqa: E731
+        (ep, pos), x[rows, t_idx].to(rewards.dtype))
+    adv_e, ret_e = compute_gae(flat(rewards), flat(values), flat(m), gamma, lam)
+    adv, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
+    adv[rows, t_idx] = adv_e[ep, pos]
+    returns[rows, t_idx] = ret_e[ep, pos]
+    return adv, returns
+
+
 def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
                      scale_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """Critic-free advantages relative to the other rollouts of the same task.

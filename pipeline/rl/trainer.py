@@ -691,8 +691,10 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
                                            batch.mask)
             turn_credit = {"turn_credit/turns_per_episode": float(t_mask.sum(1).mean())}
         else:
-            rewards = A.token_rewards(scores[batch.episode], batch.mask)
-        adv, returns = A.compute_gae(rewards, old_values * batch.mask, batch.mask, cfg.gamma, cfg.lam)
+            # on the episode's last action token only: an episode folded into several rows (segments) is paid once
+            rewards = A.token_rewards(scores[batch.episode] * A.last_rows(batch.episode), batch.mask)
+        adv, returns = A.compute_gae_over_segments(rewards, old_values * batch.mask, batch.mask, batch.episode,
+                                                   cfg.gamma, cfg.lam)
         adv = A.masked_whiten(adv, batch.mask)
     is_w = is_stats = None
     if old_logp is not None:
