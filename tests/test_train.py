@@ -320,33 +320,6 @@ def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_projec
     assert all(h["sys/idle_s"] >= 0 for h in result["history"])
 
 
-def test_async_rollout_threads_divide_the_process_threads_and_leave_the_learners_alone():
-    """Each rollout thread decodes with the process's torch threads divided among the workers (at least one), and the
-    learner's thread keeps its own count: 4 workers that each opened a 2-thread OpenMP team beside the learner's on 2
-    cores waited on each other's barriers."""
-    from pipeline.rl.trainer import AsyncRollouts
-
-    class Engine:  # records the torch thread count each worker decodes with
-        def run(self, tasks, seeds, greedy, policy_version, options):
-            return [{"task": t, "threads": torch.get_num_threads()} for t in tasks]
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        for n_workers, want in ((2, 2), (3, 1), (8, 1), (1, 4)):
-            worker = AsyncRollouts(lambda snapshot: Engine(), torch.nn.Linear(2, 2), n_workers)
-            try:
-                worker.submit(list(range(8)), list(range(8)))
-                records, _ = worker.collect()
-            finally:
-                worker.close()
-            assert [r["task"] for r in records] == list(range(8))  # the plan's order is restored
-            assert {r["threads"] for r in records} == {want}, n_workers
-            assert torch.get_num_threads() == 4
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     """The overall tool calls per solved task mix levels: a policy that solves more 4-call level-4 tasks raises it
     even when every level's solved tasks take no more calls, so `deltas` reports each level too."""

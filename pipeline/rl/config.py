@@ -59,7 +59,7 @@ class TrainConfig(PhaseConfig):
     is_clip: float = Field(2.0, ge=1, description="c of the truncated importance weight w = min(c, π_train/π_sample).")
     async_rollouts: bool = Field(False, description="Rollout worker generates with a weight snapshot while the learner trains; the snapshot syncs every `sync_every` updates.")
     sync_every: int = Field(1, ge=1, description="Updates between weight syncs of the asynchronous rollout worker.")
-    rollout_workers: int = Field(4, ge=1, le=64, description="Rollout threads of the asynchronous mode; they share one weight snapshot, each decodes its share of the batch, and slow tools in one overlap with decoding in the others. Each decodes with the process's torch threads divided among the workers (at least 1), so the workers do not open OpenMP teams that wait on each other and on the learner's.")
+    rollout_workers: int = Field(4, ge=1, le=64, description="Rollout threads of the asynchronous mode; they share one weight snapshot, each decodes its share of the batch, and slow tools in one overlap with decoding in the others.")
     num_ranks: int = Field(2, ge=1, le=1024, description="DeepSpeed processes launched on this machine (CPU ranks here; GPUs where present).")
     deepspeed_config: str = Field("configs/deepspeed_zero2.json", description="DeepSpeed config file (ZeRO stage, bf16). Batch sizes and clipping come from this section; a file that contradicts them is refused.")
     checkpoint_every: int = Field(10, ge=1, description="Updates between checkpoints (engine state plus curriculum, sampler, normaliser and RNG state).")

@@ -289,12 +289,6 @@ class AsyncRollouts:
     thread while the others decode, so tool latency overlaps with generation and with learning. `sync` copies the
     learner's weights into the snapshot between batches (never while one is being generated). Batches carry the
     snapshot's version, so the learner knows their staleness.
-
-    Each worker thread decodes with `threads_per_worker` torch intra-op threads: the process's thread count divided
-    among the workers, at least 1 (torch's thread count is per OS thread, so the learner's own setting is untouched).
-    Why: a thread that starts inherits the process's count, so 4 workers on 2 cores each opened 2-thread OpenMP teams
-    beside the learner's, and the teams waited on each other's barriers; the workers themselves are the parallelism.
-    A rollout engine configured with `rollout.num_threads` keeps its own setting.
     """
 
     def __init__(self, make_engine, policy: torch.nn.Module, n_workers: int = 1):
@@ -303,7 +297,6 @@ class AsyncRollouts:
             p.requires_grad_(False)
         self.version = 0
         self.n = n_workers
-        self.threads_per_worker = max(1, torch.get_num_threads() // n_workers)
         self.requests = [queue.Queue() for _ in range(n_workers)]
         self.results = [queue.Queue() for _ in range(n_workers)]
         self.threads = [threading.Thread(target=self._loop, args=(make_engine(self.snapshot), i), daemon=True,
@@ -312,7 +305,6 @@ class AsyncRollouts:
             t.start()
 
     def _loop(self, engine, i: int) -> None:
-        torch.set_num_threads(self.threads_per_worker)  # this thread's count only
         while True:
             item = self.requests[i].get()
             if item is None:
