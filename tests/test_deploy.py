@@ -92,6 +92,18 @@ def test_weights_digest_tells_the_same_weights_from_changed_ones(builtin_model, 
         weights_digest(tmp_path / "empty")
 
 
+def test_versions_with_the_same_weights_on_a_sqlite_store(tmp_path):
+    """A SQLite store hands model versions back as ints, a tracking server as strings: both come out as strings."""
+    from pipeline.deploy.registry import WEIGHTS_TAG, ModelRegistry
+
+    registry = ModelRegistry("digest-model", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    registry.client.create_registered_model("digest-model")
+    for digest in ("aaa", "bbb", "aaa"):
+        registry.client.create_model_version("digest-model", (tmp_path / "src").as_uri(), tags={WEIGHTS_TAG: digest})
+    assert registry.versions_with_weights("aaa", exclude="3") == ["1"]
+    assert registry.versions_with_weights("aaa") == ["1", "3"] and registry.versions_with_weights("ccc") == []
+
+
 def test_deploy_config_refuses_a_served_precision_it_does_not_measure():
     with pytest.raises(ValueError, match="serve_precision='bf16' must be one of the measured precisions"):
         DeployConfig(precisions=["fp32", "int8"], serve_precision="bf16")
@@ -255,6 +267,9 @@ def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(serve
     assert second["decision"].passed and vs.values["paired_tasks"] == N_TEST and vs.values["p_value"] == 1.0
     assert registry.alias_version("champion") == "2" and registry.history() == ["1", "2"]
     assert second["same_weights_as"] == ["1"]  # a bit-for-bit retrain is registered, and recognised as one
+    from pipeline.phases.deploy import report
+
+    assert "weights identical to v1 " in report(second)
     assert registry.tags("2")["weights.sha256"] == registry.tags("1")["weights.sha256"]
 
     # v3: an evaluation file in which the policy solves 20 of 24 tasks: better than the champion -> promoted

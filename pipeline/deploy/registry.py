@@ -155,7 +155,7 @@ class ModelRegistry:
         """Versions (oldest first) tagged with the weights digest `digest`, `exclude` left out."""
         if not self.exists():
             return []
-        found = [mv.version for mv in self.client.search_model_versions(f"name='{self.name}'")
+        found = [str(mv.version) for mv in self.client.search_model_versions(f"name='{self.name}'")  # int in SQLite
                  if mv.tags.get(WEIGHTS_TAG) == digest and str(mv.version) != str(exclude)]
         return sorted(found, key=int)
 
