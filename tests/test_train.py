@@ -470,17 +470,28 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     assert all(not d.any() for d in step(3, nan_chunk=1).values())
 
 
-@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
-def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, algorithm):
-    """`train.turn_credit`: rollout records carry one environment reward per sampled action, summing to the return;
-    the per-turn advantages of the first turn are the episode-level ones; the learner takes a finite step with it
-    and logs its metrics; records whose rewards do not match their actions are refused."""
+def _sampled_records(n_tasks: int, group: int) -> tuple:
+    """The adapted policy's tokenizer and `group` sampled episodes of each of the first `n_tasks` training tasks."""
     from pipeline.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
+
+    model, tok, _ = load_policy("models/adapted")
+    tasks = load_tasks("data/tasks/train.jsonl")[:n_tasks]
+    engine = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+                           load_section(RolloutConfig, "rollout"))
+    return tok, engine.run([t for t in tasks for _ in range(group)], list(range(n_tasks * group)), greedy=False)
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "ppo"])
+def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, algorithm):
+    """`train.turn_credit`: rollout records carry one environment reward per sampled action, summing to the return;
+    the per-turn advantages of the first turn are the episode-level ones; the learner takes a finite step with it
+    and logs its metrics; records whose rewards do not match their actions are refused."""
+    from pipeline.config import load_section
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.rl import core_algos as A
     from pipeline.rl import trainer
@@ -488,11 +499,7 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     from pipeline.rl.distributed import init_dist
 
     dist = init_dist()
-    model, tok, _ = load_policy("models/adapted")
-    tasks = load_tasks("data/tasks/train.jsonl")[:2]
-    records = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
-                            load_section(RolloutConfig, "rollout")).run([t for t in tasks for _ in range(4)],
-                                                                        list(range(8)), greedy=False)
+    tok, records = _sampled_records(2, 4)
     for r in records:
         assert len(r["step_rewards"]) == int(A.turn_ids(torch.tensor(r["action_mask"])).max()) + 1 == len(r["steps"])
         assert sum(r["step_rewards"]) == pytest.approx(r["return"], abs=1e-9)
@@ -528,11 +535,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
     demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
     from pipeline.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
-    from pipeline.policy.config import RolloutConfig
-    from pipeline.policy.model import load_policy
-    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.env.core import load_tasks
     from pipeline.policy.sft import demo_examples, load_demos
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.rl import trainer
@@ -540,11 +543,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     from pipeline.rl.distributed import init_dist
 
     dist = init_dist()
-    model, tok, _ = load_policy("models/adapted")
-    tasks = load_tasks("data/tasks/train.jsonl")[:2]
-    records = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
-                            load_section(RolloutConfig, "rollout")).run([t for t in tasks for _ in range(4)],
-                                                                        list(range(8)), greedy=False)
+    tok, records = _sampled_records(2, 4)
     for i, r in enumerate(records):  # every group's returns equal: no RL signal anywhere
         r["return"], r["group"] = 0.5, i // 4
     questions = {t.task_id: t.question for t in load_tasks("data/tasks/train.jsonl")}
