@@ -18,7 +18,7 @@ from pipeline.env.tools import default_tools, signature
 from pipeline.errors import AgentRLError
 from pipeline.evaluation import run_episode
 from pipeline.policy.config import ModelConfig
-from pipeline.policy.model import (autocast_context, build_policy, load_policy, n_parameters,
+from pipeline.policy.model import (autocast_context, build_policy, dtype_notice, load_policy, n_parameters,
                                    save_policy, supports_bf16)
 from pipeline.policy.tokenizer import (SPECIAL_TOKENS, corpus_texts, encode_context, encode_continuation, encode_turns,
                                        marker_ids, train_tokenizer)
@@ -259,6 +259,17 @@ def test_autocast_context_follows_the_dtype():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with autocast_context(ModelConfig(dtype="auto")):
         assert torch.is_autocast_enabled("cpu") == supports_bf16()
+
+
+def test_dtype_notice_names_the_fp32_fallback_of_auto(monkeypatch):
+    import pipeline.policy.model as model_mod
+
+    monkeypatch.setattr(model_mod, "supports_bf16", lambda device="cpu": False)
+    notice = dtype_notice("auto")
+    assert notice is not None and "fp32" in notice and "AVX512-BF16" in notice
+    assert dtype_notice("fp32") is None and dtype_notice("bf16") is None  # chosen, not fallen back to
+    monkeypatch.setattr(model_mod, "supports_bf16", lambda device="cpu": True)
+    assert dtype_notice("auto") is None
 
 
 LINUX_PROC = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")

@@ -137,7 +137,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
     from pipeline.policy import adapters, capability, sft
-    from pipeline.policy.model import autocast_context, n_parameters, save_policy, supports_bf16
+    from pipeline.policy.model import autocast_context, dtype_notice, n_parameters, resolve_dtype, save_policy
 
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -145,6 +145,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if cfg.sft.compile:
         sft.check_compile_available()  # before pre-training, not minutes into the phase
     check_base_exists(model_cfg)
+    if (notice := dtype_notice(model_cfg.dtype)) is not None:
+        print(f"adapt: {notice}", flush=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
@@ -252,7 +254,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     seconds["total"] = time.perf_counter() - t0
     metrics = {
         "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
-                 "bf16": model_cfg.dtype == "bf16" or (model_cfg.dtype == "auto" and supports_bf16())},
+                 "bf16": resolve_dtype(model_cfg.dtype) == torch.bfloat16, "dtype": model_cfg.dtype},
         "adapter": {"kind": kind, "configured_kind": cfg.adapter.kind, **counts},
         "pretrain": pre_summary,
         "sft": sft_summary,

@@ -36,6 +36,10 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
     cfg = load_section(TrainConfig, "train", params_path)
     if not Path("models/adapted").is_dir():
         raise AgentRLError("train: models/adapted not found; run the adapt stage first (`agentrl adapt`)")
+    from pipeline.policy.model import dtype_notice
+
+    if (notice := dtype_notice("auto")) is not None:  # the learner's autocast is 'auto' (pipeline.rl.trainer)
+        print(f"train: {notice}", flush=True)
     extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
     if cfg.num_ranks == 1:
         from pipeline.rl.worker import run_worker
