@@ -530,6 +530,59 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
         trainer.turn_rewards(broken)
 
 
+def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project):
+    """An episode the environment folded (``segments``: several token rows, see pipeline.policy.rollout) goes through
+    `_learn` with `algorithm: ppo`: GAE gets one reward per episode, on the last action of its last row, sees every
+    row of the episode under one episode index, and the step is finite and moves the weights."""
+    from pipeline.config import load_section
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.rl import core_algos as A
+    from pipeline.rl import trainer
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.distributed import init_dist
+
+    dist = init_dist()
+    tok, records = _sampled_records(2, 4)
+    for i, r in enumerate(records):
+        r["return"], r["group"] = float((i * 7) % 5) / 4 + 0.25, i // 4  # non-zero: a reward is visible where paid
+    # fold episode 0 after its first action: a second row starts at the first observation token after it
+    mask = records[0]["action_mask"]
+    first_action_end = next(k for k in range(1, len(mask)) if mask[k - 1] and not mask[k])
+    assert any(mask[first_action_end:]), "the episode needs an action after the fold"
+    records[0]["segments"] = [0, first_action_end]
+    seen = {}
+    real = A.compute_gae_over_segments
+
+    def spy(rewards, values, mask, episode, gamma, lam):
+        seen.update(rewards=rewards.clone(), mask=mask.clone(), episode=episode.clone())
+        return real(rewards, values, mask, episode, gamma, lam)
+
+    cfg = load_section(TrainConfig, "train").model_copy(update={
+        "algorithm": "ppo", "group_size": 4, "tasks_per_update": 2, "lr_warmup_steps": 0, "epochs": 1,
+        "reward_norm_window": 0, "turn_credit": False})  # scores are then the returns themselves
+    torch.manual_seed(0)
+    actor, engine = _sgd_learner(cfg, dist, with_value=True)
+    before = {k: v.detach().clone() for k, v in actor.named_parameters()}
+    patch = pytest.MonkeyPatch()
+    patch.setattr(trainer.A, "compute_gae_over_segments", spy)
+    try:
+        mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
+                              marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
+                              lambda dtype, device: contextlib.nullcontext(), dist)
+    finally:
+        patch.undo()
+    rewards, episode = seen["rewards"], seen["episode"]
+    assert len(episode) == len(records) + 1 and int((episode == 0).sum()) == 2  # episode 0 is two rows
+    # rewards: exactly one non-zero token per episode, on its last row's last action token, equal to the return
+    scores = torch.tensor([r["return"] for r in records])
+    per_episode = torch.zeros(len(records)).index_add_(0, episode, rewards.sum(1))
+    assert torch.allclose(per_episode, scores)
+    assert int((rewards != 0).sum()) == len(records)
+    assert float(rewards[(episode == 0) & ~A.last_rows(episode)].abs().sum()) == 0.0  # the first row is not paid
+    assert mets["train/skipped_steps_nonfinite"] == 0 and np.isfinite(mets["losses/grad_norm"])
+    assert sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters()) > 0
+
+
 def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_signal(in_project):
     """`train.bc_coef`: the behaviour-cloning term reads demonstrations, so the learner forwards none of the
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
