@@ -530,7 +530,7 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
         trainer.turn_rewards(broken)
 
 
-def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project):
+def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project, monkeypatch):
     """An episode the environment folded (``segments``: several token rows, see pipeline.policy.rollout) goes through
     `_learn` with `algorithm: ppo`: GAE gets one reward per episode, on the last action of its last row, sees every
     row of the episode under one episode index, and the step is finite and moves the weights."""
@@ -554,7 +554,7 @@ def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project)
     real = A.compute_gae_over_segments
 
     def spy(rewards, values, mask, episode, gamma, lam):
-        seen.update(rewards=rewards.clone(), mask=mask.clone(), episode=episode.clone())
+        seen.update(rewards=rewards.clone(), episode=episode.clone())
         return real(rewards, values, mask, episode, gamma, lam)
 
     cfg = load_section(TrainConfig, "train").model_copy(update={
@@ -563,14 +563,10 @@ def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project)
     torch.manual_seed(0)
     actor, engine = _sgd_learner(cfg, dist, with_value=True)
     before = {k: v.detach().clone() for k, v in actor.named_parameters()}
-    patch = pytest.MonkeyPatch()
-    patch.setattr(trainer.A, "compute_gae_over_segments", spy)
-    try:
-        mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
-                              marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
-                              lambda dtype, device: contextlib.nullcontext(), dist)
-    finally:
-        patch.undo()
+    monkeypatch.setattr(trainer.A, "compute_gae_over_segments", spy)
+    mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
+                          marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
+                          lambda dtype, device: contextlib.nullcontext(), dist)
     rewards, episode = seen["rewards"], seen["episode"]
     assert len(episode) == len(records) + 1 and int((episode == 0).sum()) == 2  # episode 0 is two rows
     # rewards: exactly one non-zero token per episode, on its last row's last action token, equal to the return

@@ -36,9 +36,12 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
     cfg = load_section(TrainConfig, "train", params_path)
     if not Path("models/adapted").is_dir():
         raise AgentRLError("train: models/adapted not found; run the adapt stage first (`agentrl adapt`)")
+    import torch
+
     from pipeline.policy.model import dtype_notice
 
-    if (notice := dtype_notice("auto")) is not None:  # the learner's autocast is 'auto' (pipeline.rl.trainer)
+    # the learner's autocast is 'auto' (pipeline.rl.trainer), on the ranks' device (pipeline.rl.distributed.init_dist)
+    if (notice := dtype_notice("auto", "cuda" if torch.cuda.is_available() else "cpu")) is not None:
         print(f"train: {notice}", flush=True)
     extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
     if cfg.num_ranks == 1:

@@ -130,16 +130,16 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
 def dtype_notice(dtype: str, device: str | torch.device = "cpu") -> str | None:
     """The line a phase prints when ``dtype: auto`` falls back to fp32 on `device`, else None.
 
-    The committed figures (``metrics/``, ``dvc.lock``) come from a CPU with AVX512-BF16; on a CPU without it (an
-    AVX2-only one, say) 'auto' computes in fp32: the run takes about 4x longer (session 15: adapt 3,213 s against
-    834 s) and gives other weights and figures (README, "Same figures where, and where not"). Said once per phase so
-    that nobody compares such a run with the committed one unaware."""
+    bf16 and fp32 runs of the same params give other weights and figures, and fp32 on a CPU takes about 4x as long
+    (session 15: adapt 3,213 s on an AVX2-only CPU against 834 s on an AVX512-BF16 one). The README's "Same figures
+    where, and where not" says which kind of machine the committed figures come from. Said once per phase so that
+    nobody compares runs of the two kinds unaware."""
     if dtype != "auto" or resolve_dtype(dtype, device) != torch.float32:
         return None
     kind = torch.device(device).type
     why = "this GPU has no bf16" if kind == "cuda" else "this CPU has no fast bf16 (AVX512-BF16 or AMX)"
-    return (f"compute dtype fp32: dtype 'auto' and {why}; expect about 4x the time of a bf16 machine and figures "
-            "that differ from the committed ones (README: 'Same figures where, and where not')")
+    return (f"compute dtype fp32: dtype 'auto' and {why}; expect about 4x the time of a bf16 machine and other "
+            "figures than a bf16 machine gives (README: 'Same figures where, and where not')")
 
 
 def autocast_context(cfg: ModelConfig | str, device: str | torch.device = "cpu"):
