@@ -693,3 +693,120 @@ def test_rename_options_are_drawn_from_the_episode_seed_and_spare_search_tasks(i
     assert rename_options(tasks, seeds, pool, 0.0) == [None] * len(tasks)
     half = rename_options(tasks, seeds, pool, 0.5)
     assert 0 < sum(o is not None for o in half) < sum(o is not None for o in opts)
+
+
+def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episodes(in_project):
+    """`RolloutEngine.demonstrate`: the scripted expert's episodes, recorded as sampled ones are, are token for token
+    the SFT text of the same steps (:func:`pipeline.policy.sft.encode_segment`, whose layout test_adapt checks
+    against the environment's contexts), segment by segment, also where a short history window folds the context;
+    they solve their tasks, and the learner's collate reads them like sampled records."""
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.expert import ExpertPolicy
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.policy.sft import demo_segments, encode_segment
+    from pipeline.rl import trainer
+
+    model, tok, _ = load_policy("models/adapted")
+    tasks = load_tasks("data/tasks/train.jsonl")
+    tasks = [t for t in tasks if len(t.plan) >= 3][:4] + [t for t in tasks if len(t.plan) == 2][:1]
+    runtime = WorldRuntime(load_world("data/env"))
+    try:
+        for window in (6, 1):
+            env_cfg = load_section(EnvConfig, "env").model_copy(update={"history_window": window, "max_steps": 8})
+            engine = RolloutEngine(model, tok, runtime, env_cfg, load_section(RolloutConfig, "rollout"))
+            records = engine.demonstrate(tasks, list(range(len(tasks))), ExpertPolicy, policy_version=3)
+            folded = 0
+            for task, rec in zip(tasks, records):
+                assert rec["success"] and rec["demonstrated"] and rec["policy_version"] == 3
+                assert rec["n_calls"] == len(task.plan) and len(rec["steps"]) == len(task.plan)
+                segs = demo_segments(task.question, rec["steps"], window)
+                folded += len(segs) > 1
+                ids, mask, starts = [], [], []
+                for prompt, pairs in segs:
+                    ex = encode_segment(tok, prompt, pairs)
+                    starts.append(len(ids))
+                    ids, mask = ids + ex.input_ids, mask + ex.loss_mask
+                assert rec["token_ids"] == ids and rec["action_mask"] == mask and rec["segments"] == starts
+                assert len(rec["logprobs"]) == len(ids) and not any(rec["logprobs"])
+                assert sum(rec["step_rewards"]) == pytest.approx(rec["return"])
+            assert folded == (len(tasks) - 1 if window == 1 else 0)  # window 1 folds every plan of 3+ steps
+            batch = trainer.collate_records(records, 0)
+            assert batch.n_rows == sum(len(r["segments"]) for r in records)
+            assert int(batch.mask.sum()) == sum(sum(r["action_mask"]) for r in records)
+    finally:
+        runtime.close()
+
+
+def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_a_signal(in_project):
+    """`train.guide_failed_groups`: in groups whose episodes all fail (the tiny random policy fails everything), the
+    last episode becomes the expert's demonstration of the same task and seed; a group with a success is left as it
+    is. Without guidance such a batch carries no signal (every group zero-variance, nothing moves); with it the
+    learner trains on the guided groups, the demonstration's tokens at importance weight 1, and its step moves the
+    policy's log-probability of the demonstrated actions up."""
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine, sequence_logprobs
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.rl import trainer
+    from pipeline.rl.config import TrainConfig
+    from pipeline.rl.distributed import init_dist
+
+    dist = init_dist()
+    tok, records = _sampled_records(3, 4)
+    assert not any(r["success"] for r in records)
+    for i, r in enumerate(records):
+        r["group"] = i // 4
+    records[0] = {**records[0], "success": True, "return": 1.0}  # group 0 has a success: not guided
+    tasks = {t.task_id: t for t in load_tasks("data/tasks/train.jsonl")}
+    runtime = WorldRuntime(load_world("data/env"))
+    model = load_policy("models/adapted")[0]
+    engine = RolloutEngine(model, tok, runtime, load_section(EnvConfig, "env"), load_section(RolloutConfig, "rollout"))
+    guided, counts = trainer.guide_failed_groups(records, tasks, engine, version=5)
+    assert counts == {"groups": 3, "guided": 2, "expert_failed": 0}
+    assert guided[:4] == records[:4] and guided[4:7] == records[4:7] and guided[8:11] == records[8:11]
+    for i in (7, 11):
+        demo = guided[i]
+        assert demo["demonstrated"] and demo["success"] and demo["group"] == records[i]["group"]
+        assert demo["task_id"] == records[i]["task_id"] and demo["seed"] == records[i]["seed"]
+        assert demo["policy_version"] == 5
+
+    cfg = load_section(TrainConfig, "train").model_copy(update={
+        "group_size": 4, "tasks_per_update": 3, "micro_batches": 2, "lr_warmup_steps": 0, "entropy_coef": 0.0,
+        "entropy_target": None, "bc_coef": 0.0, "guide_failed_groups": True})
+
+    def step(batch_records: list[dict]) -> tuple[dict, float, dict]:
+        actor, learner = _sgd_learner(cfg, dist, with_value=False)
+        before = {k: v.detach().clone() for k, v in actor.named_parameters()}
+        lp = lambda: float(sequence_logprobs(actor.policy, guided[7]["token_ids"], guided[7]["action_mask"],  # noqa: E731
+                                             segments=guided[7]["segments"]).sum())
+        with torch.no_grad():
+            lp0 = lp()
+        mets = trainer._learn(cfg, learner, None, [dict(r) for r in batch_records], trainer.make_sampler_state(cfg),
+                              marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
+                              lambda dtype, device: contextlib.nullcontext(), dist)
+        moved = sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters())
+        with torch.no_grad():
+            return mets, moved, {"before": lp0, "after": lp()}
+
+    failed = [dict(r, success=False) for r in records]
+    for r in failed:  # every group zero-variance
+        r["return"] = 0.0
+    mets, moved, _ = step(failed)
+    assert mets["rollout/zero_variance_group_share"] == 1.0 and moved == 0.0
+    guided_failed, counts = trainer.guide_failed_groups(failed, tasks, engine, version=0)
+    assert counts["guided"] == 3
+    mets, moved, lp = step(guided_failed)
+    assert mets["rollout/zero_variance_group_share"] == 0.0 and moved > 0
+    # on-policy rows have ratio 1 in a one-forward step, and so do the demonstrations (not π_θ / 1)
+    assert mets["offpolicy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and np.isfinite(mets["losses/grad_norm"])
+    assert lp["after"] > lp["before"]  # the demonstrated actions became more likely
+    runtime.close()
+    with pytest.raises(ValueError, match="group baseline"):
+        TrainConfig(algorithm="ppo", guide_failed_groups=True)

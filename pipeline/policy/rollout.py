@@ -369,8 +369,9 @@ class _EnvEpisode:
     def __init__(self, runtime: WorldRuntime, env_cfg: EnvConfig, task: Task, seed: int, options: dict | None = None):
         self.task, self.seed = task, seed
         self.env = ToolTasksEnv(world=runtime, tasks=[task], config=env_cfg)
-        obs, _ = self.env.reset(seed=seed, options={**(options or {}), "task": task})
+        obs, info = self.env.reset(seed=seed, options={**(options or {}), "task": task})
         self.context = obs["context"]
+        self.obs, self.last_info = obs, info  # what a scripted policy acts on (RolloutEngine.demonstrate)
         self.tool_names, self.max_chars = runtime.tool_names, env_cfg.max_action_chars
         self.steps: list[dict] = []
         self.actions: list[dict] = []
@@ -379,6 +380,7 @@ class _EnvEpisode:
     def step(self, text: str) -> tuple[bool, str, bool, str]:
         """Returns (done, observation text, folded, new context)."""
         obs, reward, terminated, truncated, info = self.env.step(text)
+        self.obs, self.last_info = obs, info
         self.rewards.append(float(reward))
         self.steps.append({"action": info["action_text"], "observation": info["observation_text"]})
         parsed = parse_action(text, self.tool_names, self.max_chars)
@@ -469,6 +471,48 @@ class RolloutEngine:
         for r in records:
             r["policy_version"] = policy_version
         release_free_memory()  # the run's freed KV cache and activations back to the OS (why: see the function)
+        return records
+
+    def demonstrate(self, tasks: list[Task], seeds: list[int], make_policy, policy_version: int = 0,
+                    options: list[dict | None] | None = None) -> list[dict]:
+        """Episodes played by a scripted policy (``make_policy()`` gives a fresh one with ``reset(task)`` and
+        ``act(obs, info)``, e.g. :class:`pipeline.env.expert.ExpertPolicy`), recorded as :meth:`run` records the
+        model's own: the same fields, the same token layout (prompt, each action's tokens with ``action_mask`` 1,
+        each observation's with 0, a new segment where the environment folds the history or a segment would
+        outgrow the model's positions), so the learner reads them like sampled episodes. Each action is tokenized
+        as ``encode_continuation`` tokenizes it, the canonical tokens SFT trains on; ``logprobs`` are 0 (no
+        sampling distribution produced them) and ``demonstrated`` is True. No model forward runs."""
+        if self.runtime is None:
+            raise AgentRLError("RolloutEngine.demonstrate needs a WorldRuntime (pass runtime=...)")
+        options = options or [None] * len(tasks)
+        if not (len(tasks) == len(seeds) == len(options)):
+            raise AgentRLError(f"demonstrate() got {len(tasks)} tasks, {len(seeds)} seeds and {len(options)} "
+                               f"options; give one of each per episode")
+        records = []
+        for task, seed, opt in zip(tasks, seeds, options):
+            ep, policy, s = _EnvEpisode(self.runtime, self.env_cfg, task, int(seed), opt), make_policy(), _Stream()
+            policy.reset(task)
+            s.segments.append(0)
+            s.known(self._prompt_ids(ep.context))
+            while True:
+                text = policy.act(ep.obs, ep.last_info)
+                ids = encode_continuation(self.tokenizer, text)
+                s.token_ids += ids
+                s.logprobs += [0.0] * len(ids)
+                s.action_mask += [1] * len(ids)
+                done, obs_text, folded, context = ep.step(text)
+                if done:
+                    break
+                obs_ids = encode_continuation(self.tokenizer, obs_text)
+                if folded or len(s.token_ids) - s.segments[-1] + len(obs_ids) + self.cfg.max_new_tokens > self.max_positions:
+                    s.segments.append(len(s.token_ids))  # as run() re-bases: the environment's own context
+                    s.known(self._prompt_ids(context))
+                else:
+                    s.known(obs_ids)
+            rec = ep.record()
+            rec.update(token_ids=s.token_ids, logprobs=s.logprobs, action_mask=s.action_mask, segments=s.segments,
+                       policy_version=policy_version, demonstrated=True)
+            records.append(rec)
         return records
 
     def complete(self, contexts: list[str], seeds: list[int] | None = None, greedy: bool | None = None) -> list[dict]:

@@ -259,6 +259,35 @@ def rename_options(tasks: list[Task], seeds: list[int], pool, prob: float) -> li
     return out
 
 
+def guide_failed_groups(records: list[dict], tasks_by_id: dict[str, Task], engine, version: int,
+                        options_of: Callable[[Task, int], dict | None] = lambda task, seed: None
+                        ) -> tuple[list[dict], dict]:
+    """`train.guide_failed_groups`: a copy of `records` in which the last episode of every group whose episodes all
+    failed is replaced by the scripted expert's episode of the same task, seed and reset options
+    (:meth:`pipeline.policy.rollout.RolloutEngine.demonstrate`, as policy `version`). A demonstration the expert
+    does not solve (an injected tool failure, say) is not used. Returns the records and counts: ``groups`` (groups
+    seen), ``guided`` (replaced), ``expert_failed``."""
+    from pipeline.env.expert import ExpertPolicy
+
+    out = list(records)
+    members: dict[int, list[int]] = {}
+    for i, r in enumerate(records):
+        members.setdefault(r["group"], []).append(i)
+    counts = {"groups": len(members), "guided": 0, "expert_failed": 0}
+    for idx in members.values():
+        if any(records[i]["success"] for i in idx):
+            continue
+        last = records[idx[-1]]
+        task = tasks_by_id[last["task_id"]]
+        demo, = engine.demonstrate([task], [last["seed"]], ExpertPolicy, version, [options_of(task, last["seed"])])
+        if not demo["success"]:
+            counts["expert_failed"] += 1
+            continue
+        out[idx[-1]] = {**demo, "group": last["group"]}
+        counts["guided"] += 1
+    return out, counts
+
+
 def group_ids_of(records: list[dict]) -> torch.Tensor:
     keys = {}
     return torch.tensor([keys.setdefault(r["group"], len(keys)) for r in records])
@@ -437,6 +466,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     state = make_sampler_state(cfg)
     fingerprint = _fingerprint(engine.module, meta)
     tasks_by_level: dict[int, list[Task]] = {}
+    tasks_by_id = {t.task_id: t for t in train_tasks}
     for t in train_tasks:
         tasks_by_level.setdefault(t.level, []).append(t)
 
@@ -513,8 +543,18 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 if dist.is_main:
                     log(f"update {u + 1}: dropped a batch {staleness} versions old (max_staleness={cfg.max_staleness})")
             else:
-                metrics = _learn(cfg, engine, ref, records, state, pad_id, rollout_cfg.temperature, u, staleness,
+                learn_records, guided = records, None
+                if cfg.guide_failed_groups:  # after the curriculum saw the policy's own outcomes
+                    learn_records, guided = guide_failed_groups(
+                        records, tasks_by_id, rollout, u,
+                        lambda t, s: rename_options([t], [s], name_pool, cfg.rollout_entity_augmentation)[0])
+                metrics = _learn(cfg, engine, ref, learn_records, state, pad_id, rollout_cfg.temperature, u, staleness,
                                  demo_examples, bc_rng, autocast_context, dist, score_weights)
+                if guided is not None:
+                    total = {k: sum(part[k] for part in dist.all_gather(guided)) for k in guided}
+                    metrics.update({"guidance/groups_guided": total["guided"],
+                                    "guidance/group_share": total["guided"] / max(1, total["groups"]),
+                                    "guidance/expert_failed": total["expert_failed"]})
                 release_free_memory()  # the learner's freed activations back to the OS (why: see the function)
             t_learn = time.perf_counter() - t1
             n_tokens = sum(sum(r["action_mask"]) for r in records)
@@ -659,6 +699,8 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
             batch, loss_mask = batch.select(torch.tensor([0])), loss_mask[:1] * 0
         else:
             batch, loss_mask = batch.select(keep), loss_mask[keep]
+    # demonstrated episodes (train.guide_failed_groups) have no sampling distribution: importance weight 1
+    demo_rows = torch.tensor([bool(r.get("demonstrated")) for r in records])[batch.episode]
     lengths = batch.attn.sum(1)
     all_rows = torch.arange(batch.n_rows)
     k = cfg.micro_batches
@@ -690,7 +732,8 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
         adv = A.masked_whiten(adv, batch.mask)
     is_w = is_stats = None
     if old_logp is not None:
-        is_w, is_stats = A.truncated_importance_weights(old_logp, batch.sample_logp, loss_mask, cfg.is_clip)
+        sample_logp = torch.where(demo_rows[:, None], old_logp * batch.mask, batch.sample_logp)
+        is_w, is_stats = A.truncated_importance_weights(old_logp, sample_logp, loss_mask, cfg.is_clip)
 
     rng = np.random.default_rng([cfg.seed, u, dist.rank])
     agg: dict[str, list[float]] = {}
@@ -717,7 +760,8 @@ def _learn(cfg, engine, ref, records, state, pad_id, temperature, u, staleness, 
                 logp = token_logprobs(logits, ids.to(device), temperature).cpu()
                 if single_pass:  # π_old = π_θ before this, the only step (see the docstring)
                     old_c = logp.detach() * mask
-                    is_c, is_stats_c = A.truncated_importance_weights(old_c, cut(batch.sample_logp), m, cfg.is_clip)
+                    sample_c = torch.where(demo_rows[chunk][:, None], old_c, cut(batch.sample_logp))
+                    is_c, is_stats_c = A.truncated_importance_weights(old_c, sample_c, m, cfg.is_clip)
                     is_stats = _merge_stats(is_stats, is_stats_c, w_pg, c == 0)
                 else:
                     old_c, is_c = cut(old_logp), cut(is_w)
