@@ -111,3 +111,30 @@ def test_build_env_cli_refuses_bad_params_and_keeps_data(built, tmp_path):
     out = _agentrl("build-env", cwd=root)
     assert out.returncode == 2 and "line" in out.stderr
     assert (root / "data/tasks/train.jsonl").read_bytes() == before
+
+
+def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from_disk(built):
+    """Task files are written with sorted keys, so a plan read back has `{"field": ..., "name": ...}`; the expert
+    still writes its calls in the tools' signature order, the text of the demonstrations (which were made before the
+    tasks were written) and so the tokens the policy learned. Found in session 17: expert-guided RL groups
+    (`train.guide_failed_groups`) had trained on field-first calls."""
+    from pipeline.env.core import ToolTasksEnv, WorldRuntime, load_tasks
+    from pipeline.env.expert import ExpertPolicy
+    from pipeline.env.world import load_world
+    from pipeline.evaluation import run_episode
+
+    root, _ = built
+    tasks = {t.task_id: t for t in load_tasks(root / "data" / "tasks" / "train.jsonl")}
+    demos = [json.loads(line) for line in (root / "data" / "demos" / "train.jsonl").read_text().splitlines()]
+    clean = [d for d in demos if d["flaw"] == "none"]
+    assert any('"field"' in d["steps"][0]["action"] for d in clean)
+    assert any(list(tasks[d["task_id"]].plan[0]["params"]) == ["field", "name"] for d in clean)  # sorted on disk
+    runtime = WorldRuntime(load_world(root / "data" / "env"))
+    try:
+        env = ToolTasksEnv(world=runtime, tasks=list(tasks.values()), config=EnvConfig())
+        for d in clean[:30]:
+            rec = run_episode(env, ExpertPolicy(), tasks[d["task_id"]], seed=0)
+            assert [s["action"] for s in rec["steps"]] == [s["action"] for s in d["steps"]]
+        env.close()
+    finally:
+        runtime.close()

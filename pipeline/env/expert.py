@@ -22,12 +22,23 @@ import json
 
 import numpy as np
 
-from pipeline.env.protocol import format_action
+from pipeline.env.protocol import format_action as _format_action
 from pipeline.env.tasks import Task, resolve_params
-from pipeline.env.tools import format_number
+from pipeline.env.tools import default_tools, format_number
 from pipeline.env.verifier import OK
 
 FLAWS = ("none", "redundant_call", "wrong_order", "wrong_value")
+PARAM_ORDER = {t.name: list(t.parameters["properties"]) for t in default_tools()}  # the prompt's signatures
+
+
+def format_action(tool: str, params: dict) -> str:
+    """The expert's action text, its parameters in the order of the tool's signature (`lookup(name, field)`), whatever
+    the order of `params`: a task read back from its JSON Lines file has its plan's keys sorted (`{"field": ...,
+    "name": ...}`), and an expert that wrote them so would write other text, other tokens, than the demonstrations
+    (made from the tasks before they were written) that the policy learned from."""
+    order = PARAM_ORDER.get(tool, [])
+    ranked = sorted(params, key=lambda k: (order.index(k) if k in order else len(order), k))
+    return _format_action(tool, {k: params[k] for k in ranked})
 
 
 class ExpertPolicy:
