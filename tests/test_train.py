@@ -807,6 +807,11 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     # on-policy rows have ratio 1 in a one-forward step, and so do the demonstrations (not π_θ / 1)
     assert mets["offpolicy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and np.isfinite(mets["losses/grad_norm"])
     assert lp["after"] > lp["before"]  # the demonstrated actions became more likely
+    # PPO reads a guided batch too: its separate π_old forward gives the demonstrations the same weight 1
+    ppo = cfg.model_copy(update={"algorithm": "ppo"})
+    actor, learner = _sgd_learner(ppo, dist, with_value=True)
+    mets = trainer._learn(ppo, learner, None, [dict(r) for r in guided_failed], trainer.make_sampler_state(ppo),
+                          marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
+                          lambda dtype, device: contextlib.nullcontext(), dist)
+    assert mets["offpolicy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and np.isfinite(mets["losses/grad_norm"])
     runtime.close()
-    with pytest.raises(ValueError, match="group baseline"):
-        TrainConfig(algorithm="ppo", guide_failed_groups=True)
