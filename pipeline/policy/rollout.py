@@ -504,7 +504,7 @@ class RolloutEngine:
                 if done:
                     break
                 obs_ids = encode_continuation(self.tokenizer, obs_text)
-                if folded or len(s.token_ids) - s.segments[-1] + len(obs_ids) + self.cfg.max_new_tokens > self.max_positions:
+                if folded or self._outgrows(len(s.token_ids) - s.segments[-1], len(obs_ids)):
                     s.segments.append(len(s.token_ids))  # as run() re-bases: the environment's own context
                     s.known(self._prompt_ids(context))
                 else:
@@ -523,6 +523,12 @@ class RolloutEngine:
         return self._generate(makers, seeds, self.cfg.greedy if greedy is None else greedy, 1)
 
     # ---------------------------------------------------------------------------------------------------- internals
+    def _outgrows(self, segment_len: int, n_obs: int) -> bool:
+        """Whether a segment of `segment_len` tokens (the last action's stop token included), with `n_obs` observation
+        tokens and a next action of up to `max_new_tokens` after it, would pass the model's positions: then the
+        episode re-bases on a new segment (module docstring). Shared by run() and demonstrate()."""
+        return segment_len + n_obs + self.cfg.max_new_tokens > self.max_positions
+
     def _prompt_ids(self, context: str) -> list[int]:
         ids = encode_context(self.tokenizer, context)
         room = self.max_positions - self.cfg.max_new_tokens - 1
@@ -682,7 +688,7 @@ class RolloutEngine:
                     finish(b)
                     continue
                 obs_ids = encode_continuation(tok, obs_text)
-                if folded or lens[b] + 1 + len(obs_ids) + cfg.max_new_tokens > self.max_positions:
+                if folded or self._outgrows(lens[b] + 1, len(obs_ids)):  # + 1: the stop token, not yet fed
                     ids = self._prompt_ids(context)  # a new segment from the environment's own context
                     s.segments.append(len(s.token_ids))
                     s.known(ids)
