@@ -49,24 +49,16 @@ def main() -> None:
     if bad:
         raise SystemExit(f"alphas outside [0, 1]: {bad}")
 
-    from pipeline.config import load_section
-    from pipeline.env.config import EnvConfig
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
-    from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.rl.core_algos import interpolate_weights
     from pipeline.rl.distributed import Dist
     from pipeline.rl.trainer import _evaluate
+    from split import SPLIT_SEED, check_policy_folders, load_split
 
-    tasks = load_tasks(Path(f"data/tasks/{args.split}.jsonl"))[:args.tasks]
-    seed = {"validation": 10_000, "test": 20_000, "train": 30_000}[args.split]
-    runtime = WorldRuntime(load_world(Path("data/env")))
-    env, rollout = load_section(EnvConfig, "env", "params.yaml"), load_section(RolloutConfig, "rollout", "params.yaml")
-    for folder in (args.start, args.rl):
-        if folder is not None and not (Path(folder) / "policy.json").is_file():
-            raise SystemExit(f"{folder}: not a policy folder (no policy.json)")
+    check_policy_folders(args.start, args.rl)
+    tasks, _, runtime, env, rollout = load_split(args.split, args.tasks)
+    seed = SPLIT_SEED[args.split]
     model, tok, _ = load_policy(args.start)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     rl = (load_policy(args.rl)[0].state_dict() if args.rl
