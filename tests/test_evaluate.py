@@ -107,6 +107,9 @@ def test_failure_on_unseen_templates_is_flagged_per_family():
     assert out["seen_success"] == 0.8 and out["unseen_success"] == pytest.approx(3 / 7) and out["flagged"]
     assert out["per_family"]["lookup"] == {"n_seen": 10, "n_unseen": 5, "seen_success": 0.8, "unseen_success": 0.2}
     assert out["per_family"]["update"]["seen_success"] is None
+    # per level: level 1 holds the lookups, level 3 only the held-out update wording
+    assert out["per_level"]["1"] == {"n_seen": 10, "n_unseen": 5, "seen_success": 0.8, "unseen_success": 0.2}
+    assert out["per_level"]["3"] == {"n_seen": 0, "n_unseen": 2, "seen_success": None, "unseen_success": 1.0}
     fine = unseen_templates([episode("s", True), episode("u", True, seen=False)], cfg(), np.random.default_rng(0))
     assert fine["gap"] == 0.0 and not fine["flagged"]
     only_seen = unseen_templates([episode("s", True)], cfg(), np.random.default_rng(0))

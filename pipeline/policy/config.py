@@ -133,7 +133,7 @@ class GateConfig(PhaseConfig):
             "eval/greedy/tool_first_acc": 0.8,
             "eval/greedy/param_acc": 0.45,
         },
-        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts). The defaults are a regression floor set at about 60 % of what the default adapt measured in session 2 (greedy success 0.30 / 0.68 / 0.76 on levels 1-3, first-tool accuracy 0.98, parameter accuracy 0.58), far above a random policy (about 0); with the word drills (session 4) the default measures far above it (greedy 0.82 / 0.99 / 0.94 / 0.80 on levels 1-4, parameter accuracy 0.95), so the floor catches a broken recipe or seed, not a small regression. Level 4 has no minimum: a pre-training seed whose copy circuit forms late solves it only rarely, and a floor there would stop such a run before RL could lift it; see the README's Status.",
+        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts). The defaults are a regression floor set at about 60 % of what the default adapt measured in session 2 (greedy success 0.30 / 0.68 / 0.76 on levels 1-3, first-tool accuracy 0.98, parameter accuracy 0.58), far above a random policy (about 0); with the word drills (session 4) the default measures far above it (greedy 0.82 / 0.99 / 0.94 / 0.80 on levels 1-4, parameter accuracy 0.95), so the floor catches a broken recipe or seed, not a small regression. Level 4 has no minimum: a pre-training seed whose copy circuit forms late solves it only rarely, and a floor there would stop such a run before RL could lift it; see docs/history.md.",
     )
 
 
