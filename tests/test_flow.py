@@ -183,6 +183,11 @@ def test_headlines_pick_known_figures_and_fall_back_to_scalars(tmp_path):
     f.write_text(json.dumps({"novel": 3, "nested": {"x": 1}, "name": "n"}))
     assert summary.headlines("check_drift", f) == {"novel": 3, "name": "n"}  # a changed format still reports
     assert summary.headlines("deploy", tmp_path / "missing.json") == {}
+    # evaluate's headlines separate the seen wordings from the held-out ones (what the test split mixes)
+    f.write_text(json.dumps({"flags": {"rl": {"unseen_templates": {"seen_success": 0.9, "unseen_success": 0.1,
+                                                                   "per_level": {"1": {}}}}}, "seconds": 2.0}))
+    assert summary.headlines("evaluate", f) == {"flags.rl.unseen_templates.seen_success": 0.9,
+                                                "flags.rl.unseen_templates.unseen_success": 0.1, "seconds": 2.0}
 
 
 def test_cost_figures_subtract_the_stages_own_time():
