@@ -375,12 +375,13 @@ def markdown_report(report: dict) -> str:
                      f"{d['distinct_solutions']:.2f} | {d['min_behavior_diversity']} / {d['min_distinct_solutions']} "
                      f"| {d['flagged']} |")
     per_level = {p: fl["unseen_templates"].get("per_level") for p, fl in report["flags"].items()}
-    if all(per_level.values()):
+    if per_level and all(per_level.values()):  # every policy has both kinds of test episode
         policies = list(per_level)
         cell = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
         lines += ["", "Test success per level on seen wordings (held-out entities) and on the held-out wording of "
                       "each family:", "",
-                  "| level | tasks seen / held-out | " + " | ".join(f"{p} seen | {p} held-out" for p in policies) + " |",
+                  "| level | tasks seen / held-out | "
+                  + " | ".join(f"{p} seen | {p} held-out" for p in policies) + " |",
                   "|---|---|" + "---|---|" * len(policies)]
         for lv, g in per_level[policies[0]].items():
             row = " | ".join(f"{cell(per_level[p][lv]['seen_success'])} | {cell(per_level[p][lv]['unseen_success'])}"

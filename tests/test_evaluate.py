@@ -17,7 +17,8 @@ from pipeline.config import load_section, read_params
 from pipeline.env.config import BuildEnvConfig, EnvConfig
 from pipeline.errors import AgentRLError
 from pipeline.evaluation_report import (EPISODE_METRICS, EvaluateConfig, behaviour_diversity, bootstrap_gap,
-                                        bootstrap_means, build_report, cosine, episode_values, overfitting,
+                                        bootstrap_means, build_report, cosine, episode_values, flat_metrics,
+                                        markdown_report, overfitting,
                                         paired_counts, split_report, success_rows, tool_calls_on_common_solved,
                                         trajectory_features, unseen_templates)
 
@@ -205,6 +206,15 @@ def test_report_pairs_policies_by_task_and_tabulates_success():
     assert len(rows) == 2 * 3 * 3  # policies × splits × (levels 1, 2 and all)
     row = next(r for r in rows if r["series"] == "rl test L2")
     assert row["success"] == 1.0 and row["n"] == 2 and row["level"] == "2"
+    # test success per level on seen and held-out wordings (c0, level 1, is the held-out one): in the report's
+    # table and as MLflow metrics; level 2 has no held-out task, so it has no held-out metric
+    md = markdown_report(report)
+    assert "| 1 | 1 / 1 | 0.000 | 1.000 | 1.000 | 0.000 |" in md and "| 2 | 2 / 0 | 0.500 | – | 1.000 | – |" in md
+    flat = flat_metrics(report)
+    assert flat["eval/rl/test/success_L1_seen_template"] == 1.0
+    assert flat["eval/sft/test/success_L1_unseen_template"] == 1.0
+    assert flat["eval/sft/test/success_L2_seen_template"] == 0.5
+    assert "eval/rl/test/success_L2_unseen_template" not in flat
     # the same seed gives the same report, whatever the order in which the policies are listed
     again = build_report({"rl": greedy["rl"], "sft": greedy["sft"]}, sampled, cfg())
     assert again["policies"]["sft"] == report["policies"]["sft"] and again["flags"] == report["flags"]
