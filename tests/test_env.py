@@ -264,7 +264,7 @@ def test_splits_hold_out_entities_and_templates(splits):
     assert unseen and not {t.template_id for t in unseen} & train_templates
     assert {t.family for t in splits["train"]} == set(FAMILIES)
     assert {t.level for t in splits["train"]} == {1, 2, 3, 4}
-    assert all(len(TEMPLATES[f]) == 5 for f in FAMILIES)
+    assert all(len(TEMPLATES[f]) == 9 for f in FAMILIES)
 
 
 def test_the_hardest_level_composes_steps_that_level_2_teaches(runtime, splits):
@@ -289,6 +289,27 @@ def test_generation_is_seeded(runtime):
     c = generate_tasks(runtime.world, "train", 50, {1: 1, 4: 1}, seed=4, solver=lambda p, w: runtime.solve(p, w))
     assert [t.to_dict() for t in a] == [t.to_dict() for t in b] != [t.to_dict() for t in c]
     assert {t.level for t in a} == {1, 4}
+
+
+def test_train_wordings_widen_train_and_validation_but_never_test_or_the_heldout_wording(runtime):
+    def gen(split, k, n=400):
+        return generate_tasks(runtime.world, split, n, {1: 1, 2: 1, 3: 1, 4: 1}, seed=0,
+                              solver=lambda p, w: runtime.solve(p, w), train_wordings=k)
+
+    for split in ("train", "validation"):
+        four, eight = gen(split, 4), gen(split, 8)
+        used = {int(t.template_id.split("/")[1]) for t in eight}
+        assert used == {0, 1, 2, 3, 5, 6, 7, 8}, split  # every extra wording is drawn, the held-out 4 never
+        assert all(t.template_seen for t in eight)
+        assert {int(t.template_id.split("/")[1]) for t in four} == {0, 1, 2, 3}
+        assert {int(t.template_id.split("/")[1]) for t in gen(split, 1)} == {0}
+    # the test split does not depend on train_wordings: same tasks, byte for byte, held-out wording included
+    assert [t.to_dict() for t in gen("test", 4)] == [t.to_dict() for t in gen("test", 8)]
+    test_unseen = {t.template_id for t in gen("test", 8) if not t.template_seen}
+    assert test_unseen and all(tid.endswith("/4") for tid in test_unseen)
+    assert not test_unseen & {t.template_id for t in gen("train", 8) + gen("validation", 8)}
+    with pytest.raises(ValueError, match="train_wordings must be 1-8, got 9"):
+        gen("train", 9, n=5)
 
 
 @pytest.mark.parametrize("flaw", ["redundant_call", "wrong_order", "wrong_value"])

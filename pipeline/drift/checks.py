@@ -419,40 +419,50 @@ def _default_level_mix() -> dict[int, float]:
     return dict(BuildEnvConfig().level_mix)
 
 
-def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: str) -> list[dict]:
+def _default_train_wordings() -> int:
+    from pipeline.env.config import BuildEnvConfig
+
+    return BuildEnvConfig().train_wordings
+
+
+def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
+              train_wordings: int | None = None) -> list[dict]:
     from pipeline.env.core import WorldRuntime
     from pipeline.env.tasks import generate_tasks
 
     runtime = WorldRuntime(world)
     try:
         tasks = generate_tasks(world, split, n, dict(level_mix), seed,
-                               solver=lambda plan, allowed: runtime.solve(plan, allowed))
+                               solver=lambda plan, allowed: runtime.solve(plan, allowed),
+                               train_wordings=train_wordings or _default_train_wordings())
     finally:
         runtime.close()
     return [t.to_dict() for t in tasks]
 
 
 def make_reference_sample(world, n: int, seed: int, level_mix: Mapping[int, float] | None = None,
-                          split: str = "train") -> Sample:
+                          split: str = "train", train_wordings: int | None = None) -> Sample:
     """A fresh sample of `n` tasks from the reference generator: `split`'s entities, the build's level mix
-    (`level_mix`, default build_env's default), a new `seed` (use one the build did not: the build uses
-    ``build_env.seed``)."""
+    (`level_mix`, default build_env's default) and wordings (`train_wordings`, default build_env's default), a new
+    `seed` (use one the build did not: the build uses ``build_env.seed``)."""
     mix = dict(level_mix or _default_level_mix())
-    return Sample(_generate(world, n, seed, mix, split), world, "reference",
+    return Sample(_generate(world, n, seed, mix, split, train_wordings), world, "reference",
                   f"{n} {split} tasks, level mix {mix}, seed {seed}")
 
 
-def _level_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str) -> Sample:
-    return Sample(_generate(world, n, seed, SHIFTED_LEVEL_MIX, split), world, "level_shift",
+def _level_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
+                 train_wordings: int | None = None) -> Sample:
+    return Sample(_generate(world, n, seed, SHIFTED_LEVEL_MIX, split, train_wordings), world, "level_shift",
                   f"{n} {split} tasks with level mix {SHIFTED_LEVEL_MIX} instead of {dict(level_mix)}")
 
 
-def _value_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str) -> Sample:
+def _value_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
+                 train_wordings: int | None = None) -> Sample:
     rng = np.random.default_rng([seed, 7])
     lo, hi = SHIFTED_PRICE_RANGE
     prices = rng.integers(lo, hi + 1, size=len(world.products))
     shifted = dataclasses.replace(world, products=[{**p, "price": int(v)} for p, v in zip(world.products, prices)])
-    return Sample(_generate(shifted, n, seed, level_mix, split), shifted, "value_shift",
+    return Sample(_generate(shifted, n, seed, level_mix, split, train_wordings), shifted, "value_shift",
                   f"{n} {split} tasks on a copy of the world with every price redrawn from {lo}..{hi}")
 
 
@@ -460,7 +470,7 @@ DRIFT_KINDS: dict[str, Callable[..., Sample]] = {"level_shift": _level_shift, "v
 
 
 def make_drifted_tasks(world, n: int, kind: str, seed: int, level_mix: Mapping[int, float] | None = None,
-                       split: str = "train") -> Sample:
+                       split: str = "train", train_wordings: int | None = None) -> Sample:
     """A documented drifted current dataset from the environment generator (see :data:`DRIFT_KINDS`):
 
     - ``level_shift``: the level mix :data:`SHIFTED_LEVEL_MIX`, everything else as the reference;
@@ -472,4 +482,4 @@ def make_drifted_tasks(world, n: int, kind: str, seed: int, level_mix: Mapping[i
         make = DRIFT_KINDS[kind]
     except KeyError:
         raise ValueError(f"unknown drift kind {kind!r}; kinds are {sorted(DRIFT_KINDS)}") from None
-    return make(world, n, seed, dict(level_mix or _default_level_mix()), split)
+    return make(world, n, seed, dict(level_mix or _default_level_mix()), split, train_wordings)

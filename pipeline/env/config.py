@@ -77,6 +77,12 @@ class BuildEnvConfig(PhaseConfig):
         default_factory=lambda: {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25},
         description="Relative weight of each difficulty level in every split.",
     )
+    train_wordings: int = Field(
+        4, ge=1, le=8,
+        description="Question wordings per family that train and validation draw from (the original four, then four "
+                    "more); the held-out fifth wording stays test-only, and test draws from the original five, so the "
+                    "test split does not depend on this.",
+    )
     demos: DemoConfig = Field(default_factory=DemoConfig, description="Demonstration generation.")
 
     @model_validator(mode="after")

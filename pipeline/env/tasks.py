@@ -19,8 +19,10 @@ level  family                plan                                          min_c
 4      search_lookup_calc    search → lookup → calc → answer                4
 =====  ====================  ===========================================  =========
 
-Generalisation: every family has five question templates. The first four are used by train and validation; the fifth
-is *held out* and used only in test (`template_seen` = False), next to the seen ones.
+Generalisation: every family has nine question templates (wordings). Index 4 is *held out*: it never appears in train
+or validation and is used only in test (`template_seen` = False), next to the seen ones. Train and validation draw from
+the first `train_wordings` of the training wordings :data:`TRAIN_TEMPLATES` (0-3, then 5-8); test always draws from
+the original five (0-4), so the test split is the same whatever `train_wordings` is, and results stay comparable.
 
 Entity names are written in double quotes everywhere a policy reads them (questions, documents), exactly as they
 appear inside a JSON call: the token before a name is then the same in the question and in the call, which is what
@@ -44,6 +46,8 @@ FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_loo
 FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "search_lookup": 2, "two_lookup": 3, "update": 3,
                 "search_lookup_calc": 4}
 HELDOUT_TEMPLATE = 4  # index of the test-only template in every family
+TEST_TEMPLATES = 5  # test draws from templates 0..4: four training wordings and the held-out one
+TRAIN_TEMPLATES = (0, 1, 2, 3, 5, 6, 7, 8)  # train/validation draw from the first `train_wordings` of these
 FIELD_WORDS = {"price": "price", "stock": "stock", "supplier": "supplier", "category": "category"}
 UNIT_WORDS = {"lb": "pounds", "g": "grams", "oz": "ounces"}
 
@@ -54,6 +58,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Find the {f} for \"{p}\".",
         "I need the {f} of \"{p}\".",
         "For the product \"{p}\", what is its {f}?",
+        "Tell me the {f} of \"{p}\".",
+        "\"{p}\": what {f} does it have?",
+        "Could you check the {f} of \"{p}\"?",
+        "Please report the {f} listed for \"{p}\".",
     ),
     "lookup_calc": (
         "How much do {n} units of \"{p}\" cost?",
@@ -61,6 +69,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "What would {n} of \"{p}\" cost in total?",
         "Compute the cost of buying {n} units of \"{p}\".",
         "If I order {n} pieces of \"{p}\", what do I pay?",
+        "Tell me the price of {n} \"{p}\" together.",
+        "What is the cost of {n} units of \"{p}\"?",
+        "I want {n} of \"{p}\"; how much is that?",
+        "Price out an order of {n} \"{p}\".",
     ),
     "lookup_convert": (
         "What does \"{p}\" weigh in {u}?",
@@ -68,6 +80,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "How heavy is \"{p}\" in {u}?",
         "Convert the weight of \"{p}\" to {u}.",
         "Tell me the mass of one \"{p}\" expressed in {u}.",
+        "How much does \"{p}\" weigh, in {u}?",
+        "Express the weight of \"{p}\" in {u}.",
+        "In {u}, what is the weight of \"{p}\"?",
+        "I need the weight of \"{p}\" in {u}.",
     ),
     "search_lookup": (
         "What is the {f} of the flagship product of \"{s}\"?",
@@ -75,6 +91,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Find the {f} for the flagship product of \"{s}\".",
         "I need the {f} of the flagship product of \"{s}\".",
         "The supplier \"{s}\" has a flagship product; what is its {f}?",
+        "Tell me the {f} of the flagship product of \"{s}\".",
+        "What {f} does the flagship product of \"{s}\" have?",
+        "Check the {f} of the flagship product that \"{s}\" makes.",
+        "What {f} is listed for the flagship product from \"{s}\"?",
     ),
     "two_lookup": (
         "What is the combined {f} of \"{p}\" and \"{q}\"?",
@@ -82,6 +102,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "What is the total {f} of \"{p}\" plus \"{q}\"?",
         "Sum the {f} of \"{p}\" and \"{q}\".",
         "Taken together, what {f} do \"{p}\" and \"{q}\" have?",
+        "Tell me the {f} of \"{p}\" and \"{q}\" added together.",
+        "What is the {f} of \"{p}\" and \"{q}\" put together?",
+        "Combine the {f} of \"{p}\" with that of \"{q}\".",
+        "I need the sum of the {f} of \"{p}\" and \"{q}\".",
     ),
     "update": (
         "We received {n} more units of \"{p}\". Update its stock and report the new stock.",
@@ -89,6 +113,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Add {n} to the stock of \"{p}\" and give the new stock.",
         "Restock \"{p}\" with {n} units and report the resulting stock.",
         "Book an incoming shipment of {n} \"{p}\" and say how many are in stock afterwards.",
+        "Increase the stock of \"{p}\" by {n} and report the new stock.",
+        "{n} units of \"{p}\" were delivered; update the stock and give the new total.",
+        "Put {n} more \"{p}\" into stock and tell me the new stock.",
+        "Register {n} new units of \"{p}\" in stock, then report the stock.",
     ),
     "search_lookup_calc": (
         "What do {n} units of the flagship product of \"{s}\" cost?",
@@ -96,6 +124,10 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Find the flagship product of \"{s}\" and give the price of {n} of them.",
         "What is the total price of {n} units of the flagship product of \"{s}\"?",
         "The supplier \"{s}\" has a flagship product; what would {n} of it cost?",
+        "Tell me the cost of {n} units of the flagship product of \"{s}\".",
+        "What is the price of {n} of the flagship product of \"{s}\" together?",
+        "I want {n} of the flagship product that \"{s}\" makes; what is the total?",
+        "Compute the cost of {n} units of the flagship product from \"{s}\".",
     ),
 }
 
@@ -219,14 +251,21 @@ def _slots(family: str, split: str, world: World, rng: np.random.Generator) -> t
 
 
 def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float], seed: int,
-                   solver: Callable[[list[dict], list[dict]], str]) -> list[Task]:
-    """Generate `n` tasks of `split`; `solver(plan, allowed_writes)` returns the ground-truth answer on the world."""
+                   solver: Callable[[list[dict], list[dict]], str], train_wordings: int = 4) -> list[Task]:
+    """Generate `n` tasks of `split`; `solver(plan, allowed_writes)` returns the ground-truth answer on the world.
+
+    Train and validation questions use the first `train_wordings` (1-8) of :data:`TRAIN_TEMPLATES`; test questions
+    use templates 0-4 whatever `train_wordings` is, so the same seed gives the same test split. With 4 (the original
+    setting) every split is byte-identical to what this function drew before the extra wordings existed.
+    """
+    if not 1 <= train_wordings <= len(TRAIN_TEMPLATES):
+        raise ValueError(f"train_wordings must be 1-{len(TRAIN_TEMPLATES)}, got {train_wordings}")
+    seen_ids = TRAIN_TEMPLATES[:train_wordings]
     rng = np.random.default_rng([seed, 2, ("train", "validation", "test").index(split)])
     levels = sorted(level_mix)
     weights = np.array([level_mix[lv] for lv in levels], dtype=float)
     weights /= weights.sum()
     by_level = {lv: [f for f in FAMILIES if FAMILY_LEVEL[f] == lv] for lv in levels}
-    n_templates = {f: len(t) for f, t in TEMPLATES.items()}
     tasks, seen = [], set()
     attempts = 0
     while len(tasks) < n:
@@ -237,9 +276,9 @@ def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float]
         fams = by_level[level]
         family = fams[int(rng.integers(len(fams)))]
         if split == "test":
-            template = int(rng.integers(n_templates[family]))
+            template = int(rng.integers(TEST_TEMPLATES))
         else:
-            template = int(rng.integers(HELDOUT_TEMPLATE))
+            template = seen_ids[int(rng.integers(len(seen_ids)))]
         slots, entities = _slots(family, split, world, rng)
         question = TEMPLATES[family][template].format(**slots)
         if question in seen:

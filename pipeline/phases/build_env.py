@@ -39,7 +39,8 @@ OUTPUT_DIRS = ("env", "tasks", "demos")
 def build_tasks(world: World, runtime: WorldRuntime, cfg: BuildEnvConfig) -> dict[str, list[Task]]:
     return {
         split: generate_tasks(world, split, cfg.tasks_per_split[split], cfg.level_mix, cfg.seed,
-                              solver=lambda plan, allowed: runtime.solve(plan, allowed))
+                              solver=lambda plan, allowed: runtime.solve(plan, allowed),
+                              train_wordings=cfg.train_wordings)
         for split in SPLITS
     }
 

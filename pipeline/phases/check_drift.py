@@ -155,7 +155,8 @@ def rollouts(policy: Policy, tasks: list[dict], world, env_cfg: EnvConfig, rollo
         runtime.close()
 
 
-def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, ref_tasks: list[dict], cur_tasks: list[dict],
+def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_wordings: int, ref_tasks: list[dict],
+               cur_tasks: list[dict],
                ref_world, cur_world, policy: Policy | None = None, rollout_cfg=None,
                ref_episodes: list[dict] | None = None, ref_episodes_source: str = "none",
                cur_episodes: list[dict] | None = None, cur_episodes_source: str = "none") -> dict:
@@ -206,7 +207,8 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, ref_tasks:
     if cfg.false_alarm_repeats:
         n = min(cfg.false_alarm_sample_size, len(cur_tasks))
         base = 1_000_000 + 1000 * cfg.seed
-        pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix).tasks)
+        pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix,
+                                                   train_wordings=train_wordings).tasks)
                  for k in range(cfg.false_alarm_repeats))
         fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg))
         checks["calibration"] = {
@@ -324,7 +326,8 @@ def check(cfg: DriftConfig, env_cfg: EnvConfig, build_cfg: BuildEnvConfig, metri
             from pipeline.policy.config import RolloutConfig
 
             rollout_cfg = RolloutConfig()
-        verdict = run_checks(cfg, env_cfg, dict(build_cfg.level_mix), ref_tasks, cur_tasks, ref_world, cur_world,
+        verdict = run_checks(cfg, env_cfg, dict(build_cfg.level_mix), build_cfg.train_wordings, ref_tasks, cur_tasks,
+                             ref_world, cur_world,
                              policy, rollout_cfg, ref_eps, ref_src, cur_eps, cur_src)
     except AgentRLError as exc:
         _write(metrics_path, {"passed": False, "verdict": "error", "error": str(exc)})
