@@ -45,6 +45,19 @@ def test_same_seed_gives_identical_data(built, tmp_path):
     assert again["checksums"] == metrics["checksums"]
 
 
+def test_train_wordings_reach_train_and_validation_through_the_phase_and_leave_test_alone(built, tmp_path):
+    root, _ = built
+    wide = TINY.model_copy(update={"train_wordings": 8})
+    build(wide, EnvConfig(), tmp_path / "data", tmp_path / "m.json")  # validates the data at the boundary (GX)
+
+    def rows(base, split):
+        return [json.loads(line) for line in (base / f"data/tasks/{split}.jsonl").read_text().splitlines()]
+
+    used = {int(r["template_id"].split("/")[1]) for split in ("train", "validation") for r in rows(tmp_path, split)}
+    assert used & {5, 6, 7, 8} and 4 not in used  # the extra wordings are drawn, the held-out one never
+    assert (tmp_path / "data/tasks/test.jsonl").read_bytes() == (root / "data/tasks/test.jsonl").read_bytes()
+
+
 def test_data_failing_validation_stops_the_phase_and_keeps_the_previous_outputs(built, tmp_path):
     root, _ = built
     first = build(TINY, EnvConfig(), tmp_path / "data", tmp_path / "metrics.json")
@@ -107,6 +120,9 @@ def test_build_env_cli_refuses_bad_params_and_keeps_data(built, tmp_path):
     (root / "params.yaml").write_text("build_env:\n  n_prodcts: 10\n")
     out = _agentrl("build-env", cwd=root)
     assert out.returncode == 2 and "did you mean 'n_products'" in out.stderr
+    (root / "params.yaml").write_text("build_env:\n  train_wordings: 9\n")
+    out = _agentrl("build-env", cwd=root)
+    assert out.returncode == 2 and "build_env.train_wordings" in out.stderr and "less than or equal to 8" in out.stderr
     (root / "params.yaml").write_text("build_env: [1, 2\n")
     out = _agentrl("build-env", cwd=root)
     assert out.returncode == 2 and "line" in out.stderr

@@ -209,6 +209,22 @@ def test_false_alarm_rate_over_repeated_fresh_samples(world, capsys):
     assert fa.repeats == FA_REPEATS and fa.rate <= FA_BOUND
 
 
+def test_calibration_samples_use_the_builds_wordings(world):
+    """With `build_env.train_wordings: 8` the reference tasks use eight wordings; the false-alarm calibration must draw
+    its fresh samples the same way, or the `template` feature alarms on every repeat."""
+    from pipeline.phases.check_drift import run_checks
+
+    mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
+    ref = C.make_reference_sample(world, N, 101, mix, train_wordings=8).tasks
+    cur = C.make_reference_sample(world, N, 102, mix, train_wordings=8).tasks
+    assert {t["template_id"].split("/")[1] for t in ref} >= {"5", "6", "7", "8"}
+    right = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, 8, ref, cur, world, world)
+    assert right["checks"]["task_drift"]["status"] == "pass"
+    assert right["checks"]["calibration"]["status"] == "pass", right["checks"]["calibration"]
+    wrong = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, 4, ref, cur, world, world)["checks"]["calibration"]
+    assert wrong["status"] == "fail" and "template" in wrong["alarms_by_feature"]
+
+
 def test_unknown_drift_kind_lists_the_kinds(world):
     with pytest.raises(ValueError, match="kinds are \\['level_shift', 'value_shift'\\]"):
         C.make_drifted_tasks(world, 10, "price_shift", seed=0)

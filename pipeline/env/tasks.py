@@ -46,7 +46,7 @@ FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_loo
 FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "search_lookup": 2, "two_lookup": 3, "update": 3,
                 "search_lookup_calc": 4}
 HELDOUT_TEMPLATE = 4  # index of the test-only template in every family
-TEST_TEMPLATES = 5  # test draws from templates 0..4: four training wordings and the held-out one
+TEST_TEMPLATES = HELDOUT_TEMPLATE + 1  # test draws from templates 0..4: four training wordings and the held-out one
 TRAIN_TEMPLATES = (0, 1, 2, 3, 5, 6, 7, 8)  # train/validation draw from the first `train_wordings` of these
 FIELD_WORDS = {"price": "price", "stock": "stock", "supplier": "supplier", "category": "category"}
 UNIT_WORDS = {"lb": "pounds", "g": "grams", "oz": "ounces"}
