@@ -1,7 +1,7 @@
 """Run phases of the pipeline in a scratch copy of the repository with changed params, and print what RL did.
 
 The README's Status experiments (session 21's wordings and adapt seeds, session 22's scarce level-3 demonstrations)
-were run this way: a copy of `params.yaml` (and `configs/`, `dvc.yaml`, `pyproject.toml`, `data/incoming/`) in a
+were run by hand the way this script runs them (it was written after them): a copy of `params.yaml` (and `configs/`, `dvc.yaml`, `pyproject.toml`, `data/incoming/`) in a
 folder of its own, a few params overridden, then `agentrl build-env`, `adapt`, `train` and `evaluate` run there one
 after another. Nothing in the repository is written: data, models, metrics, checkpoints and the MLflow store land in
 the scratch folder. The phases run on the installed package (`pip install -e .`), so keep the checkout they import
@@ -13,7 +13,7 @@ from in place while they run (a removed worktree lost a 45-minute run in session
 `-S KEY=VALUE` sets a key by its dotted path (VALUE is read as YAML: numbers, true/false, null, lists); every
 section is validated against its config model before anything runs, so a mistyped key stops here with the
 config's own message. `--data-from DIR` copies another scratch folder's `data/` and skips `build-env` (the same
-build params give the same bytes). `--summary` only prints the summary of a finished folder. Two scratch runs side
+build params give the same bytes, so it is refused when DIR's `build_env` or `env` section differs from the new one). `--summary` only prints the summary of a finished folder. Two scratch runs side
 by side on this 2-core machine oversubscribe it badly (session 22: pre-training ran about 8 times slower), so run
 them one after another.
 """
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", action="store_true", help="only print the summary of a finished folder")
     args = ap.parse_args(argv)
     if args.summary:
+        if not args.folder.is_dir():
+            raise SystemExit(f"--summary {args.folder}: no such folder")
         print(summary(args.folder))
         return 0
     if args.folder.exists():
@@ -122,8 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     validate(params)
     phases = list(args.phases)
     if args.data_from is not None:
-        if not (args.data_from / "data/tasks").is_dir():
-            raise SystemExit(f"--data-from {args.data_from}: no data/tasks there")
+        if not (args.data_from / "data/tasks").is_dir() or not (args.data_from / "params.yaml").is_file():
+            raise SystemExit(f"--data-from {args.data_from}: no data/tasks or params.yaml there")
+        theirs = yaml.safe_load((args.data_from / "params.yaml").read_text()) or {}
+        differ = [sec for sec in ("build_env", "env") if theirs.get(sec) != params.get(sec)]
+        if differ:
+            raise SystemExit(f"--data-from {args.data_from}: its params.yaml differs in {differ}, so its data is not "
+                             f"what these params build; drop --data-from or the build_env/env overrides")
         phases = [p for p in phases if p != "build-env"]
     args.folder.mkdir(parents=True)
     for rel in COPIED:
