@@ -271,6 +271,38 @@ def test_num_threads_applies_during_the_run_only(model, tokenizer, runtime, task
     assert set(seen) == {2} and torch.get_num_threads() == before
 
 
+def test_tool_threads_step_a_decode_steps_environments_side_by_side_and_change_no_episode(model, tokenizer, runtime,
+                                                                                         tasks, monkeypatch):
+    """rollout.tool_threads: the environment steps of the actions that end in one decode step overlap (each step
+    here sleeps, as a slow tool would), and the episodes equal those of steps taken one after another."""
+    import threading
+    import time
+
+    from pipeline.policy import rollout as rollout_mod
+
+    real, lock, live = rollout_mod._EnvEpisode.step, threading.Lock(), {"now": 0, "peak": 0}
+
+    def slow_step(self, text):
+        with lock:
+            live["now"] += 1
+            live["peak"] = max(live["peak"], live["now"])
+        time.sleep(0.02)
+        with lock:
+            live["now"] -= 1
+        return real(self, text)
+
+    monkeypatch.setattr(rollout_mod._EnvEpisode, "step", slow_step)
+    out = {}
+    for n in (0, 4):
+        live["peak"] = 0
+        engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL.model_copy(update={"tool_threads": n}))
+        out[n] = (engine.run(tasks[:12], list(range(30, 42))), live["peak"])
+    assert out[0][1] == 1, "with tool_threads 0 the engine steps one environment at a time"
+    assert out[4][1] > 1, "with tool_threads 4 the steps of one decode step should overlap"
+    assert_same_episodes(out[4][0], out[0][0])
+    assert [r["success"] for r in out[4][0]] == [r["success"] for r in out[0][0]]
+
+
 # ------------------------------------------------------------------------------------------------ shared prompt prefix
 def run_both(model, tokenizer, runtime, tasks, seeds, env=ENV, **update) -> tuple[list[dict], list[dict], dict]:
     """The same run with the prefix cache on and off; returns both records and the 'on' engine's stats."""

@@ -80,13 +80,18 @@ Decisions:
 
 Deliberately left out: speculative decoding; a tree of shared prefixes (a GRPO group's episodes share their whole
 first prompt, but the task part beyond the common prefix is ~20 tokens); keeping the prefix across calls (see above);
-and asynchronous tool calls (tools are fast here; ``env.tool_latency_s`` stalls the loop).
+and parking a row while its tool runs so that the others decode on (the layout keeps every row's segment at the
+right end of the cache). What the engine does instead: the environment steps of all actions that ended in the same
+decode step run side by side on ``rollout.tool_threads`` threads, and are handled in row order afterwards, so a decode
+step waits for its slowest tool call rather than the sum of them (``env.tool_latency_s``; remote tools in production),
+and episodes do not depend on which call returned first.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -467,7 +472,7 @@ class RolloutEngine:
                   for t, s, o in zip(tasks, seeds, options)]
         max_turns = self.env_cfg.max_steps
         records = self._generate(makers, [int(s) for s in seeds], self.cfg.greedy if greedy is None else greedy,
-                                 max_turns)
+                                 max_turns, env_steps=True)
         for r in records:
             r["policy_version"] = policy_version
         release_free_memory()  # the run's freed KV cache and activations back to the OS (why: see the function)
@@ -544,15 +549,22 @@ class RolloutEngine:
                              use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
-    def _generate(self, makers: list, seeds: list[int], greedy: bool, max_turns: int) -> list[dict]:
+    def _generate(self, makers: list, seeds: list[int], greedy: bool, max_turns: int,
+                  env_steps: bool = False) -> list[dict]:
         was_training, threads = self.model.training, torch.get_num_threads()
         self.model.eval()
         if self.cfg.num_threads:
             torch.set_num_threads(self.cfg.num_threads)
+        # environment steps (tool calls) of one decode step run side by side (rollout.tool_threads); not for
+        # complete(), whose "episodes" have no environment
+        pool = (ThreadPoolExecutor(self.cfg.tool_threads, thread_name_prefix="tool-call")
+                if env_steps and self.cfg.tool_threads > 1 else None)
         try:
             with torch.inference_mode():
-                return self._loop(makers, seeds, greedy, max_turns)
+                return self._loop(makers, seeds, greedy, max_turns, pool)
         finally:
+            if pool is not None:
+                pool.shutdown()
             self.model.train(was_training)
             torch.set_num_threads(threads)
 
@@ -615,7 +627,8 @@ class RolloutEngine:
             lens[b] = h + c
         return logits, sum(hist) if from_prefix else 0
 
-    def _loop(self, makers: list, seeds: list[int], greedy: bool, max_turns: int) -> list[dict]:
+    def _loop(self, makers: list, seeds: list[int], greedy: bool, max_turns: int,
+              pool: ThreadPoolExecutor | None = None) -> list[dict]:
         cfg, tok = self.cfg, self.tokenizer
         n = len(makers)
         out: list[dict | None] = [None] * n
@@ -671,6 +684,7 @@ class RolloutEngine:
             u = torch.tensor([uniforms[e][n_sampled[e]] for e in eps], dtype=torch.float64)
             toks, lps = sample_tokens(logits.cpu(), u, cfg.temperature, cfg.top_p, greedy)
             st["sampled_tokens"] += len(rows)
+            ended: list[tuple[int, int, str]] = []  # (row, episode, action text) of the actions this forward ended
             for b, e, t, lp in zip(rows, eps, toks.tolist(), lps.tolist()):
                 n_sampled[e] += 1
                 s = streams[e]
@@ -682,8 +696,15 @@ class RolloutEngine:
                 if t not in self.stop_ids and len(act[b]) < cfg.max_new_tokens:
                     continue
                 text = tok.decode(act[b], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                ended.append((b, e, text))
                 act[b] = []
-                done, obs_text, folded, context = episodes[e].step(text)
+            # the environment steps of every action that ended in this forward run together (tool calls are I/O:
+            # `env.tool_latency_s`, a remote API), then are handled in row order, so episodes do not depend on timing
+            steps, texts = [episodes[e].step for _, e, _ in ended], [text for _, _, text in ended]
+            results = (list(pool.map(lambda step, text: step(text), steps, texts))
+                       if pool is not None and len(ended) > 1 else [step(text) for step, text in zip(steps, texts)])
+            for (b, e, _), (done, obs_text, folded, context) in zip(ended, results):
+                s = streams[e]
                 if done:
                     finish(b)
                     continue
@@ -696,7 +717,7 @@ class RolloutEngine:
                     st["rebases"] += 1
                 else:
                     s.known(obs_ids)
-                    pending[b] = (False, [t] + obs_ids)  # the stop token has not been fed yet
+                    pending[b] = (False, [next_tok[b]] + obs_ids)  # the stop token has not been fed yet
 
         def flush() -> None:
             while pending:
