@@ -56,6 +56,8 @@ def _stats(records: list[dict]) -> dict:
         **{f"mean_{c}": float(np.mean([r["components"][c] for r in records])) for c in COMPONENTS},
         "mean_tool_calls": float(np.mean([r["n_calls"] for r in records])),
         "mean_tool_calls_solved": float(np.mean([r["n_calls"] for r in solved])) if solved else None,
+        # every call made, failed episodes' included, per task solved: what a success costs in calls
+        "tool_calls_per_success": float(sum(r["n_calls"] for r in records)) / len(solved) if solved else None,
         "safety_violations": int(sum(r["n_violations"] for r in records)),
         "verifier_pass_rate": sum(r["verifier"]["passed"] for r in records) / n,
         "truncated_rate": sum(r["truncated"] for r in records) / n,

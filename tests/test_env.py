@@ -20,7 +20,7 @@ from pipeline.env.expert import ExpertPolicy, RandomPolicy
 from pipeline.env.protocol import InvalidAction, ParsedAction, format_action, parse_action
 from pipeline.env.tasks import FAMILIES, TEMPLATES, answers_match, generate_tasks
 from pipeline.env.tools import TOOL_NAMES, ToolError, safe_calc
-from pipeline.evaluation import evaluate, run_episode, summarize
+from pipeline.evaluation import COMPONENTS, evaluate, run_episode, summarize
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +333,17 @@ def test_summary_reports_per_level_and_template(runtime, splits):
     assert metrics["template_unseen"]["n"] + metrics["template_seen"]["n"] == len(splits["test"])
     with pytest.raises(ValueError):
         summarize([])
+
+
+def test_tool_calls_per_success_counts_failed_episodes_calls_and_mean_over_solved_does_not():
+    base = {"level": 1, "template_seen": True, "return": 0.0, "truncated": False, "n_violations": 0,
+            "verifier": {"passed": True}, "components": {c: 0.0 for c in COMPONENTS}}
+    recs = [dict(base, success=True, n_calls=2), dict(base, success=True, n_calls=4),
+            dict(base, success=False, n_calls=6)]
+    o = summarize(recs)["overall"]
+    assert o["mean_tool_calls_solved"] == 3.0 and o["tool_calls_per_success"] == 6.0  # (2 + 4 + 6) / 2
+    none = summarize([dict(base, success=False, n_calls=3)])["overall"]
+    assert none["tool_calls_per_success"] is None and none["mean_tool_calls_solved"] is None
 
 
 def test_answers_match():

@@ -339,6 +339,12 @@ def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     assert d["tool_calls_per_solved_task"] > 0  # overall: more calls ...
     assert d["level_1_tool_calls_per_solved_task"] == 0 and d["level_4_tool_calls_per_solved_task"] == -0.5
     assert d["level_4_success"] == pytest.approx(0.7)
+    assert d["tool_calls_per_success"] is None  # these summaries lack the figure: no delta, no error
+    sft["per_level"]["4"]["tool_calls_per_success"], rl["per_level"]["4"]["tool_calls_per_success"] = 45.0, 5.0
+    sft["overall"]["tool_calls_per_success"], rl["overall"]["tool_calls_per_success"] = 6.0, 4.5
+    d = deltas(sft, rl)
+    assert d["level_4_tool_calls_per_success"] == -40.0 and d["tool_calls_per_success"] == -1.5
+    assert d["level_1_tool_calls_per_success"] is None
     assert "template_seen_success" not in d  # only when the summaries split by wording
     sft["template_seen"], sft["template_unseen"] = {"success_rate": 0.5}, {"success_rate": 0.0}
     rl["template_seen"], rl["template_unseen"] = {"success_rate": 0.75}, {"success_rate": 0.05}

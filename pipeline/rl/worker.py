@@ -59,6 +59,13 @@ def deltas(sft: dict, rl: dict) -> dict:
     for lv in sft["per_level"]:
         a, b = sft["per_level"][lv]["mean_tool_calls_solved"], rl["per_level"][lv]["mean_tool_calls_solved"]
         d[f"level_{lv}_tool_calls_per_solved_task"] = None if a is None or b is None else b - a
+    # the other reading of "tool calls per solved task": all calls (failed episodes' included) per task solved, what
+    # a success costs; None where a policy solved nothing (or an older summary lacks it)
+    for key, summ in [("tool_calls_per_success", "overall")] + [(f"level_{lv}_tool_calls_per_success", lv)
+                                                                 for lv in sft["per_level"]]:
+        a, b = [(p["overall"] if summ == "overall" else p["per_level"][summ]).get("tool_calls_per_success")
+                for p in (sft, rl)]
+        d[key] = None if a is None or b is None else b - a
     d["safety_violations"] = rl["overall"]["safety_violations"] - sft["overall"]["safety_violations"]
     # test tasks in the held-out fifth wording of their family (about 18 % of them) stay near 0 for both policies:
     # RL trains on the four seen wordings, so the seen-template figure is where its effect shows undiluted
