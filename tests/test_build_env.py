@@ -154,3 +154,33 @@ def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from
         env.close()
     finally:
         runtime.close()
+
+
+def test_family_coverage_overrides_its_level_and_names_only_known_families(built):
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.tasks import FAMILY_LEVEL
+    from pipeline.env.world import load_world
+    from pipeline.phases.build_env import build_demos
+
+    root, _ = built
+    runtime = WorldRuntime(load_world(root / "data/env"))
+    train = load_tasks(root / "data/tasks/train.jsonl")
+    full = {"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}}
+    try:
+        def demos(**over):
+            cfg = TINY.model_copy(update={"demos": TINY.demos.model_validate({**full, **over})})
+            return build_demos(train, runtime, cfg, EnvConfig())
+
+        plain = demos()
+        families = {t.task_id: t.family for t in train}
+        without_update = demos(family_coverage={"update": 0.0})
+        assert {families[d["task_id"]] for d in without_update} == {t.family for t in train} - {"update"}
+        assert len(without_update) == sum(t.family != "update" for t in train)
+        # naming every family with its level's share changes nothing: the same draws, the same bytes
+        assert demos(family_coverage={f: 1.0 for f in FAMILY_LEVEL}) == plain
+    finally:
+        runtime.close()
+    with pytest.raises(ValueError, match=r"unknown task families \['updates'\]"):
+        BuildEnvConfig.model_validate({"demos": {"family_coverage": {"updates": 0.1}}})
+    with pytest.raises(ValueError, match=r"family_coverage values must lie in \[0, 1\]"):
+        BuildEnvConfig.model_validate({"demos": {"family_coverage": {"update": 1.5}}})

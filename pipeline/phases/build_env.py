@@ -46,13 +46,15 @@ def build_tasks(world: World, runtime: WorldRuntime, cfg: BuildEnvConfig) -> dic
 
 
 def build_demos(train: list[Task], runtime: WorldRuntime, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> list[dict]:
-    """Demonstrations of the training tasks chosen by `level_coverage`, one flaw drawn per demonstration."""
+    """Demonstrations of the training tasks chosen by `family_coverage` (where it names the task's family) or else
+    `level_coverage`, one flaw drawn per demonstration."""
     rng = np.random.default_rng([cfg.seed, 3])
     env = ToolTasksEnv(world=runtime, tasks=train, config=env_cfg.model_copy(update={"tool_latency_s": 0.0}))
     demos = []
     try:
         for task in train:
-            if rng.random() >= cfg.demos.level_coverage.get(task.level, 0.0):
+            share = cfg.demos.family_coverage.get(task.family, cfg.demos.level_coverage.get(task.level, 0.0))
+            if rng.random() >= share:
                 continue
             flaw = draw_flaw(task.level, cfg.demos, rng)
             rec = run_episode(env, ExpertPolicy(flaw, rng), task, seed=int(rng.integers(2**31)))

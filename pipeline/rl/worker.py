@@ -169,8 +169,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
             d = metrics["delta_rl_minus_sft"]
             print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "
                   f"{comparison['rl']['overall']['success_rate']:.3f} ({d['overall_success']:+.3f}); per level "
-                  + ", ".join(f"L{k.split('_')[1]} {v:+.3f}" for k, v in d.items()
-                              if k.startswith("level_") and k.endswith("_success")))
+                  + ", ".join(f"L{lv} {d[f'level_{lv}_success']:+.3f}" for lv in comparison["sft"]["per_level"]))
     dist.close()
     return result
 
