@@ -52,20 +52,16 @@ def deltas(sft: dict, rl: dict) -> dict:
     d = {"overall_success": rl["overall"]["success_rate"] - sft["overall"]["success_rate"]}
     for lv in sft["per_level"]:
         d[f"level_{lv}_success"] = rl["per_level"][lv]["success_rate"] - sft["per_level"][lv]["success_rate"]
-    a, b = sft["overall"]["mean_tool_calls_solved"], rl["overall"]["mean_tool_calls_solved"]
-    d["tool_calls_per_solved_task"] = None if a is None or b is None else b - a
-    # per level too: the overall figure mixes levels (a policy that solves more level-4 tasks, 4 calls each, raises it
-    # even when every level's solved tasks take fewer calls)
-    for lv in sft["per_level"]:
-        a, b = sft["per_level"][lv]["mean_tool_calls_solved"], rl["per_level"][lv]["mean_tool_calls_solved"]
-        d[f"level_{lv}_tool_calls_per_solved_task"] = None if a is None or b is None else b - a
-    # the other reading of "tool calls per solved task": all calls (failed episodes' included) per task solved, what
-    # a success costs; None where a policy solved nothing (or an older summary lacks it)
-    for key, summ in [("tool_calls_per_success", "overall")] + [(f"level_{lv}_tool_calls_per_success", lv)
-                                                                 for lv in sft["per_level"]]:
-        a, b = [(p["overall"] if summ == "overall" else p["per_level"][summ]).get("tool_calls_per_success")
-                for p in (sft, rl)]
-        d[key] = None if a is None or b is None else b - a
+    # tool calls per solved task, in two readings: the mean over the solved episodes (`mean_tool_calls_solved`) and
+    # every call, failed episodes' included, per task solved (`tool_calls_per_success`, what a success costs). Per
+    # level too: the overall figure mixes levels (a policy that solves more level-4 tasks, 4 calls each, raises the
+    # first reading even when every level's solved tasks take fewer calls). None where a policy solved nothing or
+    # an older summary lacks the statistic.
+    for stat, name in (("mean_tool_calls_solved", "tool_calls_per_solved_task"),
+                       ("tool_calls_per_success", "tool_calls_per_success")):
+        for key, scope in [(name, None)] + [(f"level_{lv}_{name}", lv) for lv in sft["per_level"]]:
+            a, b = [(p["overall"] if scope is None else p["per_level"][scope]).get(stat) for p in (sft, rl)]
+            d[key] = None if a is None or b is None else b - a
     d["safety_violations"] = rl["overall"]["safety_violations"] - sft["overall"]["safety_violations"]
     # test tasks in the held-out fifth wording of their family (about 18 % of them) stay near 0 for both policies:
     # RL trains on the four seen wordings, so the seen-template figure is where its effect shows undiluted
