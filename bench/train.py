@@ -121,7 +121,11 @@ def main() -> None:
         lat_async = run("async-20ms", tmp, args.updates, args.tasks, args.group, 1, asy, lat)
     dtype = torch.bfloat16 if supports_bf16() else torch.float32
     peak = matmul_peak(dtype)
-    tcfg_chunks = yaml.safe_load((REPO / "params.yaml").read_text())["train"].get("micro_batches", 4)
+    from pipeline.config import load_section
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.rl.config import TrainConfig
+
+    tcfg_chunks = load_section(TrainConfig, "train", REPO / "params.yaml").micro_batches  # params.yaml, validated
     print(f"RL benchmark: {n_params / 1e6:.2f}M-parameter policy, {args.tasks} tasks x {args.group} rollouts per "
           f"update, {args.updates} updates (first one excluded as warm-up)")
     print("rollout s: generating the batch (async: in the background, overlapping learning); idle s: the learner "
@@ -136,7 +140,7 @@ def main() -> None:
           f"{base['learn_s'] / one_chunk['learn_s']:.2f}x, peak memory {base['peak_mib'] / one_chunk['peak_mib']:.2f}x")
     print(f"2 ranks / 1 rank episodes/s: {two['episodes_per_s'] / base['episodes_per_s']:.2f}x")
     eps = {r["name"]: r["episodes_per_s"] for r in (base, lat_sync_serial, lat_async_serial, lat_sync, lat_async)}
-    threads = yaml.safe_load((REPO / "params.yaml").read_text())["rollout"].get("tool_threads", 8)
+    threads = load_section(RolloutConfig, "rollout", REPO / "params.yaml").tool_threads
     print(f"at 20 ms tool latency, tool calls of a decode step side by side (rollout.tool_threads {threads}, the "
           f"default): async / sync episodes/s {eps['async-20ms'] / eps['sync-20ms']:.2f}x (goal: >= 2x)")
     print(f"  tool calls one after another (tool_threads 0): async / sync "
@@ -149,11 +153,11 @@ def main() -> None:
         per_update = (r["rollout_s"] + r["learn_s"]) / r["updates"]
         print(f"  bound for any async mode against {r['name']}: {per_update:.2f} s per update / {compute:.2f} s of "
               f"generation + learning without latency = {per_update / compute:.2f}x")
-    tcfg = yaml.safe_load((REPO / "params.yaml").read_text())["train"]
-    epochs = tcfg.get("epochs", 1)
+    tcfg = load_section(TrainConfig, "train", REPO / "params.yaml")
+    epochs = tcfg.epochs
     # a no-grad forward (π_old), then forward+backward per epoch; a one-step on-policy update (group baseline, one
     # epoch, one minibatch) skips the no-grad forward (pipeline.rl.trainer._learn)
-    single_pass = tcfg.get("algorithm") in ("grpo", "rloo") and epochs == 1 and tcfg.get("minibatches", 1) == 1
+    single_pass = tcfg.algorithm in ("grpo", "rloo") and epochs == 1 and tcfg.minibatches == 1
     flops = ((0 if single_pass else 2) + 6 * epochs) * n_params * base["tokens"]
     print(f"learning: {flops / base['learn_s'] / 1e9:.1f} GFLOP/s vs {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s "
           f"({100 * flops / base['learn_s'] / peak:.1f}% of peak)")

@@ -547,3 +547,66 @@ def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_p
     metrics = run_phase(data_dir, tmp_path / "second", cfg=tiny_adapt_config(pretrain=PretrainConfig(steps=0)),
                         model_cfg=TINY.model_copy(update={"base": str(base)}))
     assert metrics["base"]["source"] == f"policy:{base}" and metrics["pretrain"] is None
+
+
+# ------------------------------------------------------------------------------------------ checkpoint selection
+
+
+def test_checkpoint_selection_publishes_the_best_scored_weights_and_stops_on_patience(data_dir, tmp_path, monkeypatch):
+    """Scores are scripted (1st check best): the published weights are those the model had at that check, every
+    later check is recorded, and patience 2 ends SFT two checks after the best."""
+    import pipeline.phases.adapt as phase
+
+    scores = iter([0.5, 0.4, 0.5, 0.9])  # steps 2, 4, 6 (stop), the 4th must never be asked for
+    snapshots = {}
+
+    def scripted(model, tokenizer, runtime, tasks, env_cfg, rollout_cfg, seed=0):
+        assert len(tasks) == 5 and all(t.split == "validation" for t in tasks)
+        s = next(scores)
+        snapshots[len(snapshots)] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {"greedy": s, "sampled": 0.0, "per_level": {"1": [s, 0.0]}, "sampled_nll": 1.0}
+
+    monkeypatch.setattr(capability, "checkpoint_figures", scripted)
+    cfg = tiny_adapt_config(adapter=AdapterConfig(kind="none"),
+                            sft=SFTConfig(steps=10, batch_size=8, warmup_steps=1, log_every=2, compile=False,
+                                          select_every=2, select_from=2, select_tasks=5, select_patience=2))
+    metrics = run_phase(data_dir, tmp_path, cfg)
+    sel = metrics["sft"]["selection"]
+    assert [c["step"] for c in sel["curve"]] == [2, 4, 6] and sel["stopped_early"] and sel["last_step"] == 6
+    assert sel["selected_step"] == 2 and sel["score"] == 0.5  # the tie at step 6 keeps the earlier checkpoint
+    assert metrics["sft"]["steps"] == 6 and metrics["seconds"]["select"] >= 0
+    model, _, meta = load_policy(tmp_path / "models" / "adapted")
+    assert meta["step"] == metrics["pretrain"]["steps"] + 2
+    published = model.state_dict()
+    assert all(torch.equal(published[k].float(), v.float()) for k, v in snapshots[0].items())
+    assert not all(torch.equal(published[k].float(), v.float()) for k, v in snapshots[2].items())
+
+
+def test_checkpoint_selection_scores_reproduce_on_the_published_model(data_dir, tmp_path):
+    """Real figures (no script): the selected score is what the published model scores again on the same tasks."""
+    cfg = tiny_adapt_config(adapter=AdapterConfig(kind="none"),
+                            sft=SFTConfig(steps=6, batch_size=8, warmup_steps=1, log_every=2, compile=False,
+                                          select_every=3, select_from=3, select_tasks=8, select_mode="sampled"))
+    metrics = run_phase(data_dir, tmp_path, cfg)
+    sel = metrics["sft"]["selection"]
+    assert [c["step"] for c in sel["curve"]] == [3, 6] and not sel["stopped_early"]
+    for c in sel["curve"]:
+        assert 0 <= c["greedy"] <= 1 and 0 <= c["sampled"] <= 1 and c["sampled_nll"] > 0
+    assert sel["score"] == max(c["sampled"] for c in sel["curve"])
+    model, tok, _ = load_policy(tmp_path / "models" / "adapted")
+    validation = [Task.from_dict(json.loads(l)) for l in
+                  (data_dir / "tasks" / "validation.jsonl").read_text().splitlines()][:8]
+    runtime = WorldRuntime(load_world(data_dir / "env"))
+    try:
+        again = capability.checkpoint_figures(model, tok, runtime, validation, EnvConfig(),
+                                              RolloutConfig(batch_size=8, max_new_tokens=24))
+    finally:
+        runtime.close()
+    chosen = next(c for c in sel["curve"] if c["step"] == sel["selected_step"])
+    assert round(again["sampled"], 4) == chosen["sampled"] and round(again["greedy"], 4) == chosen["greedy"]
+
+
+def test_selection_that_would_score_nothing_before_the_last_step_is_refused():
+    with pytest.raises(ValueError, match="select_from=2000 is after the last step"):
+        SFTConfig(steps=1000, select_every=100, select_from=2000)
+    assert SFTConfig(steps=1000, select_every=0, select_from=2000).select_every == 0  # off: not checked

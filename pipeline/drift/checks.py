@@ -413,16 +413,13 @@ SHIFTED_PRICE_RANGE = (500, 999)
 world's schema allows), in a copy of the world."""
 
 
-def _default_level_mix() -> dict[int, float]:
+def _build_default(key: str):
+    """build_env's default value of `key` (``level_mix``, ``train_wordings``): what a sample is drawn with when the
+    caller does not say, so a fresh sample is generated as the default build generates its tasks."""
     from pipeline.env.config import BuildEnvConfig
 
-    return dict(BuildEnvConfig().level_mix)
-
-
-def _default_train_wordings() -> int:
-    from pipeline.env.config import BuildEnvConfig
-
-    return BuildEnvConfig().train_wordings
+    value = getattr(BuildEnvConfig(), key)
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
@@ -434,7 +431,7 @@ def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: s
     try:
         tasks = generate_tasks(world, split, n, dict(level_mix), seed,
                                solver=lambda plan, allowed: runtime.solve(plan, allowed),
-                               train_wordings=train_wordings or _default_train_wordings())
+                               train_wordings=train_wordings or _build_default("train_wordings"))
     finally:
         runtime.close()
     return [t.to_dict() for t in tasks]
@@ -445,7 +442,7 @@ def make_reference_sample(world, n: int, seed: int, level_mix: Mapping[int, floa
     """A fresh sample of `n` tasks from the reference generator: `split`'s entities, the build's level mix
     (`level_mix`, default build_env's default) and wordings (`train_wordings`, default build_env's default), a new
     `seed` (use one the build did not: the build uses ``build_env.seed``)."""
-    mix = dict(level_mix or _default_level_mix())
+    mix = dict(level_mix or _build_default("level_mix"))
     return Sample(_generate(world, n, seed, mix, split, train_wordings), world, "reference",
                   f"{n} {split} tasks, level mix {mix}, seed {seed}")
 
@@ -482,4 +479,4 @@ def make_drifted_tasks(world, n: int, kind: str, seed: int, level_mix: Mapping[i
         make = DRIFT_KINDS[kind]
     except KeyError:
         raise ValueError(f"unknown drift kind {kind!r}; kinds are {sorted(DRIFT_KINDS)}") from None
-    return make(world, n, seed, dict(level_mix or _default_level_mix()), split, train_wordings)
+    return make(world, n, seed, dict(level_mix or _build_default("level_mix")), split, train_wordings)

@@ -227,19 +227,32 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         curve.append([step, round(m["loss"], 5)])
         _progress("sft", step, cfg.sft.steps, m, cfg.sft.log_every, log)
 
-    res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
-                                                         tokenizer.pad_token_id),
-                       cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
-                       grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
-                       micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile)
+    selector = None
+    if cfg.sft.select_every:
+        selector = CheckpointSelector(trainable_model, tokenizer, WorldRuntime(world),
+                                      inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
+                                      cfg.eval.seed, log)
+    try:
+        res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
+                                                             tokenizer.pad_token_id),
+                           cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
+                           grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
+                           micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
+                           stop=selector, stop_every=cfg.sft.select_every or 100)
+        selection = selector.finish(res.steps) if selector is not None else None
+    finally:
+        if selector is not None:
+            selector.runtime.close()
     model = adapters.finalize(trainable_model)
     sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
                    "demos": len(inputs["demos"]), "loss_curve": curve,
                    "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in LEVELS},
                    "loss_tokens_per_epoch": sum(sum(e.loss_mask) for e in examples),
                    "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
-                   "entity_augmentation": cfg.sft.entity_augmentation}
+                   "entity_augmentation": cfg.sft.entity_augmentation, "selection": selection}
     seconds["sft"] = time.perf_counter() - t
+    if selector is not None:
+        seconds["select"] = selector.seconds
 
     # capability evaluation and gate
     t = time.perf_counter()
@@ -277,7 +290,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     # publish: the model (atomic swap), then the metrics (temp file + rename)
     meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
             "adapt_config": cfg.model_dump(), "base": source, "adapter": kind,
-            "step": (pre_summary["steps"] if pre_summary else 0) + sft_summary["steps"],
+            "step": (pre_summary["steps"] if pre_summary else 0) + (selection["selected_step"] if selection
+                                                                     else sft_summary["steps"]),
             "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
     save_policy(model, tokenizer, out_dir, meta)
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -287,6 +301,70 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if run is not None:
         run.log_artifact(str(metrics_path))
     return metrics
+
+
+class CheckpointSelector:
+    """SFT checkpoint selection on validation (``adapt.sft.select_every``); the `stop` callback of ``train_lm``.
+
+    Called every `select_every` steps: from `select_from` on it scores the model being trained
+    (:func:`pipeline.policy.capability.checkpoint_figures`), keeps a copy of the weights of the best score so far (a
+    later checkpoint must score strictly higher to replace it, so a tie keeps the earlier, less sharpened one), and
+    asks to stop after `select_patience` checks in a row without a better score. :meth:`finish` scores the last step
+    (unless the last check already did), loads the best weights into the model and returns the record that
+    ``metrics/adapt.json`` keeps under ``sft.selection``.
+
+    Why: the SFT step budget decides two things at once (docs/history.md, session 23). Too few steps and the model
+    has not learnt the protocol; too many and it samples so narrowly that RL's groups have no reward spread. Adapt's
+    greedy validation success ranked six adapted models as their test success did (Spearman 0.94, session 21).
+    """
+
+    def __init__(self, model, tokenizer, runtime, tasks, env_cfg, rollout_cfg, sft_cfg, seed: int, log):
+        self.model, self.tokenizer, self.runtime, self.tasks = model, tokenizer, runtime, tasks
+        self.env_cfg, self.rollout_cfg, self.cfg, self.seed, self.log = env_cfg, rollout_cfg, sft_cfg, seed, log
+        self.curve: list[dict] = []
+        self.best_score, self.best_step, self.best_state = -float("inf"), None, None
+        self.since_best, self.seconds, self.stopped_early = 0, 0.0, False
+
+    def __call__(self, step: int) -> bool:
+        if step < self.cfg.select_from:
+            return False
+        self._check(step)
+        if self.cfg.select_patience and self.since_best >= self.cfg.select_patience:
+            self.stopped_early = True
+            return True
+        return False
+
+    def _check(self, step: int) -> None:
+        from pipeline.policy.capability import checkpoint_figures
+
+        t = time.perf_counter()
+        figs = checkpoint_figures(self.model, self.tokenizer, self.runtime, self.tasks, self.env_cfg,
+                                  self.rollout_cfg, self.seed)
+        score = figs[self.cfg.select_mode]
+        self.curve.append({"step": step, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in figs.items()}})
+        self.log({"sft/select/greedy": figs["greedy"], "sft/select/sampled": figs["sampled"],
+                  "sft/select/sampled_nll": figs["sampled_nll"]}, step=step)
+        if score > self.best_score:
+            self.best_score, self.best_step, self.since_best = score, step, 0
+            self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        else:
+            self.since_best += 1
+        self.seconds += time.perf_counter() - t
+        levels = " ".join(f"L{lv} {g:.2f}/{s:.2f}" for lv, (g, s) in figs["per_level"].items())
+        print(f"adapt: sft step {step}: selection greedy/sampled {levels}; score {score:.3f} "
+              f"(best {self.best_score:.3f} at step {self.best_step}); sampled nll {figs['sampled_nll']:.3f}",
+              flush=True)
+
+    def finish(self, last_step: int) -> dict:
+        if not self.curve or self.curve[-1]["step"] != last_step:
+            self._check(last_step)
+        if self.best_step != last_step:
+            self.model.load_state_dict(self.best_state)
+        self.model.eval()
+        return {"every": self.cfg.select_every, "from": self.cfg.select_from, "tasks": len(self.tasks),
+                "mode": self.cfg.select_mode, "patience": self.cfg.select_patience,
+                "selected_step": self.best_step, "score": round(self.best_score, 4), "last_step": last_step,
+                "stopped_early": self.stopped_early, "curve": self.curve, "seconds": round(self.seconds, 2)}
 
 
 def _progress(name: str, step: int, steps: int, m: dict, every: int, log) -> None:

@@ -226,6 +226,35 @@ def evaluate_capabilities(model, tokenizer, runtime: WorldRuntime, tasks: list[T
     return metrics, episodes
 
 
+def checkpoint_figures(model, tokenizer, runtime: WorldRuntime, tasks: list[Task], env_cfg: EnvConfig, rollout_cfg,
+                       seed: int = 0) -> dict:
+    """The figures SFT checkpoint selection reads (``adapt.sft.select_every``): one greedy and one sampled episode per task.
+
+    Returns ``greedy`` and ``sampled``, each the mean over levels of the level's success rate (every level present
+    counts alike, whatever its number of tasks: level 4 is what RL has to lift), ``per_level`` (level -> [greedy,
+    sampled]), and ``sampled_nll``: the mean negative log-probability of the sampled action tokens, at the rollout
+    section's temperature and top-p. At temperature 1 it estimates the policy's per-token entropy on its own
+    actions, the quantity whose collapse leaves RL's groups without reward spread. Seeds are fixed, so two calls on
+    the same weights give the same figures.
+    """
+    from pipeline.policy.rollout import RolloutEngine
+
+    if not tasks:
+        raise AgentRLError("checkpoint selection needs at least one task")
+    eval_env = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": 0.0})
+    engine = RolloutEngine(model, tokenizer, runtime, eval_env, rollout_cfg)
+    base = seed * 1_000_003 + 300_000
+    greedy = engine.run(tasks, [base + i for i in range(len(tasks))], greedy=True)
+    sampled = engine.run(tasks, [base + 100_000 + i for i in range(len(tasks))], greedy=False)
+    levels = sorted({t.level for t in tasks})
+    g, s = summarize(greedy)["per_level"], summarize(sampled)["per_level"]
+    per_level = {str(lv): [g[str(lv)]["success_rate"], s[str(lv)]["success_rate"]] for lv in levels}
+    lps = [lp for r in sampled for lp, m in zip(r["logprobs"], r["action_mask"]) if m]
+    return {"greedy": float(np.mean([v[0] for v in per_level.values()])),
+            "sampled": float(np.mean([v[1] for v in per_level.values()])),
+            "per_level": per_level, "sampled_nll": -float(np.mean(lps)) if lps else float("nan")}
+
+
 def per_level_table(metrics: Mapping[str, float], levels: Sequence[int] = LEVELS) -> dict:
     """The headline figures by level, for metrics/adapt.json: success greedy/sampled, group hit, agreement."""
     table = {}

@@ -110,6 +110,18 @@ class SFTConfig(PhaseConfig):
     max_len: int = Field(1024, ge=16, description="Longest training segment in tokens; a longer one is cut at the end (counted in metrics as sft/truncated_examples).")
     entity_augmentation: float = Field(1.0, ge=0, le=1, description="Chance that a drawn demonstration has its entity names replaced by fictitious ones (built from training names' words, never a real entity), everywhere in its text: forces copying names from the question and tool results instead of memorising the few hundred training names (pipeline.policy.sft.augment_names).")
     log_every: int = Field(10, ge=1, description="Log the loss curve every this many steps.")
+    select_every: int = Field(0, ge=0, description="Checkpoint selection on validation: every this many steps from `select_from` on, and after the last step, the model plays one greedy and one sampled episode on each of the first `select_tasks` tasks of the evaluation split (pipeline.policy.capability.checkpoint_figures); the checkpoint with the best score (`select_mode`) is the one adapt evaluates, gates and publishes, the earliest on a tie. 0: off, the model after `steps` is kept.")
+    select_from: int = Field(300, ge=1, description="First step at which a checkpoint is scored (`select_every`).")
+    select_tasks: int = Field(200, ge=1, description="Tasks of the evaluation split (the first this many) each selection check plays.")
+    select_mode: Literal["greedy", "sampled"] = Field("greedy", description="Score of a checkpoint: the mean over levels of its greedy (or sampled, at rollout.temperature) success on the selection tasks.")
+    select_patience: int = Field(0, ge=0, description="Stop SFT after this many selection checks in a row without a better score (the learning-rate schedule still spans `steps`); 0: train all `steps`.")
+
+    @model_validator(mode="after")
+    def _check_select(self) -> "SFTConfig":
+        if self.select_every and self.select_from > self.steps:
+            raise ValueError(f"select_from={self.select_from} is after the last step (steps={self.steps}): no "
+                             f"checkpoint but the last would be scored; lower select_from or set select_every: 0")
+        return self
 
 
 class CapabilityConfig(PhaseConfig):
