@@ -610,3 +610,15 @@ def test_selection_that_would_score_nothing_before_the_last_step_is_refused():
     with pytest.raises(ValueError, match="select_from=2000 is after the last step"):
         SFTConfig(steps=1000, select_every=100, select_from=2000)
     assert SFTConfig(steps=1000, select_every=0, select_from=2000).select_every == 0  # off: not checked
+
+
+def test_checkpoint_selection_with_lora_scores_the_unmerged_model_and_publishes_a_merged_one(data_dir, tmp_path):
+    """The checks play the peft-wrapped model being trained; the published model is the merged selected one."""
+    cfg = tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False,
+                                          select_every=2, select_from=2, select_tasks=4))
+    metrics = run_phase(data_dir, tmp_path, cfg)
+    sel = metrics["sft"]["selection"]
+    assert metrics["adapter"]["kind"] == "lora" and [c["step"] for c in sel["curve"]] == [2, 4]
+    assert sel["selected_step"] in (2, 4) and all(c["sampled_nll"] > 0 for c in sel["curve"])
+    model, _, meta = load_policy(tmp_path / "models" / "adapted")
+    assert meta["adapter"] == "lora" and not any("lora" in n for n, _ in model.named_parameters())

@@ -21,6 +21,10 @@ Every figure lands in one flat dict with namespaced keys (``eval/greedy/success_
 them), which is also what the gate reads: :func:`check_gate` returns what fell short, :func:`enforce_gate` raises
 :class:`CapabilityGateError` (an :class:`AgentRLError`) with that report.
 
+The same module scores SFT checkpoints while they train (``adapt.sft.select_every``): :func:`checkpoint_figures`
+plays one greedy and one sampled episode per task, and :class:`CheckpointSelector`, the `stop` callback of
+:func:`pipeline.policy.sft.train_lm`, keeps the best-scoring weights.
+
 Deliberately left out: the test split's held-out templates (the final evaluation phase owns the test split), and
 LLM-judged qualities (there is no judge model here).
 """
@@ -28,6 +32,7 @@ LLM-judged qualities (there is no judge model here).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -253,6 +258,68 @@ def checkpoint_figures(model, tokenizer, runtime: WorldRuntime, tasks: list[Task
     return {"greedy": float(np.mean([v[0] for v in per_level.values()])),
             "sampled": float(np.mean([v[1] for v in per_level.values()])),
             "per_level": per_level, "sampled_nll": -float(np.mean(lps)) if lps else float("nan")}
+
+
+class CheckpointSelector:
+    """SFT checkpoint selection on validation (``adapt.sft.select_every``); the `stop` callback of ``train_lm``.
+
+    Called every `select_every` steps: from `select_from` on it scores the model being trained
+    (:func:`pipeline.policy.capability.checkpoint_figures`), keeps a copy of the weights of the best score so far (a
+    later checkpoint must score strictly higher to replace it, so a tie keeps the earlier, less sharpened one), and
+    asks to stop after `select_patience` checks in a row without a better score. :meth:`finish` scores the last step
+    (unless the last check already did), loads the best weights into the model and returns the record that
+    ``metrics/adapt.json`` keeps under ``sft.selection``.
+
+    Why: the SFT step budget decides two things at once (docs/history.md, session 23). Too few steps and the model
+    has not learnt the protocol; too many and it samples so narrowly that RL's groups have no reward spread. Adapt's
+    greedy validation success ranked six adapted models as their test success did (Spearman 0.94, session 21).
+    """
+
+    def __init__(self, model, tokenizer, runtime, tasks, env_cfg, rollout_cfg, sft_cfg, seed: int, log):
+        self.model, self.tokenizer, self.runtime, self.tasks = model, tokenizer, runtime, tasks
+        self.env_cfg, self.rollout_cfg, self.cfg, self.seed, self.log = env_cfg, rollout_cfg, sft_cfg, seed, log
+        self.curve: list[dict] = []
+        self.best_score, self.best_step, self.best_state = -float("inf"), None, None
+        self.since_best, self.seconds, self.stopped_early = 0, 0.0, False
+
+    def __call__(self, step: int) -> bool:
+        if step < self.cfg.select_from:
+            return False
+        self._check(step)
+        if self.cfg.select_patience and self.since_best >= self.cfg.select_patience:
+            self.stopped_early = True
+            return True
+        return False
+
+    def _check(self, step: int) -> None:
+        t = time.perf_counter()
+        figs = checkpoint_figures(self.model, self.tokenizer, self.runtime, self.tasks, self.env_cfg,
+                                  self.rollout_cfg, self.seed)
+        score = figs[self.cfg.select_mode]
+        self.curve.append({"step": step, **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in figs.items()}})
+        self.log({"sft/select/greedy": figs["greedy"], "sft/select/sampled": figs["sampled"],
+                  "sft/select/sampled_nll": figs["sampled_nll"]}, step=step)
+        if score > self.best_score:
+            self.best_score, self.best_step, self.since_best = score, step, 0
+            self.best_state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        else:
+            self.since_best += 1
+        self.seconds += time.perf_counter() - t
+        levels = " ".join(f"L{lv} {g:.2f}/{s:.2f}" for lv, (g, s) in figs["per_level"].items())
+        print(f"adapt: sft step {step}: selection greedy/sampled {levels}; score {score:.3f} "
+              f"(best {self.best_score:.3f} at step {self.best_step}); sampled nll {figs['sampled_nll']:.3f}",
+              flush=True)
+
+    def finish(self, last_step: int) -> dict:
+        if not self.curve or self.curve[-1]["step"] != last_step:
+            self._check(last_step)
+        if self.best_step != last_step:
+            self.model.load_state_dict(self.best_state)
+        self.model.eval()
+        return {"every": self.cfg.select_every, "from": self.cfg.select_from, "tasks": len(self.tasks),
+                "mode": self.cfg.select_mode, "patience": self.cfg.select_patience,
+                "selected_step": self.best_step, "score": round(self.best_score, 4), "last_step": last_step,
+                "stopped_early": self.stopped_early, "curve": self.curve, "seconds": round(self.seconds, 2)}
 
 
 def per_level_table(metrics: Mapping[str, float], levels: Sequence[int] = LEVELS) -> dict:
