@@ -63,7 +63,8 @@ def tiny_adapt_config(**over) -> AdaptConfig:
     base = dict(threads=None,
                 pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50),
                 adapter=AdapterConfig(kind="lora", lora_r=4, lora_alpha=8),
-                sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False),
+                sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False,
+                              select_every=0),
                 eval=CapabilityConfig(max_tasks=6, sampled_per_task=2),
                 gate=GateConfig(enabled=False))
     base.update(over)
@@ -467,6 +468,8 @@ def test_phase_publishes_a_loadable_model_and_metrics(good_run):
     assert written["pretrain"]["drills"] > 0 and 0 <= written["pretrain"]["copy_accuracy"] <= 1
     assert "eval/recovery/success_after_error" in written["capability"]
     assert written["gate"] == {"enabled": False, "passed": None, "min": GateConfig().min, "shortfalls": []}
+    peaks = written["peak_rss_mib"]  # high-water marks after each part: positive and never falling
+    assert set(peaks) == {"pretrain", "sft", "evaluate"} and 0 < peaks["pretrain"] <= peaks["sft"] <= peaks["evaluate"]
 
 
 @pytest.fixture(scope="module")
@@ -475,7 +478,7 @@ def good_run(data_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("good")
     # SFT compiled, as on the default (the other tiny runs stay eager: compiling costs more than their few steps)
     run_phase(data_dir, out, tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2,
-                                                             compile=True)))
+                                                             compile=True, select_every=0)))
     return out
 
 
@@ -514,7 +517,8 @@ def test_compiled_sft_without_a_cxx_compiler_is_refused_before_training(data_dir
     """adapt.sft.compile needs a C++ compiler (Inductor's CPU kernels): without one the phase stops at once, naming
     the key and the way out, and the published model stays as it was."""
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    cfg = tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=True))
+    cfg = tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=True,
+                                          select_every=0))
     with pytest.raises(AgentRLError, match=r"adapt\.sft\.compile is true, but no C\+\+ compiler .*compile: false"):
         run_phase(data_dir, tmp_path, cfg)
     _untouched(tmp_path, published)

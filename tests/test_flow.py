@@ -43,7 +43,7 @@ TINY = {
     "adapt": {"threads": 1, "pretrain": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "max_len": 64, "copy_drills": 8},
               "adapter": {"lora_r": 4, "lora_alpha": 8.0},
               "sft": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "max_len": 256, "log_every": 1,
-                      "compile": False},
+                      "compile": False, "select_every": 0},
               "eval": {"max_tasks": 4, "sampled_per_task": 1}, "gate": {"enabled": False}},
     "train": {"updates": 2, "tasks_per_update": 2, "group_size": 2, "num_ranks": 1, "checkpoint_every": 2,
               "eval_every": 2, "eval_tasks": 4, "test_tasks": 4},
