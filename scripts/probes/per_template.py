@@ -20,12 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from split import add_split_args, check_policy_folders, greedy_episodes, load_split  # noqa: E402 (sys.path[0] is scripts/probes/)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("policies", nargs="+", help="policy folders (with policy.json)")
-    ap.add_argument("--split", default="test", choices=("validation", "test", "train"))
-    ap.add_argument("--tasks", type=int, default=400)
+    add_split_args(ap)
     ap.add_argument("--level", type=int, default=None, help="only this level's tasks")
     ap.add_argument("--failures", type=int, default=3, help="tool sequences shown per failing template")
     args = ap.parse_args()
@@ -33,10 +34,6 @@ def main() -> None:
         raise SystemExit(f"--failures {args.failures}: must be at least 0")
 
     from pipeline.env.tasks import TEMPLATES
-    from pipeline.policy.model import load_policy
-    from pipeline.policy.rollout import RolloutEngine
-    from split import check_policy_folders, load_split
-
     check_policy_folders(*args.policies)
     tasks, seeds, runtime, env, rollout = load_split(args.split, args.tasks)
     if args.level is not None:  # filtered after the seeds are drawn: a task keeps the train stage's seed
@@ -48,8 +45,7 @@ def main() -> None:
     solved: dict[str, Counter] = defaultdict(Counter)
     failed: dict[str, dict[str, Counter]] = {}
     for folder in args.policies:
-        model, tok, _ = load_policy(folder)
-        records = RolloutEngine(model, tok, runtime, env, rollout).run(tasks, seeds, greedy=True)
+        records = greedy_episodes(folder, tasks, seeds, runtime, env, rollout)
         failed[folder] = defaultdict(Counter)
         for t, r in zip(tasks, records):
             solved[t.template_id][folder] += bool(r["success"])

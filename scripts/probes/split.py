@@ -41,3 +41,19 @@ def check_policy_folders(*folders) -> None:
     for folder in folders:
         if folder is not None and not (Path(folder) / "policy.json").is_file():
             raise SystemExit(f"{folder}: not a policy folder (no policy.json)")
+
+
+def add_split_args(ap, split: str = "test") -> None:
+    """The probes' `--split` and `--tasks` options (the first `--tasks` tasks of the split, see :func:`load_split`)."""
+    ap.add_argument("--split", default=split, choices=tuple(SPLIT_SEED))
+    ap.add_argument("--tasks", type=int, default=400)
+
+
+def greedy_episodes(folder, tasks, seeds, runtime, env, rollout) -> list[dict]:
+    """The episode records of the policy in `folder` playing `tasks` greedily with `seeds`, as the train stage plays
+    its validation and test tasks."""
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+
+    model, tok, _ = load_policy(folder)
+    return RolloutEngine(model, tok, runtime, env, rollout).run(tasks, seeds, greedy=True)

@@ -18,26 +18,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from split import add_split_args, check_policy_folders, greedy_episodes, load_split  # noqa: E402 (sys.path[0] is scripts/probes/)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("policies", nargs="+", help="policy folders (with policy.json)")
-    ap.add_argument("--split", default="test", choices=("validation", "test", "train"))
-    ap.add_argument("--tasks", type=int, default=400)
+    add_split_args(ap)
     ap.add_argument("--steps", type=int, default=8, help="actions shown per violating episode")
     args = ap.parse_args()
     if args.steps < 0:
         raise SystemExit(f"--steps {args.steps}: must be at least 0")
 
-    from pipeline.policy.model import load_policy
-    from pipeline.policy.rollout import RolloutEngine
-    from split import check_policy_folders, load_split
-
     check_policy_folders(*args.policies)
     tasks, seeds, runtime, env, rollout = load_split(args.split, args.tasks)
     for folder in args.policies:
-        model, tok, _ = load_policy(folder)
-        records = RolloutEngine(model, tok, runtime, env, rollout).run(tasks, seeds, greedy=True)
+        records = greedy_episodes(folder, tasks, seeds, runtime, env, rollout)
         by: Counter = Counter()
         bad = [(t, r) for t, r in zip(tasks, records) if r["n_violations"]]
         for t, r in bad:
