@@ -340,10 +340,14 @@ def _record_time(command: str, seconds: float, rc: int | str) -> None:
 
 
 def _peak_rss_mib() -> float:
+    """The stage's peak: this process with the parts it ran in child processes (their resident sizes added to this
+    process's while they ran; pipeline.isolation), or its largest other child (the DeepSpeed ranks), if larger."""
     import resource
 
-    usage = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return round(usage / 1024, 1)  # KiB on Linux
+    from pipeline.isolation import tree_peak_mib
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
+    return round(max(tree_peak_mib(), children), 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,7 +61,10 @@ def tasks(data_dir):
 
 def tiny_adapt_config(**over) -> AdaptConfig:
     base = dict(threads=None,
-                pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50),
+                # pre-training in this process (a child process costs seconds of start-up per run): the good run
+                # and test_pretraining_in_a_child_process_gives_the_same_weights take the default's child process
+                pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50,
+                                        subprocess=False),
                 adapter=AdapterConfig(kind="lora", lora_r=4, lora_alpha=8),
                 sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False,
                               select_every=0),
@@ -401,6 +404,18 @@ def test_auto_adapter_is_full_fine_tuning_for_the_builtin_base_and_lora_otherwis
         adapters.apply_adapter(torch.nn.Linear(2, 2), AdapterConfig(kind="auto"))
 
 
+def test_lora_starts_from_the_same_adapter_whatever_the_process_drew_before(tokenizer):
+    """LoRA's initial A matrices come from a seeded generator, not from torch's global state (which earlier work in
+    the same process, such as an earlier adaptation, has moved)."""
+    adapters_seen = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        wrapped = adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(kind="lora", lora_r=4))
+        adapters_seen.append({k: v.clone() for k, v in wrapped.state_dict().items() if "lora_A" in k})
+    assert adapters_seen[0] and adapters_seen[0].keys() == adapters_seen[1].keys()
+    assert all(torch.equal(adapters_seen[0][k], adapters_seen[1][k]) for k in adapters_seen[0])
+
+
 def test_lora_on_missing_modules_and_unknown_train_also_are_refused(tokenizer):
     with pytest.raises(AgentRLError, match="lora_target_modules"):
         adapters.apply_adapter(build_policy(TINY, tokenizer), AdapterConfig(kind="lora", lora_target_modules=["c_attn"]))
@@ -477,9 +492,29 @@ def good_run(data_dir, tmp_path_factory) -> Path:
     """One good run of the phase (models/adapted and metrics/adapt.json), made once per module."""
     out = tmp_path_factory.mktemp("good")
     # SFT compiled, as on the default (the other tiny runs stay eager: compiling costs more than their few steps)
-    run_phase(data_dir, out, tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2,
-                                                             compile=True, select_every=0)))
+    run_phase(data_dir, out, tiny_adapt_config(
+        pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50, subprocess=True),
+        sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=True, select_every=0)))
     return out
+
+
+def test_pretraining_in_a_child_process_gives_the_same_weights(data_dir, tmp_path):
+    """adapt.pretrain.subprocess hands back the weights and the batch generator's state: SFT goes on from the same
+    point, so the published weights are bit-identical to pre-training in the phase's own process."""
+    figures = {}
+    for child in (False, True):
+        cfg = tiny_adapt_config(pretrain=PretrainConfig(steps=6, batch_size=8, warmup_steps=1, max_len=64,
+                                                        copy_drills=50, check_every=3, subprocess=child))
+        figures[child] = run_phase(data_dir, tmp_path / str(child), cfg)
+    weights = {child: load_policy(tmp_path / str(child) / "models" / "adapted")[0].state_dict() for child in figures}
+    assert weights[True].keys() == weights[False].keys()
+    assert all(torch.equal(weights[True][k], weights[False][k]) for k in weights[True])
+    timing = {"seconds", "tokens_per_s"}
+    for part in ("pretrain", "sft"):
+        assert ({k: v for k, v in figures[True][part].items() if k not in timing}
+                == {k: v for k, v in figures[False][part].items() if k not in timing}), part
+    assert figures[True]["capability"] == figures[False]["capability"]
+    assert figures[True]["pretrain"]["copy_curve"] and figures[True]["pretrain"]["steps"] == 6
 
 
 @pytest.fixture

@@ -34,9 +34,9 @@ DeepSpeed (SFT of the default model takes minutes on two cores; the RL phase own
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import resource
 import time
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from pipeline.config import load_section
 from pipeline.env.config import LEVELS, EnvConfig
 from pipeline.env.tasks import FIELD_WORDS, UNIT_WORDS
 from pipeline.errors import AgentRLError
+from pipeline.isolation import run_in_child, tree_peak_mib
 from pipeline.policy.config import AdaptConfig, ModelConfig, RolloutConfig
 
 PHASE = "adapt"
@@ -144,7 +145,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
-    peak_mib: dict[str, float] = {}  # the process's high-water resident size after each part (see `_peak_mib`)
+    peak_mib: dict[str, float] = {}  # the process tree's high-water resident size after each part (tree_peak_mib)
     capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
     if cfg.sft.compile:
         sft.check_compile_available()  # before pre-training, not minutes into the phase
@@ -171,52 +172,27 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
     pool = sft.NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
 
-    # continued pre-training: full parameters, every token
+    # continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is off)
     pre_summary = None
     if cfg.pretrain.steps > 0:
         t = time.perf_counter()
-        texts = sft.pretraining_texts(data_dir, [{"question": t.question} for t in inputs["train"]]
-                                      if cfg.pretrain.include_questions else None,
-                                      documents=cfg.pretrain.include_documents)
-        n_domain = len(texts)
-        texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
-        words = sft.drill_words(pool, extra=sorted(FIELD_WORDS.values()) + sorted(UNIT_WORDS.values()))
-        texts += sft.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
-        texts += sft.number_drills(cfg.pretrain.number_drills, np.random.default_rng([cfg.seed, 3]))
-        pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
-        for p in model.parameters():
-            p.requires_grad_(True)
-        probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
-        copy_curve: list[list[float]] = []
-
-        def copied_enough(step: int) -> bool:
-            acc = sft.copy_accuracy(model, tokenizer, probe[:100], autocast)
-            copy_curve.append([step, acc])
-            log({"pretrain/copy_accuracy_check": acc}, step=step)
-            print(f"adapt: pretrain step {step}: exact-copy accuracy {acc:.2f} (target {cfg.pretrain.copy_target})",
-                  flush=True)
-            return acc >= cfg.pretrain.copy_target
-
-        res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
-                           cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
-                           autocast=autocast, log=lambda s, m: _progress("pretrain", s, cfg.pretrain.steps, m,
-                                                                         cfg.sft.log_every, log),
-                           log_every=cfg.sft.log_every,
-                           stop=copied_enough if cfg.pretrain.copy_target is not None else None,
-                           stop_every=cfg.pretrain.check_every)
-        number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
-        word_probe = sft.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
-        pre_summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
-                       "drills": len(texts) - n_domain, "word_drills": cfg.pretrain.word_drills,
-                       "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
-                       "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast),
-                       "word_copy_accuracy": sft.copy_accuracy(model, tokenizer, word_probe, autocast),
-                       "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
-        log({"pretrain/copy_accuracy": pre_summary["copy_accuracy"],
-             "pretrain/number_copy_accuracy": pre_summary["number_copy_accuracy"],
-             "pretrain/word_copy_accuracy": pre_summary["word_copy_accuracy"]})
+        questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
+        if cfg.pretrain.subprocess:
+            out = run_in_child("adapt: continued pre-training", pretrain_in_child, model, tokenizer, cfg, model_cfg,
+                               data_dir, pool, questions, rng, torch.get_num_threads(),
+                               torch.get_rng_state())
+            model.load_state_dict(torch.load(io.BytesIO(out["state"]), weights_only=True))
+            for p in model.parameters():
+                p.requires_grad_(True)
+            rng.bit_generator.state = out["rng"]
+            torch.set_rng_state(out["torch_rng"])
+            for metrics, step in out["logged"]:
+                log(metrics, step=step)
+            pre_summary = out["summary"]
+        else:
+            pre_summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng, log)
         seconds["pretrain"] = time.perf_counter() - t
-        peak_mib["pretrain"] = _peak_mib()
+        peak_mib["pretrain"] = round(tree_peak_mib(), 1)
 
     # SFT with the adapter
     t = time.perf_counter()
@@ -259,7 +235,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if selector is not None:
         seconds["select"] = selector.seconds
 
-    peak_mib["sft"] = _peak_mib()
+    peak_mib["sft"] = round(tree_peak_mib(), 1)
 
     # capability evaluation and gate
     t = time.perf_counter()
@@ -276,7 +252,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     finally:
         runtime.close()
     seconds["evaluate"] = time.perf_counter() - t
-    peak_mib["evaluate"] = _peak_mib()
+    peak_mib["evaluate"] = round(tree_peak_mib(), 1)
     shortfalls = capability.check_gate(cap, cfg.gate.min) if cfg.gate.enabled else []
     seconds["total"] = time.perf_counter() - t0
     metrics = {
@@ -318,10 +294,76 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     return metrics
 
 
-def _peak_mib() -> float:
-    """This process's high-water resident size so far, in MiB (``getrusage`` maxrss, KiB on Linux). It only rises, so
-    ``metrics/adapt.json`` → ``peak_rss_mib`` (after pretrain, SFT and evaluation) shows which part set the peak."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+             questions: list[str] | None, rng: np.random.Generator, log) -> dict:
+    """Continued pre-training of `model` in place (step 3 of the module docstring); returns its summary for
+    ``metrics/adapt.json``. `rng` draws the batches (SFT goes on drawing from it); `log(metrics, step=...)` records
+    the progress and the copy-accuracy checks."""
+    from pipeline.policy import sft
+    from pipeline.policy.model import autocast_context
+
+    autocast = lambda: autocast_context(model_cfg)  # noqa: E731
+    texts = sft.pretraining_texts(data_dir, [{"question": q} for q in questions] if questions is not None else None,
+                                  documents=cfg.pretrain.include_documents)
+    n_domain = len(texts)
+    texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
+    words = sft.drill_words(pool, extra=sorted(FIELD_WORDS.values()) + sorted(UNIT_WORDS.values()))
+    texts += sft.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
+    texts += sft.number_drills(cfg.pretrain.number_drills, np.random.default_rng([cfg.seed, 3]))
+    pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
+    copy_curve: list[list[float]] = []
+
+    def copied_enough(step: int) -> bool:
+        acc = sft.copy_accuracy(model, tokenizer, probe[:100], autocast)
+        copy_curve.append([step, acc])
+        log({"pretrain/copy_accuracy_check": acc}, step=step)
+        print(f"adapt: pretrain step {step}: exact-copy accuracy {acc:.2f} (target {cfg.pretrain.copy_target})",
+              flush=True)
+        return acc >= cfg.pretrain.copy_target
+
+    res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
+                       cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
+                       autocast=autocast, log=lambda s, m: _progress("pretrain", s, cfg.pretrain.steps, m,
+                                                                     cfg.sft.log_every, log),
+                       log_every=cfg.sft.log_every,
+                       stop=copied_enough if cfg.pretrain.copy_target is not None else None,
+                       stop_every=cfg.pretrain.check_every)
+    number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
+    word_probe = sft.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
+    summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
+               "drills": len(texts) - n_domain, "word_drills": cfg.pretrain.word_drills,
+               "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
+               "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast),
+               "word_copy_accuracy": sft.copy_accuracy(model, tokenizer, word_probe, autocast),
+               "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
+    log({"pretrain/copy_accuracy": summary["copy_accuracy"],
+         "pretrain/number_copy_accuracy": summary["number_copy_accuracy"],
+         "pretrain/word_copy_accuracy": summary["word_copy_accuracy"]})
+    return summary
+
+
+def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+                      questions: list[str] | None, rng: np.random.Generator, threads: int,
+                      torch_rng: torch.Tensor) -> dict:
+    """:func:`pretrain` as run by :func:`pipeline.isolation.run_in_child`: returns what the parent needs to go on as
+    if it had trained in place: the weights (``torch.save`` bytes), the summary, the states of `rng` and of torch's
+    generator after training, and the logged metrics (MLflow's run lives in the parent, which logs them).
+
+    `threads` and `torch_rng` are the parent's torch thread count and generator state, set here first: a spawned
+    interpreter starts with one thread per core (a matmul split over another number of threads sums in another order,
+    so the weights would differ in their last bits) and with torch's default seed."""
+    torch.set_num_threads(threads)
+    torch.set_rng_state(torch_rng)
+    logged: list[tuple[dict, int | None]] = []
+    summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng,
+                       lambda metrics, step=None: logged.append((metrics, step)))
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return {"state": buf.getvalue(), "summary": summary, "rng": rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(), "logged": logged}
 
 
 def _progress(name: str, step: int, steps: int, m: dict, every: int, log) -> None:

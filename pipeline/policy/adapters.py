@@ -200,7 +200,13 @@ def apply_adapter(model: nn.Module, cfg) -> nn.Module:
         if absent:
             raise AgentRLError(f"adapter.lora_target_modules names modules the model lacks: {absent}; "
                                f"its linear layers are {sorted(_linear_names(model))}")
-        wrapped = get_peft_model(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules))
+        # LoRA's A matrices are drawn from torch's global generator: seed it here, as the bottleneck is seeded, so
+        # the initial adapter does not depend on whatever the process drew before (session 26 found two adapt runs in
+        # one process ending with different weights through this).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            wrapped = get_peft_model(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                                        cfg.lora_target_modules))
     else:
         wrapped = to_bottleneck(model, cfg.bottleneck_dim, cfg.bottleneck_activation)
         for name, p in wrapped.named_parameters():

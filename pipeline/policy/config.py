@@ -90,6 +90,7 @@ class PretrainConfig(PhaseConfig):
     number_drills: int = Field(0, ge=0, description="Synthetic texts that end in a JSON field copying numbers from tool observations (pipeline.policy.sft.number_drills). 0 by default: measured with 10,000 of them next to the name drills, 400 steps ended with name-copy accuracy 0.02-0.09 instead of 0.6-0.7 and SFT never learned to copy (seeds 1 and 2).")
     copy_target: float | None = Field(0.8, gt=0, le=1, description="Stop pre-training once the exact-copy accuracy on held-out name drills (pipeline.policy.sft.copy_accuracy, checked every `check_every` steps) reaches this; null: always run `steps`. Why: whether SFT learns to copy held-out names decided every default run (after 400 steps, accuracy 0.67-0.69 went on to success, 0.54-0.59 to 0 success on every level), and how many steps the circuit takes to form depends on the seed.")
     check_every: int = Field(100, ge=1, description="Steps between copy-accuracy checks (`copy_target`).")
+    subprocess: bool = Field(True, description="Run pre-training in a child process (pipeline.isolation.run_in_child) that hands back the weights, the batch generator's state and the logged metrics: the same weights as in this process, and the heap the eager loop leaves behind goes back to the OS when the child ends instead of lying under SFT. false: in this process.")
 
 
 class SFTConfig(PhaseConfig):

@@ -1,0 +1,41 @@
+"""pipeline.isolation: a part of a phase run in a spawned child process, its errors and its memory accounting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipeline import isolation
+from pipeline.errors import AgentRLError
+
+
+def _fill(mib: int) -> int:
+    block = b"\x01" * (mib * 2**20)  # written, so every page is resident
+    return len(block) // 2**20 + os.getpid() * 0  # noqa: the pid term keeps the block alive until here
+
+
+def _refuse(path: str) -> None:
+    raise AgentRLError(f"{path}: line 3 is not JSON")
+
+
+def _die() -> None:
+    os._exit(3)
+
+
+def test_the_result_comes_back_and_the_child_memory_counts_on_top_of_the_parent():
+    before = isolation.current_rss_mib()
+    assert isolation.run_in_child("filling", _fill, 300) == 300
+    # the parent's pages while the child ran, plus the child's own 300 MiB block
+    assert isolation.tree_peak_mib() >= before + 300
+    assert isolation.tree_peak_mib() >= isolation.self_peak_mib()
+
+
+def test_an_error_in_the_child_is_raised_again_with_its_type_and_message():
+    with pytest.raises(AgentRLError, match="tasks.jsonl: line 3 is not JSON"):
+        isolation.run_in_child("reading", _refuse, "tasks.jsonl")
+
+
+def test_a_child_that_dies_without_a_result_is_a_clear_error_naming_the_part():
+    with pytest.raises(AgentRLError, match="adapt: continued pre-training: its child process ended without a result"):
+        isolation.run_in_child("adapt: continued pre-training", _die)
