@@ -8,7 +8,9 @@ are all returned when it exits, whatever holds them.
 
 The child is started with ``spawn`` (a fresh interpreter: no copy of the parent's heap, no threads inherited from a
 fork), so the function and its arguments must be picklable and importable by module path; the result comes back
-pickled. An exception raised in the child is raised again in the parent with its type; a child that dies without
+pickled. Both cross as plain pickled bytes: handed to ``multiprocessing`` as objects, torch tensors would instead be
+moved into shared memory (``/dev/shm``, 64 MiB in a default Docker container), the parent's own parameters included,
+and the child would then write into the parent's model. An exception raised in the child is raised again in the parent with its type; a child that dies without
 one (killed, out of memory) becomes an :class:`~pipeline.errors.AgentRLError` naming the part.
 
 Memory accounting: while the child runs, the parent waits and keeps its own pages, so the process tree's peak is
@@ -21,6 +23,7 @@ cannot hide memory from the figures.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import resource
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -55,8 +58,9 @@ def tree_peak_mib() -> float:
     return max(self_peak_mib(), _tree_peak_mib)
 
 
-def _call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, float]:
-    return fn(*args, **kwargs), self_peak_mib()
+def _call(payload: bytes) -> tuple[bytes, float]:
+    fn, args, kwargs = pickle.loads(payload)
+    return pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL), self_peak_mib()
 
 
 def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -65,12 +69,13 @@ def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     parent_mib = current_rss_mib()
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
-            result, child_peak = pool.submit(_call, fn, args, kwargs).result()
+            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            result, child_peak = pool.submit(_call, payload).result()
         except BrokenProcessPool:
             raise AgentRLError(f"{what}: its child process ended without a result (killed, for example by the kernel "
                                f"when memory ran out); nothing was published") from None
     _tree_peak_mib = max(_tree_peak_mib, parent_mib + child_peak)
-    return result
+    return pickle.loads(result)
 
 
 __all__ = ["current_rss_mib", "run_in_child", "self_peak_mib", "tree_peak_mib"]

@@ -39,3 +39,19 @@ def test_an_error_in_the_child_is_raised_again_with_its_type_and_message():
 def test_a_child_that_dies_without_a_result_is_a_clear_error_naming_the_part():
     with pytest.raises(AgentRLError, match="adapt: continued pre-training: its child process ended without a result"):
         isolation.run_in_child("adapt: continued pre-training", _die)
+
+
+def _double_in_place(t):
+    t.mul_(2)
+    return t
+
+
+def test_tensors_cross_as_copies_and_the_parent_keeps_its_own():
+    """Not through shared memory: the child's in-place writes stay in the child, and the parent's storage is not moved
+    to /dev/shm (where a container may have little room)."""
+    import torch
+
+    t = torch.arange(4.0)
+    back = isolation.run_in_child("doubling", _double_in_place, t)
+    assert torch.equal(back, torch.tensor([0.0, 2.0, 4.0, 6.0]))
+    assert torch.equal(t, torch.arange(4.0)) and not t.is_shared()
