@@ -24,7 +24,8 @@ USER_ERROR = 2
 # When set (the Prefect flow sets it for each stage it launches), every `agentrl` command appends one JSON line
 # {"command", "seconds", "rc", "peak_rss_mib"} to this file: the stage's own time, which the flow subtracts from its
 # wall time to report the orchestration overhead (DVC, Prefect and MLflow bookkeeping), and the peak resident memory
-# of the command's largest process (itself or a child it waited for, such as a DeepSpeed rank).
+# of the command: its own process with the parts it ran in child processes (pipeline.isolation), or its largest other
+# child (a DeepSpeed rank), whichever is larger.
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
 
 

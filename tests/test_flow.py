@@ -194,6 +194,9 @@ def test_cost_figures_subtract_the_stages_own_time():
     cost = summary.cost_figures(100.0, {"a": {"command_s": 60.0}, "b": {"command_s": 30.0}, "c": {"command_s": None}})
     assert cost["stage_commands_s"] == 90.0 and cost["overhead_s"] == 10.0 and cost["overhead_share"] == 0.1
     assert cost["peak_rss_self_mib"] > 10  # this interpreter holds more than 10 MiB
+    # a stage's recorded peak (its process with the children it ran parts in) counts when larger than any one process
+    cost = summary.cost_figures(100.0, {"a": {"command_s": 60.0, "peak_mib": 10**7}})
+    assert cost["peak_rss_children_mib"] == 10**7
 
 
 def test_retries_only_on_transient_steps():
