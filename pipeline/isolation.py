@@ -67,13 +67,16 @@ def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     """``fn(*args, **kwargs)`` in a spawned child process; returns its result. `what` names the part in errors."""
     global _tree_peak_mib
     parent_mib = current_rss_mib()
+    try:
+        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise AgentRLError(f"{what}: cannot be sent to a child process ({type(exc).__name__}: {exc})") from None
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         try:
-            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
             result, child_peak = pool.submit(_call, payload).result()
         except BrokenProcessPool:
             raise AgentRLError(f"{what}: its child process ended without a result (killed, for example by the kernel "
-                               f"when memory ran out); nothing was published") from None
+                               f"when memory ran out)") from None
     _tree_peak_mib = max(_tree_peak_mib, parent_mib + child_peak)
     return pickle.loads(result)
 

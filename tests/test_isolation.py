@@ -55,3 +55,8 @@ def test_tensors_cross_as_copies_and_the_parent_keeps_its_own():
     back = isolation.run_in_child("doubling", _double_in_place, t)
     assert torch.equal(back, torch.tensor([0.0, 2.0, 4.0, 6.0]))
     assert torch.equal(t, torch.arange(4.0)) and not t.is_shared()
+
+
+def test_arguments_that_cannot_cross_to_a_child_are_a_clear_error_before_any_child_starts():
+    with pytest.raises(AgentRLError, match=r"pre-training \(set it off\): cannot be sent to a child process"):
+        isolation.run_in_child("pre-training (set it off)", _fill, lambda: 1)

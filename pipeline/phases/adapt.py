@@ -178,7 +178,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         t = time.perf_counter()
         questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
         if cfg.pretrain.subprocess:
-            out = run_in_child("adapt: continued pre-training", pretrain_in_child, model, tokenizer, cfg, model_cfg,
+            out = run_in_child("adapt: continued pre-training (adapt.pretrain.subprocess: false runs it in this "
+                               "process)", pretrain_in_child, model, tokenizer, cfg, model_cfg,
                                data_dir, pool, questions, rng, torch.get_num_threads(),
                                torch.get_rng_state())
             model.load_state_dict(torch.load(io.BytesIO(out["state"]), weights_only=True))
