@@ -12,7 +12,8 @@ Steps (each a library call; this module only does I/O and wiring):
 3. continued pre-training (``adapt.pretrain``, full parameters, every token in the loss) on copy drills (short texts
    that end in a JSON copy of a quoted fictitious name: the skill held-out entities need, which SFT alone forms only
    after a slow phase change; :func:`pipeline.policy.sft.copy_drills`), optionally with the world's documents and the
-   training questions; no demonstrations;
+   training questions; no demonstrations; by default in a child process (``adapt.pretrain.subprocess``,
+   :func:`pretrain_in_child`), so that the heap the loop leaves behind is returned when the child exits;
 4. SFT (``adapt.sft``) with the adapter (``adapt.adapter``: LoRA merged afterwards, bottleneck kept, full fine-tuning;
    ``auto`` is full fine-tuning for the built-in from-scratch base and LoRA for a pre-trained one), loss on action
    tokens only, entity names replaced by fictitious ones in a share of the demonstrations; the loss curve goes to
