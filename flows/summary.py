@@ -7,10 +7,10 @@ Pure functions over files and numbers: no Prefect, no MLflow, so they are cheap 
 from __future__ import annotations
 
 import json
-import resource
-import sys
 from pathlib import Path
 from typing import Any
+
+from pipeline import isolation
 
 # The figures a reader wants first from each phase's metrics file (dotted paths; missing ones are left out, and a file
 # with none of them shows its first scalar fields instead, so a phase that changes its format still reports).
@@ -101,12 +101,10 @@ def gate_decision(root: str | Path) -> dict[str, Any] | None:
 def peak_memory_mib() -> dict[str, float]:
     """Peak resident memory in MiB: this process, and the largest finished child (stage commands and their children).
 
-    ``ru_maxrss`` is KiB on Linux and bytes on macOS. RUSAGE_CHILDREN covers descendants that have been waited for, so a
-    server still running (Prefect's temporary server) is not counted.
+    RUSAGE_CHILDREN covers descendants that have been waited for, so a server still running (Prefect's temporary
+    server) is not counted.
     """
-    scale = 1 / 1024 if sys.platform != "darwin" else 1 / 1024 / 1024
-    return {"self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale,
-            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale}
+    return {"self": isolation.self_peak_mib(), "children": isolation.children_peak_mib()}
 
 
 def cost_figures(total_s: float, stages: dict[str, dict[str, Any]]) -> dict[str, float]:

@@ -343,12 +343,9 @@ def _record_time(command: str, seconds: float, rc: int | str) -> None:
 def _peak_rss_mib() -> float:
     """The stage's peak: this process with the parts it ran in child processes (their resident sizes added to this
     process's while they ran; pipeline.isolation), or its largest other child (the DeepSpeed ranks), if larger."""
-    import resource
+    from pipeline.isolation import children_peak_mib, tree_peak_mib
 
-    from pipeline.isolation import tree_peak_mib
-
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # KiB on Linux
-    return round(max(tree_peak_mib(), children), 1)
+    return round(max(tree_peak_mib(), children_peak_mib()), 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

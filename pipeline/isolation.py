@@ -41,6 +41,12 @@ def self_peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KIB / 1024
 
 
+def children_peak_mib() -> float:
+    """The largest high-water resident size of any descendant this process has waited for, in MiB (one process's,
+    not a sum: ``RUSAGE_CHILDREN``)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * _KIB / 1024
+
+
 def current_rss_mib() -> float:
     """This process's resident size now, in MiB (``VmRSS``); its high-water mark where /proc is missing."""
     try:
@@ -51,6 +57,12 @@ def current_rss_mib() -> float:
     except OSError:
         pass
     return self_peak_mib()
+
+
+def child_runs_peak_mib() -> float:
+    """The largest sum, over the :func:`run_in_child` calls so far, of this process's resident size when the child
+    started and the child's own peak, in MiB; 0 before any."""
+    return _tree_peak_mib
 
 
 def tree_peak_mib() -> float:
@@ -81,4 +93,5 @@ def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     return pickle.loads(result)
 
 
-__all__ = ["current_rss_mib", "run_in_child", "self_peak_mib", "tree_peak_mib"]
+__all__ = ["child_runs_peak_mib", "children_peak_mib", "current_rss_mib", "run_in_child", "self_peak_mib",
+           "tree_peak_mib"]
