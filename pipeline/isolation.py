@@ -70,9 +70,22 @@ def tree_peak_mib() -> float:
     return max(self_peak_mib(), _tree_peak_mib)
 
 
+def _own_peak_mib() -> float:
+    """The child's own high-water resident size (``VmHWM``). Not ``ru_maxrss``: Linux carries the high-water mark of
+    the forked image across ``exec``, so a spawned child's ``ru_maxrss`` starts at its parent's resident size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return self_peak_mib()
+
+
 def _call(payload: bytes) -> tuple[bytes, float]:
     fn, args, kwargs = pickle.loads(payload)
-    return pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL), self_peak_mib()
+    return pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL), _own_peak_mib()
 
 
 def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
