@@ -195,6 +195,8 @@ def test_two_deepspeed_ranks_train_and_report(project):
     metrics = json.loads((project / "metrics/train.json").read_text())
     assert metrics["world_size"] == 2 and metrics["updates"] == 4
     assert set(metrics["test"]) == {"sft", "rl"} and "level_1_success" in metrics["delta_rl_minus_sft"]
+    # the tiny test split's first 4 tasks are all in training wordings: no held-out wording, no headroom figure
+    assert "template_unseen" not in metrics["test"]["sft"] and metrics["seen_wording_headroom"] is None
     assert (project / "models/policy/config.json").is_file()
     assert (project / "metrics/train_curve.csv").read_text().count("\n") == 5
     (latest,) = (project / "checkpoints/train").glob("*/latest")
@@ -350,6 +352,51 @@ def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     rl["template_seen"], rl["template_unseen"] = {"success_rate": 0.75}, {"success_rate": 0.05}
     d = deltas(sft, rl)
     assert d["template_seen_success"] == pytest.approx(0.25) and d["template_unseen_success"] == pytest.approx(0.05)
+
+
+def test_seen_wording_headroom_counts_the_seen_tasks_sft_failed():
+    """Level 1: 8 seen tasks (SFT solves 6) and 2 in the held-out wording: RL can add 2 of 10 without the held-out
+    wording. Level 4: 4 seen (SFT solves 1), 1 held-out: 3 of 5. Overall 5 of 15. No held-out wording: None."""
+    from pipeline.rl.worker import seen_wording_headroom
+
+    sft = {"per_level": {"1": {"n": 10, "success_rate": 0.6}, "4": {"n": 5, "success_rate": 0.2}},
+           "per_level_template_seen": {"1": {"n": 8, "success_rate": 0.75}, "4": {"n": 4, "success_rate": 0.25}}}
+    head = seen_wording_headroom(sft)
+    assert head == pytest.approx({"level_1": 0.2, "level_4": 0.6, "overall": 5 / 15})
+    sft["per_level_template_seen"].pop("4")  # a level whose tasks are all in the held-out wording: no room at all
+    assert seen_wording_headroom(sft)["level_4"] == 0.0
+    assert seen_wording_headroom({"per_level": sft["per_level"]}) is None
+
+
+def test_the_test_evaluation_splits_each_level_by_wording(in_project):
+    """`_evaluate` on a split with held-out-wording tasks reports each level's seen-wording figures, which the
+    headroom reads: the tiny random policy solves nothing, so a level's headroom is its seen share."""
+    import dataclasses
+
+    from pipeline.config import load_section
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.rl.distributed import Dist
+    from pipeline.rl.trainer import _evaluate
+    from pipeline.rl.worker import seen_wording_headroom
+
+    tasks = load_tasks("data/tasks/test.jsonl")
+    tasks = [dataclasses.replace(t, template_seen=False) if i in (1, 5) else t for i, t in enumerate(tasks)]
+    model, tok, _ = load_policy("models/adapted")
+    engine = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+                           load_section(RolloutConfig, "rollout"))
+    summary = _evaluate(engine, tasks, Dist(), seed=20_000)
+    seen = summary["per_level_template_seen"]
+    assert sum(s["n"] for s in seen.values()) == summary["template_seen"]["n"] == len(tasks) - 2
+    head = seen_wording_headroom(summary)
+    assert summary["overall"]["success_rate"] == 0 and head["overall"] == pytest.approx(6 / 8)
+    for lv, stats in summary["per_level"].items():
+        assert head[f"level_{lv}"] == pytest.approx(seen.get(lv, {"n": 0})["n"] / stats["n"])
+    plain = _evaluate(engine, [t for t in tasks if t.template_seen], Dist(), seed=20_000)
+    assert "per_level_template_seen" not in plain and seen_wording_headroom(plain) is None
 
 
 def test_efficiency_weight_rescores_episodes_from_their_reward_components():

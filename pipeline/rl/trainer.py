@@ -387,14 +387,19 @@ def _fingerprint(module: torch.nn.Module, meta: dict) -> str:
 
 
 def _evaluate(rollout, tasks: list[Task], dist, seed: int) -> dict:
-    """Greedy evaluation split over ranks; returns `summarize` of all records (every rank gets the same)."""
+    """Greedy evaluation split over ranks; returns `summarize` of all records (every rank gets the same), with
+    ``per_level_template_seen`` (each level's figures on its seen-wording tasks) where the split also holds tasks in
+    a held-out wording (:func:`pipeline.rl.worker.seen_wording_headroom` reads it)."""
     mine = tasks[dist.rank::dist.world_size]
     seeds = [seed + i for i in range(len(tasks))][dist.rank::dist.world_size]
     records = rollout.run(mine, seeds, greedy=True) if mine else []
     light = [{k: v for k, v in r.items() if k not in ("token_ids", "logprobs", "action_mask", "steps", "actions")}
              for r in records]
     gathered = [r for part in dist.all_gather(light) for r in part]
-    return summarize(gathered)
+    out = summarize(gathered)
+    if "template_seen" in out:  # a split with held-out wordings (test): each level's seen-wording figures too
+        out["per_level_template_seen"] = summarize([r for r in gathered if r["template_seen"]])["per_level"]
+    return out
 
 
 def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
