@@ -188,6 +188,14 @@ def test_headlines_pick_known_figures_and_fall_back_to_scalars(tmp_path):
                                                                    "per_level": {"1": {}}}}}, "seconds": 2.0}))
     assert summary.headlines("evaluate", f) == {"flags.rl.unseen_templates.seen_success": 0.9,
                                                 "flags.rl.unseen_templates.unseen_success": 0.1, "seconds": 2.0}
+    # train's headlines put RL's gain beside the headroom that bounds it; a split without held-out wordings has none
+    f.write_text(json.dumps({"delta_rl_minus_sft": {"level_4_success": 0.23}, "seen_wording_headroom": {
+        "overall": 0.1275, "level_4": 0.36, "level_1": 0.01}}))
+    assert summary.headlines("train", f) == {"delta_rl_minus_sft.level_4_success": 0.23,
+                                             "seen_wording_headroom.overall": 0.1275,
+                                             "seen_wording_headroom.level_4": 0.36}
+    f.write_text(json.dumps({"delta_rl_minus_sft": {"level_4_success": 0.23}, "seen_wording_headroom": None}))
+    assert summary.headlines("train", f) == {"delta_rl_minus_sft.level_4_success": 0.23}
 
 
 def test_cost_figures_subtract_the_stages_own_time():
