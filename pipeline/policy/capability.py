@@ -191,19 +191,25 @@ def metric_keys(levels: Sequence[int] = LEVELS) -> list[str]:
 # ------------------------------------------------------------------------------------------------------- evaluation
 
 
+def _eval_engine(model, tokenizer, runtime: WorldRuntime, env_cfg: EnvConfig, rollout_cfg, failure_rate: float = 0.0):
+    """A rollout engine for evaluation: the environment as configured but without tool latency (it would only add
+    wall time) and with transient tool failures at `failure_rate` (0 except for the recovery run)."""
+    from pipeline.policy.rollout import RolloutEngine
+
+    eval_env = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": failure_rate})
+    return RolloutEngine(model, tokenizer, runtime, eval_env, rollout_cfg)
+
+
 def evaluate_capabilities(model, tokenizer, runtime: WorldRuntime, tasks: list[Task], env_cfg: EnvConfig,
                           rollout_cfg, cfg, policy_version: int = 0) -> tuple[dict[str, float], dict[str, list[dict]]]:
     """Run the greedy, sampled and recovery evaluations (see the module docstring).
 
     `cfg` is a :class:`~pipeline.policy.config.CapabilityConfig`. Returns (flat metrics, episode records by run).
     """
-    from pipeline.policy.rollout import RolloutEngine
-
     if not tasks:
         raise AgentRLError("capability evaluation needs at least one task")
     results = {t.task_id: plan_results(runtime, t) for t in tasks}
-    eval_env = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": 0.0})
-    engine = RolloutEngine(model, tokenizer, runtime, eval_env, rollout_cfg)
+    engine = _eval_engine(model, tokenizer, runtime, env_cfg, rollout_cfg)
     base = cfg.seed * 1_000_003
     metrics: dict[str, float] = {}
     episodes: dict[str, list[dict]] = {}
@@ -223,8 +229,7 @@ def evaluate_capabilities(model, tokenizer, runtime: WorldRuntime, tasks: list[T
     metrics.update(group_hit_rates(sampled, "eval/sampled"))
     episodes["sampled"] = sampled
 
-    faulty = RolloutEngine(model, tokenizer, runtime,
-                           eval_env.model_copy(update={"tool_failure_rate": cfg.recovery_failure_rate}), rollout_cfg)
+    faulty = _eval_engine(model, tokenizer, runtime, env_cfg, rollout_cfg, failure_rate=cfg.recovery_failure_rate)
     rec = faulty.run(tasks, [base + 200_000 + i for i in range(len(tasks))], greedy=True, policy_version=policy_version)
     metrics.update(recovery_metrics(rec, score(rec, tasks)))
     episodes["recovery"] = rec
@@ -242,12 +247,9 @@ def checkpoint_figures(model, tokenizer, runtime: WorldRuntime, tasks: list[Task
     actions, the quantity whose collapse leaves RL's groups without reward spread. Seeds are fixed, so two calls on
     the same weights give the same figures.
     """
-    from pipeline.policy.rollout import RolloutEngine
-
     if not tasks:
         raise AgentRLError("checkpoint selection needs at least one task")
-    eval_env = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": 0.0})
-    engine = RolloutEngine(model, tokenizer, runtime, eval_env, rollout_cfg)
+    engine = _eval_engine(model, tokenizer, runtime, env_cfg, rollout_cfg)
     base = seed * 1_000_003 + 300_000
     greedy = engine.run(tasks, [base + i for i in range(len(tasks))], greedy=True)
     sampled = engine.run(tasks, [base + 100_000 + i for i in range(len(tasks))], greedy=False)
