@@ -9,7 +9,8 @@
   could give while generation and learning stay one after the other: the synchronous update at 20 ms over the
   generation and learning time of the run without latency; and the async run at 20 ms against that run without
   latency, which is above 1 only where generation and learning side by side use the cores better than each alone
-  (sessions 23 (Intel Xeon) and 28 (AMD EPYC) measured 0.99x and 1.16x; README, RL section);
+  (session 23's table on an Intel Xeon gives 0.99x; session 28 printed 1.16x and 1.21x on an AMD EPYC; README, RL
+  section);
 - the learner's gradient accumulation over length chunks (`train.micro_batches`, default) against one forward of
   the whole batch (`micro_batches: 1`): learning time and peak memory;
 - peak memory of each run (the largest process of that run alone: each run is measured in its own wrapper process).

@@ -37,7 +37,7 @@ def main() -> None:
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
 
-    tasks, seeds, runtime, env, rollout = load_split(args.split, 10**9)
+    tasks, _, runtime, env, rollout = load_split(args.split, 10**9)  # every task; the probe seeds its own
     tasks = [t for t in tasks if t.level == args.level][:args.tasks]
     if not tasks:
         raise SystemExit(f"no level-{args.level} tasks in {args.split}")
