@@ -103,7 +103,7 @@ class SFTConfig(PhaseConfig):
                                "step up to bf16 rounding, with the activation memory of one chunk. 1 on the default "
                                "(bit-identical to the unchunked loop): runs whose rounding differed came out weaker "
                                "in session 5 (README, adapt section).")
-    compile: bool = Field(True, description="torch.compile the training forward (Inductor, dynamic shapes; needs a C++ compiler, as these machines have). Measured on the default (session 9, the same pre-trained weights and the same 1,000 batches): 370 s against 542 s eager (1.46x, compilation included), final loss 0.025 against 0.028 (mean of the last 50 steps), validation greedy success L1-L4 0.94/0.92/0.78/0.77 against 0.84/0.90/0.94/0.77. The first steps pay about 30 s of compilation on a cold cache (/tmp/torchinductor_*). The compiled loop runs under torch.use_deterministic_algorithms (session 11: without it two runs of the same SFT diverged from the first steps). Pre-training stays eager: its 128-token rows gained nothing. false: eager PyTorch.")
+    compile: bool = Field(True, description="torch.compile the training forward (Inductor, dynamic shapes; needs a C++ compiler, as these machines have): 1.46x faster than eager on the default, compilation included (session 9; docs/defaults.md); the first steps pay about 30 s on a cold cache (/tmp/torchinductor_*). The compiled loop runs under torch.use_deterministic_algorithms (without it two runs of the same SFT diverged from the first steps). Pre-training stays eager: its 128-token rows gained nothing. false: eager PyTorch.")
     lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on matrices (not on biases and norms).")
@@ -147,7 +147,7 @@ class GateConfig(PhaseConfig):
             "eval/greedy/tool_first_acc": 0.8,
             "eval/greedy/param_acc": 0.45,
         },
-        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts). The defaults are a regression floor set at about 60 % of what the default adapt measured in session 2 (greedy success 0.30 / 0.68 / 0.76 on levels 1-3, first-tool accuracy 0.98, parameter accuracy 0.58), far above a random policy (about 0); with the word drills (session 4) the default measures far above it (greedy 0.82 / 0.99 / 0.94 / 0.80 on levels 1-4, parameter accuracy 0.95), so the floor catches a broken recipe or seed, not a small regression. Level 4 has no minimum: a pre-training seed whose copy circuit forms late solves it only rarely, and a floor there would stop such a run before RL could lift it; see docs/history.md.",
+        description="Minimum value of capability metrics, by metric key (pipeline.policy.capability.metric_keys lists them; an unknown key is an error before training starts). The defaults are a regression floor at about 60 % of what the default adapt measured in session 2, far above a random policy (about 0): they catch a broken recipe or seed, not a small regression. Level 4 has no minimum: a pre-training seed whose copy circuit forms late solves it only rarely, and a floor there would stop such a run before RL could lift it (docs/defaults.md).",
     )
 
 
