@@ -149,6 +149,23 @@ def test_params_yaml_holds_every_key_with_the_model_default(section):
     assert load_section(model, section, ROOT / "params.yaml") == model()
 
 
+def test_readme_parameter_table_is_the_one_the_configs_generate():
+    # The configs' field descriptions are the one source of the README's table; a config edited without regenerating
+    # the table (python scripts/params_table.py) leaves the README describing keys, defaults or bounds that are gone.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("params_table", ROOT / "scripts" / "params_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    generated = module.table().splitlines()
+    readme = (ROOT / "README.md").read_text().splitlines()
+    start = readme.index(generated[0])
+    shown = readme[start:start + len(generated) + 1]
+    stale = "README's parameter table is stale: regenerate it with scripts/params_table.py"
+    assert shown[:len(generated)] == generated, stale
+    assert len(shown) == len(generated) or not shown[-1].startswith("|"), "README's parameter table has extra rows"
+
+
 def _lookup(data: dict, dotted: str) -> bool:
     node = data
     for part in dotted.split("."):
