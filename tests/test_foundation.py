@@ -159,6 +159,7 @@ def test_readme_parameter_table_is_the_one_the_configs_generate():
     spec.loader.exec_module(module)
     generated = module.table().splitlines()
     readme = (ROOT / "README.md").read_text().splitlines()
+    assert generated[0] in readme, "README has no parameter table: paste the output of scripts/params_table.py"
     start = readme.index(generated[0])
     shown = readme[start:start + len(generated) + 1]
     stale = "README's parameter table is stale: regenerate it with scripts/params_table.py"
