@@ -6,6 +6,8 @@ deepspeed.launcher.runner --num_gpus 1 --module scripts.probes.gpu_worker``: the
 null tracker, see that module), from ``models/adapted`` and ``data/`` with params.yaml's train section and these
 overrides (one rank: the device machine has one GPU):
 
+0. ``profile``: one batch of 64 rollouts in this process under torch.profiler (:func:`profile_rollout`; session
+   31 onward: where the GPU's rollout time goes);
 1. ``sync``: ``--updates`` updates (default 6), an evaluation and a checkpoint every 4, validation on 32 tasks and the
    SFT-against-RL test comparison on 64; per update the rollout and learning seconds; the engine's precision; the saved
    policy's dtype; peak GPU memory;
@@ -17,7 +19,7 @@ overrides (one rank: the device machine has one GPU):
 
 The time limits are sized from session 30's H200 run (about 35 s to start and stop a launch, 10-15 s per update: the
 rollouts are slower there than on the 2-core CPU, see scripts/probes/README.md): all four steps take about 13 minutes,
-more than one device call's 10, so run them as two calls, ``--only sync zero1`` (about 5 minutes) and ``--only resume
+more than one device call's 10, so run them as two calls, ``--only profile sync zero1`` (about 6 minutes) and ``--only resume
 latency`` (about 8).
 
 Plus the bf16 matrix-multiply rate of the device (8192³ on a GPU, 1024³ on a CPU) for scale. Writes a log per run and
@@ -132,11 +134,66 @@ def launch(name: str, out: Path, train: dict, env: dict | None = None, extra: li
     return res
 
 
+def profile_rollout(out: Path, device: str, n_tasks: int = 8, group: int = 8) -> dict:
+    """One RL batch of rollouts (the train split's first `n_tasks` tasks × `group`, sampled at the RL temperature),
+    in this process on `device`, under torch.profiler after one unprofiled warm-up batch: the time per main decode
+    forward, and the ops that took the most host time (``rollout_profile.txt`` in `out`; on a GPU also the most GPU
+    time, and the host-device copies and synchronisations per forward). On a GPU the policy is cast to bf16, as the
+    bf16 engine holds it. What a GPU session needs to see where the rollouts' time goes (session 30's H200 run took
+    10-14 s per such batch against 3 s on the 2-core CPU)."""
+    from pipeline.config import load_section
+    from pipeline.env.config import EnvConfig
+    from pipeline.env.core import WorldRuntime, load_tasks
+    from pipeline.env.world import load_world
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.rl.config import TrainConfig
+
+    params = REPO / "params.yaml"
+    model, tok, _ = load_policy(REPO / "models" / "adapted")
+    model = model.to(device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params)
+    temperature = load_section(TrainConfig, "train", params).rollout_temperature
+    if temperature is not None:
+        rollout_cfg = rollout_cfg.model_copy(update={"temperature": temperature})
+    engine = RolloutEngine(model, tok, WorldRuntime(load_world(REPO / "data" / "env")),
+                           load_section(EnvConfig, "env", params), rollout_cfg)
+    tasks = [t for t in load_tasks(REPO / "data" / "tasks" / "train.jsonl")[:n_tasks] for _ in range(group)]
+    engine.run(tasks, list(range(len(tasks))), greedy=False)  # warm-up: allocator, kernels, caches
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        t = time.perf_counter()
+        records = engine.run(tasks, list(range(len(tasks))), greedy=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    averages = prof.key_averages()
+    st = engine.stats
+    res = {"wall_s": round(wall, 2), "episodes": len(records), "forwards": st["forwards"],
+           "chunk_forwards": st["chunk_forwards"], "sampled_tokens": st["sampled_tokens"],
+           "ms_per_forward": round(1000 * wall / max(1, st["forwards"] + st["chunk_forwards"]), 2)}
+    counts = {e.key: e.count for e in averages}
+    for key in ("aten::copy_", "aten::_to_copy", "aten::item", "aten::_local_scalar_dense", "cudaMemcpyAsync",
+                "cudaStreamSynchronize", "cudaLaunchKernel", "cudaLaunchKernelExC"):
+        if key in counts:
+            res[f"per_forward/{key}"] = round(counts[key] / max(1, st["forwards"] + st["chunk_forwards"]), 1)
+    text = [json.dumps(res), "", averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if device == "cuda":
+        text += ["", averages.table(sort_by="self_cuda_time_total", row_limit=20)]
+    (out / "rollout_profile.txt").write_text("\n".join(text) + "\n")
+    print("[profile] " + json.dumps(res), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--updates", type=int, default=6)
-    ap.add_argument("--only", nargs="*", default=None, help="run only these steps (sync resume latency zero1)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="run only these steps (profile sync resume latency zero1)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,7 +205,9 @@ def main() -> None:
             "python": sys.version.split()[0], "bf16_matmul_tflops": round(matmul_rate(device) / 1e12, 2)}
     print("[info] " + json.dumps(info), flush=True)
     summary = {"info": info}
-    steps = set(args.only or ("sync", "resume", "latency", "zero1"))
+    steps = set(args.only or ("profile", "sync", "resume", "latency", "zero1"))
+    if "profile" in steps:
+        summary["profile"] = profile_rollout(args.out, device)
     base = {"eval_every": 4, "checkpoint_every": 4, "eval_tasks": 32, "test_tasks": 64}
     if "sync" in steps:
         summary["sync"] = launch("sync", args.out, {**base, "updates": args.updates}, timeout=210)
