@@ -7,6 +7,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 nvidia-smi -L
+ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check: no wheels in .whl/ (carry .whl; scripts/probes/README.md)" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 DO_NOT_TRACK=1

@@ -19,11 +19,12 @@ overrides (one rank: the device machine has one GPU):
 
 The time limits are sized from session 30's H200 run (about 35 s to start and stop a launch, 10-15 s per update: the
 rollouts are slower there than on the 2-core CPU, see scripts/probes/README.md): all four steps take about 13 minutes,
-more than one device call's 10, so run them as two calls, ``--only profile sync zero1`` (about 6 minutes) and ``--only resume
-latency`` (about 8).
+more than one device call's 10, so run them as two calls, ``--only profile sync zero1`` (about 6 minutes) and
+``--only resume latency`` (about 8).
 
 Plus the bf16 matrix-multiply rate of the device (8192³ on a GPU, 1024³ on a CPU) for scale. Writes a log per run and
-``summary.json`` to ``--out`` (the run folders go to a temporary folder); prints a summary. Each run has its own time limit, so a hang loses one run, not all.
+``summary.json`` to ``--out`` (the run folders go to a temporary folder); prints a summary. Each run has its own
+time limit, so a hang loses one run, not all.
 
     python scripts/probes/gpu_train.py --out /tmp/gpu [--updates 6]
 """
@@ -69,10 +70,8 @@ def launch(name: str, out: Path, train: dict, env: dict | None = None, extra: li
     from pipeline.rl.distributed import _free_port, child_env
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["train"].update({"num_ranks": 1, "deepspeed_config": str(REPO / params["train"]["deepspeed_config"]),
-                            **train})
-    if "deepspeed_config" in train:
-        params["train"]["deepspeed_config"] = str(REPO / train["deepspeed_config"])
+    params["train"].update({"num_ranks": 1, **train})
+    params["train"]["deepspeed_config"] = str(REPO / params["train"]["deepspeed_config"])  # runs start elsewhere
     params["env"].update(env or {})
     d = WORK / name  # run folders (checkpoints, policies) stay out of --out, which the device machine sends back
     d.mkdir(parents=True, exist_ok=True)
@@ -195,6 +194,11 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None,
                     help="run only these steps (profile sync resume latency zero1)")
     args = ap.parse_args()
+    needed = ("models/adapted/config.json", "data/tasks/train.jsonl", "data/env")
+    missing = [p for p in needed if not (REPO / p).exists()]
+    if missing:
+        raise SystemExit(f"gpu_train: {', '.join(missing)} not found under {REPO}: run `dvc pull` or `dvc repro adapt` "
+                         f"first (on the device machine, carry data and models/adapted)")
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     import deepspeed
