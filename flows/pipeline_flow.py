@@ -36,7 +36,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import lineage, project_params, summary
 from pipeline.errors import AgentRLError
 from pipeline.graph import load_stages, select
-from pipeline.tracking import PARENT_RUN_ENV, Tracker
+from pipeline.tracking import PARENT_RUN_ENV, Tracker, require_tracking
 
 TAIL_LINES = 40
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # pipeline.cli appends each command's own wall time here
@@ -191,6 +191,7 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
     Returns {"stages": per-stage timings, "cost": wall/overhead/memory, "gate": the gate's outcome or None,
     "run_id": the MLflow parent run}.
     """
+    require_tracking("the pipeline flow (its MLflow parent run)")
     logger = get_run_logger()
     wall0 = started_at if started_at is not None else time.time()
     params = project_params(params_path)  # a malformed params.yaml fails before any stage starts

@@ -46,7 +46,7 @@ from flows import lineage, project_params
 from flows.pipeline_flow import pipeline_flow
 from pipeline.errors import AgentRLError
 from pipeline.graph import stage_order
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, require_tracking
 
 INCOMING = "data/incoming"
 DRIFT_CHECKS = ("task_drift", "trajectory_drift", "state_drift")
@@ -141,6 +141,7 @@ def _markdown(record: dict[str, Any]) -> str:
 @flow(name="agentrl-retrain")
 def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = False) -> dict[str, Any]:
     """One scheduled retraining decision for the project at `project` (see the module docstring); returns the record."""
+    require_tracking("the retraining flow (its MLflow runs and the registry)")
     logger = get_run_logger()
     params = project_params(Path(project) / "params.yaml")
     root = params.parent

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from pipeline.config import DEFAULT_PARAMS, ConfigError
 from pipeline.errors import AgentRLError
+from pipeline.tracking import require_tracking
 
 USER_ERROR = 2
 # When set (the Prefect flow sets it for each stage it launches), every `agentrl` command appends one JSON line
@@ -104,6 +105,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import flows
 
     params = flows.project_params(args.params)  # bad input fails here, before Prefect starts a server
+    require_tracking("agentrl run (its MLflow parent run and the registry's promotion gate)")
     flows.use_project_prefect_home(params.parent)  # must happen before the first `import prefect`
     from flows.pipeline_flow import StageFailed, pipeline_flow
 
@@ -119,6 +121,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     import flows
 
     params = flows.project_params(args.params)
+    require_tracking("agentrl schedule (the champion's data version and the promotion gate)")
     root = params.parent
     flows.use_project_prefect_home(root)  # must happen before the first `import prefect`
     if args.once:

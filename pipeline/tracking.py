@@ -11,7 +11,14 @@ Where runs go:
   artifact location is the ``mlartifacts/`` folder next to the database (``<repo>/mlartifacts`` by default): MLflow's
   own default is a folder relative to the process's cwd, which scatters artefacts (shared/STACK.md);
 - when ``AGENTRL_PARENT_RUN_ID`` is set (the Prefect flow sets it for the stages it launches), the phase run is a
-  nested child of that run.
+  nested child of that run;
+- when ``AGENTRL_TRACKING=off``, nowhere: :meth:`Tracker.run` yields a :class:`NullRun`, MLflow is not imported and no
+  store is touched, and a phase says so once on its log. This is for machines without a tracking store or without
+  MLflow installed (a GPU box that only trains, a quick local try); the metrics files under ``metrics/`` are written as
+  always. What needs the store for its result refuses with a clear error instead of running half-tracked
+  (:func:`require_tracking`): the model registry (``deploy``, ``promote``, ``rollback``, serving by alias) and the
+  Prefect flows, whose parent run ties the phases together. Values: ``on`` (the default), ``off``; anything else is
+  an error that names the variable.
 
 Conventions enforced here rather than in every phase: nested params are flattened with dots (``env.reward.safety``);
 metric keys are namespaced (``data/n_tasks``; a key without a ``/`` gets the phase name as its namespace, and nested
@@ -26,6 +33,7 @@ and a run id. MLflow itself is imported inside the methods, because importing it
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
 import time
@@ -34,9 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import repo_root
+from pipeline.errors import AgentRLError
+
+logger = logging.getLogger(__name__)
 
 EXPERIMENT = "agentrl"
 PARENT_RUN_ENV = "AGENTRL_PARENT_RUN_ID"
+TRACKING_ENV = "AGENTRL_TRACKING"
 PHASE_TAG = "agentrl.phase"
 _BATCH = 100  # MLflow accepts at most 100 params (and 1000 metrics) per log_batch call.
 
@@ -76,6 +88,35 @@ def namespaced(metrics: Mapping[str, Any], namespace: str) -> dict[str, float]:
                 raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}: {value!r}") from None
         out[key] = float(value)
     return out
+
+
+def tracking_enabled() -> bool:
+    """Whether phase runs go to MLflow: ``$AGENTRL_TRACKING`` is ``on`` (or unset) or ``off``.
+
+    Raises :class:`~pipeline.errors.AgentRLError` for any other value, naming the variable and the values it takes.
+    """
+    raw = os.environ.get(TRACKING_ENV, "on").strip().lower()
+    if raw in ("on", "1", "true", ""):
+        return True
+    if raw in ("off", "0", "false"):
+        return False
+    raise AgentRLError(f"{TRACKING_ENV}={os.environ[TRACKING_ENV]!r}: expected 'on' (the default) or 'off'")
+
+
+def require_tracking(what: str) -> None:
+    """Raise :class:`~pipeline.errors.AgentRLError` when tracking is off: `what` needs the MLflow store for its result."""
+    if not tracking_enabled():
+        raise AgentRLError(f"{what} needs the MLflow tracking store, and {TRACKING_ENV}=off turns it off: unset "
+                           f"{TRACKING_ENV} (or set it to 'on') and run again; nothing was changed")
+
+
+_said_off: set[str] = set()
+
+
+def _say_off(phase: str) -> None:
+    if phase not in _said_off:
+        _said_off.add(phase)
+        logger.warning("%s=off: the %s run is not tracked (nothing is written to MLflow)", TRACKING_ENV, phase)
 
 
 def _git_commit(root: Path) -> str | None:
@@ -192,8 +233,13 @@ class Tracker:
     ) -> Iterator[RunHandle]:
         """Open a run named `phase`, log `params` and `tags`, and close it FINISHED (or FAILED/KILLED if the body raises).
 
-        The run is a child of `parent_run_id`, or of ``$AGENTRL_PARENT_RUN_ID`` when that is set.
+        The run is a child of `parent_run_id`, or of ``$AGENTRL_PARENT_RUN_ID`` when that is set. With
+        ``AGENTRL_TRACKING=off`` it yields a :class:`NullRun` instead and touches no store.
         """
+        if not tracking_enabled():
+            _say_off(phase)
+            yield NullRun(phase)
+            return
         client = self.client()
         exp_id = self.experiment_id(client)
         parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
@@ -263,4 +309,5 @@ def make_tracker(enabled: bool = True, **kwargs: Any) -> Tracker | NullTracker:
     return Tracker(**kwargs) if enabled else NullTracker()
 
 
-__all__ = ["EXPERIMENT", "PARENT_RUN_ENV", "NullRun", "NullTracker", "RunHandle", "Tracker", "flatten", "make_tracker", "namespaced"]
+__all__ = ["EXPERIMENT", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle", "Tracker", "flatten",
+           "make_tracker", "namespaced", "require_tracking", "tracking_enabled"]

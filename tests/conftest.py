@@ -20,6 +20,7 @@ def mlflow_tmp_uri(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", uri)
         mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
+        mp.delenv("AGENTRL_TRACKING", raising=False)  # a user's switch must not turn the suite's tracking off
         yield uri
 
 

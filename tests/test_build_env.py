@@ -184,3 +184,44 @@ def test_family_coverage_overrides_its_level_and_names_only_known_families(built
         BuildEnvConfig.model_validate({"demos": {"family_coverage": {"updates": 0.1}}})
     with pytest.raises(ValueError, match=r"family_coverage values must lie in \[0, 1\]"):
         BuildEnvConfig.model_validate({"demos": {"family_coverage": {"update": 1.5}}})
+
+
+TINY_PARAMS = """\
+build_env:
+  n_products: 60
+  n_suppliers: 12
+  tasks_per_split: {train: 80, validation: 24, test: 24}
+"""
+
+
+def test_tracking_off_builds_without_mlflow_and_a_bad_switch_stops_first(tmp_path):
+    """``AGENTRL_TRACKING=off``: the phase runs and writes its outputs with MLflow not importable, and no store is made;
+    a value that is neither on nor off is refused, naming the variable, before anything is written."""
+    import os
+
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['mlflow'] = None\n")
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "params.yaml").write_text(TINY_PARAMS)
+    store = tmp_path / "store" / "mlflow.db"
+    env = {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{Path(__file__).resolve().parents[1]}",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
+
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "build-env"], cwd=root, capture_output=True,
+                         text=True, env={**env, "AGENTRL_TRACKING": "maybe"})
+    assert out.returncode == 2 and "AGENTRL_TRACKING='maybe'" in out.stderr and "'off'" in out.stderr, out.stderr
+    assert not (root / "data").exists() and not (root / "metrics").exists()
+
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "build-env"], cwd=root, capture_output=True,
+                         text=True, env={**env, "AGENTRL_TRACKING": "off"})
+    assert out.returncode == 0, out.stderr
+    assert "the build_env run is not tracked" in out.stderr
+    metrics = json.loads((root / "metrics/build_env.json").read_text())
+    assert metrics["counts"]["tasks_train"] == 80 and (root / "data/tasks/test.jsonl").is_file()
+    assert not store.parent.exists() and not (root / "mlflow.db").exists()
+
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "build-env"], cwd=root, capture_output=True,
+                         text=True, env=env)  # tracking on, MLflow not importable: the store is really needed
+    assert out.returncode != 0 and "mlflow" in out.stderr

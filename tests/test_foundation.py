@@ -20,7 +20,8 @@ from pipeline.cli import build_parser, main
 from pipeline.config import ConfigError, load_section, read_params
 from pipeline.env.config import BuildEnvConfig, EnvConfig
 from pipeline.graph import GraphError, load_stages, parse_stages, select, stage_order, toposort
-from pipeline.tracking import NullRun, NullTracker, RunHandle, Tracker, flatten, namespaced
+from pipeline.errors import AgentRLError
+from pipeline.tracking import NullRun, NullTracker, RunHandle, Tracker, flatten, namespaced, tracking_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"env": EnvConfig, "build_env": BuildEnvConfig}
@@ -409,6 +410,36 @@ def test_null_tracker_mirrors_the_real_interface_and_writes_nothing(tmp_path, mo
         run.set_tags({"t": 1})
     assert run.run_id is None
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_tracking_switch_turns_phase_runs_off_and_refuses_what_needs_the_store(tmp_path, monkeypatch, capsys):
+    from pipeline.deploy.registry import ModelRegistry
+
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    for value, on in (("on", True), ("ON ", True), ("", True), ("off", False), ("0", False), ("false", False)):
+        monkeypatch.setenv("AGENTRL_TRACKING", value)
+        assert tracking_enabled() is on
+    monkeypatch.setenv("AGENTRL_TRACKING", "sometimes")
+    with pytest.raises(AgentRLError, match="AGENTRL_TRACKING='sometimes': expected 'on'"):
+        tracking_enabled()
+
+    monkeypatch.setenv("AGENTRL_TRACKING", "off")
+    with Tracker(root=tmp_path).run("train", params={"a": 1}) as run:
+        run.log_metrics({"train/x": 1.0}, step=0)
+    assert isinstance(run, NullRun) and run.run_id is None
+    with pytest.raises(AgentRLError, match="the model registry .* AGENTRL_TRACKING=off"):
+        ModelRegistry("agentrl-policy")
+    assert not store.exists()
+    assert main(["run", "--params", str(repo_root() / "params.yaml")]) == 2
+    assert "agentrl run" in capsys.readouterr().err and not store.exists()
+    assert main(["serve", "--params", str(repo_root() / "params.yaml")]) == 2
+    assert "serving models:/" in capsys.readouterr().err and not store.exists()
+
+    monkeypatch.delenv("AGENTRL_TRACKING")
+    with Tracker(root=tmp_path).run("train") as run:  # back on: a real run in the store
+        pass
+    assert run.run_id and store.exists()
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -182,6 +182,27 @@ def test_save_load_round_trip_gives_identical_logits_and_metadata(tokenizer, tmp
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
 
 
+def test_a_bf16_model_is_stored_in_fp32_and_left_as_it_was(tokenizer, tmp_path):
+    """What a bf16 engine trains (DeepSpeed on a GPU) is saved in fp32, exactly, so the artefact does not depend on
+    where training ran; the live model keeps its dtype."""
+    from safetensors import safe_open
+
+    model = build_policy(TINY, tokenizer).to(torch.bfloat16)
+    path = save_policy(model, tokenizer, tmp_path / "policy")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert stored and {t.dtype for t in stored.values()} == {torch.float32}
+    assert json.loads((path / "config.json").read_text())["dtype"] == "float32"
+    live = model.state_dict()
+    for k, t in stored.items():
+        assert torch.equal(t, live[k].float())
+    assert next(model.parameters()).dtype == torch.bfloat16
+    loaded, _, _ = load_policy(path)
+    assert next(loaded.parameters()).dtype == torch.float32
+    for k, t in loaded.state_dict().items():
+        assert torch.equal(t, live[k].float()), k
+
+
 def test_missing_path_and_non_model_folders_are_clear_errors(tmp_path):
     with pytest.raises(AgentRLError, match="does not exist"):
         load_policy(tmp_path / "nope")

@@ -68,9 +68,10 @@ class ModelRegistry:
     """One registered model in an MLflow registry (``tracking_uri``: ``$MLFLOW_TRACKING_URI`` or the repo's store)."""
 
     def __init__(self, name: str, tracking_uri: str | None = None):
-        from mlflow.tracking import MlflowClient
+        from pipeline.tracking import Tracker, require_tracking
 
-        from pipeline.tracking import Tracker
+        require_tracking(f"the model registry ({name!r})")
+        from mlflow.tracking import MlflowClient
 
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no progress bars in logs
         self.name = name

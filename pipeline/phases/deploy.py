@@ -261,4 +261,9 @@ def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, h
     from pipeline.deploy.serve import serve
 
     cfg = load_section(DeployConfig, "deploy", params_path)
-    serve(model_uri or f"models:/{cfg.model_name}@champion", cfg.serve, host, port)
+    uri = model_uri or f"models:/{cfg.model_name}@champion"
+    if uri.startswith("models:/"):
+        from pipeline.tracking import require_tracking
+
+        require_tracking(f"serving {uri} (a registry model)")
+    serve(uri, cfg.serve, host, port)

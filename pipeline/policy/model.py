@@ -258,9 +258,16 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
 
     `meta` is stored under ``policy.json``; conventional keys: ``data_version`` (checksums of the data the model was
     trained on), ``step``, ``phase``, ``model_config``. ``git_commit``, ``saved_at``, ``n_parameters`` and the HF
-    config are added here. Returns the final path."""
+    config are added here. Returns the final path.
+
+    The weights are stored in fp32 whatever the model computes in: a model trained by a bf16 engine (DeepSpeed on a
+    GPU, ``"bf16": "auto"``) is widened on the way out (exact; the live model is not touched), so the artefact's dtype
+    and the loaders' behaviour do not depend on where training ran. An fp32 model is saved as it is."""
     path = Path(path)
     check_pair(model, tokenizer, str(path))
+    state_dict = None
+    if any(t.is_floating_point() and t.dtype != torch.float32 for t in model.parameters()):
+        state_dict = {k: (v.detach().float() if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     info = {
         **(meta or {}),
@@ -273,7 +280,11 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
 
     def write(tmp: Path) -> None:
         with _quiet_progress():
-            model.save_pretrained(tmp, safe_serialization=True)
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if state_dict is not None:  # the config records the stored dtype, not the live model's
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = "float32"
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         (tmp / POLICY_JSON).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
 

@@ -1,8 +1,8 @@
 """`pipeline.rl.worker` as one rank of `scripts/probes/gpu_train.py` (``deepspeed --module scripts.probes.gpu_worker``).
 
 Three things differ from the worker itself, all for the device machine. MLflow and Great Expectations are not
-installed there (the probe carries only the packages the train path imports, as wheels): the tracker is
-:class:`pipeline.tracking.NullTracker`, and where ``great_expectations`` cannot be imported the demonstrations'
+installed there (the probe carries only the packages the train path imports, as wheels): tracking is off
+(``AGENTRL_TRACKING=off``, `pipeline.tracking`, set here unless the caller set it), and where ``great_expectations`` cannot be imported the demonstrations'
 validation (suite ``demos``, which the env stage already ran when it wrote them, on the machine that built ``data/``)
 is skipped, said once on the output (``VALIDATION skipped``). And the rank prints what the probe reads back: the DeepSpeed engine's precision (``ENGINE bf16=... param_dtype=...``) when it is
 made, and the peak GPU memory at exit (``GPU_PEAK_MIB``). Nothing else is changed: the worker's own `main` runs.
@@ -11,14 +11,15 @@ made, and the peak GPU memory at exit (``GPU_PEAK_MIB``). Nothing else is change
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 
 import torch
 
 import pipeline.rl.distributed as distributed
-import pipeline.tracking as tracking
+from pipeline.tracking import TRACKING_ENV
 
-tracking.Tracker = tracking.NullTracker  # no MLflow on the device machine
+os.environ.setdefault(TRACKING_ENV, "off")  # no MLflow on the device machine
 _make_engine = distributed.make_engine
 
 
