@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from pipeline.config import DEFAULT_PARAMS, ConfigError
 from pipeline.errors import AgentRLError
-from pipeline.tracking import require_tracking
+from pipeline.tracking import require_tracking, tracking_enabled
 
 USER_ERROR = 2
 # When set (the Prefect flow sets it for each stage it launches), every `agentrl` command appends one JSON line
@@ -356,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rc: int | str = "exception"
     try:
+        tracking_enabled()  # a mistyped AGENTRL_TRACKING stops every command here, before it does anything
         rc = args.func(args)
         return rc
     except (ConfigError, AgentRLError) as exc:

@@ -110,6 +110,17 @@ def require_tracking(what: str) -> None:
                            f"{TRACKING_ENV} (or set it to 'on') and run again; nothing was changed")
 
 
+def mlflow_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
+    """An ``MlflowClient``; where MLflow cannot be imported, an :class:`~pipeline.errors.AgentRLError` that says how
+    to install it or how to run without it, instead of an ImportError traceback."""
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError as exc:
+        raise AgentRLError(f"MLflow cannot be imported here ({exc}): install the project (`pip install -e .`), or set "
+                           f"{TRACKING_ENV}=off to run a phase without tracking") from None
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+
+
 _said_off: set[str] = set()
 
 
@@ -203,9 +214,7 @@ class Tracker:
         return None
 
     def client(self) -> Any:
-        from mlflow.tracking import MlflowClient
-
-        return MlflowClient(tracking_uri=self.tracking_uri)
+        return mlflow_client(self.tracking_uri)
 
     def experiment_id(self, client: Any) -> str:
         """The id of the tracker's experiment, created (or restored from deletion) on first use."""
@@ -310,4 +319,4 @@ def make_tracker(enabled: bool = True, **kwargs: Any) -> Tracker | NullTracker:
 
 
 __all__ = ["EXPERIMENT", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle", "Tracker", "flatten",
-           "make_tracker", "namespaced", "require_tracking", "tracking_enabled"]
+           "make_tracker", "mlflow_client", "namespaced", "require_tracking", "tracking_enabled"]

@@ -68,15 +68,14 @@ class ModelRegistry:
     """One registered model in an MLflow registry (``tracking_uri``: ``$MLFLOW_TRACKING_URI`` or the repo's store)."""
 
     def __init__(self, name: str, tracking_uri: str | None = None):
-        from pipeline.tracking import Tracker, require_tracking
+        from pipeline.tracking import Tracker, mlflow_client, require_tracking
 
         require_tracking(f"the model registry ({name!r})")
-        from mlflow.tracking import MlflowClient
 
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no progress bars in logs
         self.name = name
         self.tracking_uri = tracking_uri or Tracker().tracking_uri
-        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self.client = mlflow_client(self.tracking_uri, registry_uri=self.tracking_uri)
 
     # ------------------------------------------------------------------------------------------------------ reading
     def exists(self) -> bool:
