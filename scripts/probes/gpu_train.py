@@ -2,8 +2,8 @@
 the same DeepSpeed launch command and config files run on GPUs unchanged.
 
 Every run starts the worker the way the `train` stage does, through the DeepSpeed launcher (``python -m
-deepspeed.launcher.runner --num_gpus 1 --module scripts.probes.gpu_worker``: the worker with MLflow swapped for the
-null tracker, see that module), from ``models/adapted`` and ``data/`` with params.yaml's train section and these
+deepspeed.launcher.runner --num_gpus 1 --module scripts.probes.gpu_worker``: the worker with tracking off,
+``AGENTRL_TRACKING=off``, see that module), from ``models/adapted`` and ``data/`` with params.yaml's train section and these
 overrides (one rank: the device machine has one GPU):
 
 0. ``profile``: one batch of 64 rollouts in this process under torch.profiler (:func:`profile_rollout`; session
