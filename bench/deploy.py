@@ -47,13 +47,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.deploy.config import DeployConfig, QuantizationConfig
     from pipeline.deploy.quantize import make_variant, measure_variant, state_size_bytes
     from pipeline.env.config import EnvConfig
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.evaluation import load_task_file
+    from pipeline.policy.episodes import load_task_file
     from pipeline.policy.config import RolloutConfig
 
     params = ROOT / "params.yaml"

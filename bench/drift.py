@@ -23,15 +23,15 @@ import time
 
 import numpy as np
 
-from pipeline.drift import checks as C
-from pipeline.drift.config import DriftConfig
-from pipeline.drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, hidden_state_features, observation_contexts,
+from pipeline.check_drift import checks as C
+from pipeline.check_drift.config import DriftConfig
+from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, hidden_state_features, observation_contexts,
                                      task_features, trajectory_features)
 from pipeline.env.config import EnvConfig
 from pipeline.env.core import WorldRuntime
 from pipeline.env.tasks import Task
 from pipeline.env.world import generate_world
-from pipeline.evaluation import evaluate
+from pipeline.policy.episodes import evaluate
 
 GOAL_S = 10.0
 

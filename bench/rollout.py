@@ -62,7 +62,7 @@ def setup_policy(n_episodes: int, policy: str):
     """A trained policy with its world (data/env) and the first validation tasks."""
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.evaluation import load_task_file
+    from pipeline.policy.episodes import load_task_file
     from pipeline.policy.model import load_policy
 
     model, tok, _ = load_policy(ROOT / policy)
@@ -78,7 +78,7 @@ def setup(n_episodes: int):
     from pipeline.env.tasks import generate_tasks
     from pipeline.env.tools import default_tools, signature
     from pipeline.env.world import generate_world
-    from pipeline.evaluation import run_episode
+    from pipeline.policy.episodes import run_episode
     from pipeline.policy.config import ModelConfig
     from pipeline.policy.model import build_policy
     from pipeline.policy.tokenizer import train_tokenizer

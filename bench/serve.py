@@ -74,7 +74,7 @@ def main() -> None:
     import yaml
 
     from deploy import load_model  # bench/deploy.py: the same policy choice
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.deploy.config import DeployConfig
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
     from pipeline.env.config import EnvConfig

@@ -5,7 +5,7 @@
 
 For each dtype (fp32; bf16 autocast where the CPU supports it) and each mode (full fine-tuning; LoRA as the adapt
 stage trains it), one child process builds the default policy model (``ModelConfig()``; vocabulary sized like the
-built-in tokenizer), times ``--steps`` AdamW steps of the adapt stage's own loop (:func:`pipeline.policy.sft.train_lm`)
+built-in tokenizer), times ``--steps`` AdamW steps of the adapt stage's own loop (:func:`pipeline.adapt.sft.train_lm`)
 on full-length batches of random tokens (no padding, so every token counts), and reports its peak resident memory.
 Each row runs eager and with ``torch.compile`` (``adapt.sft.compile``, on by default; its compilation happens in the
 warm-up steps and is not timed: the adapt stage pays it once, ~30 s on a cold cache).
@@ -66,8 +66,10 @@ def train_child(q, dtype_name: str, mode: str, steps: int, batch: int, seq: int,
     from torch import nn
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # peft's deprecation notices, not ours
-    from pipeline.policy import adapters, sft
-    from pipeline.policy.config import AdapterConfig, ModelConfig
+    from pipeline.adapt import adapters
+    from pipeline.adapt import sft
+    from pipeline.policy.config import ModelConfig
+    from pipeline.adapt.config import AdapterConfig
     from pipeline.policy.model import autocast_context, resident_mib
 
     torch.set_num_threads(threads)
@@ -149,7 +151,7 @@ def main(argv=None) -> list[dict]:
 
     from pipeline.policy.model import supports_bf16
 
-    from pipeline.policy.config import SFTConfig
+    from pipeline.adapt.config import SFTConfig
 
     threads = args.threads or torch.get_num_threads()
     micro = args.micro_batches or SFTConfig().micro_batches

@@ -70,13 +70,13 @@ def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, 
     args = ["--params", str(d / "params.yaml"), "--out", str(d / "policy"), "--ckpt", str(d / "ckpt"),
             "--metrics", str(d / "train.json"), "--curve", str(d / "curve.csv")]
     if ranks > 1:
-        from pipeline.phases.train import launcher_command
-        from pipeline.rl.distributed import _free_port
+        from pipeline.train.main import launcher_command
+        from pipeline.train.distributed import _free_port
 
         cmd = launcher_command(str(d / "params.yaml"), ranks, _free_port(), args[2:])
     else:
-        cmd = [sys.executable, "-m", "pipeline.rl.worker", *args]
-    from pipeline.rl.distributed import child_env
+        cmd = [sys.executable, "-m", "pipeline.train.worker", *args]
+    from pipeline.train.distributed import child_env
 
     env = child_env({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"})
     # ru_maxrss of RUSAGE_CHILDREN only ever grows over a process's children, so each run gets its own wrapper
@@ -124,9 +124,9 @@ def main() -> None:
         lat_async = run("async-20ms", tmp, args.updates, args.tasks, args.group, 1, asy, lat)
     dtype = torch.bfloat16 if supports_bf16() else torch.float32
     peak = matmul_peak(dtype)
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.policy.config import RolloutConfig
-    from pipeline.rl.config import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     tcfg_chunks = load_section(TrainConfig, "train", REPO / "params.yaml").micro_batches  # params.yaml, validated
     print(f"RL benchmark: {n_params / 1e6:.2f}M-parameter policy, {args.tasks} tasks x {args.group} rollouts per "
@@ -165,7 +165,7 @@ def main() -> None:
     tcfg = load_section(TrainConfig, "train", REPO / "params.yaml")
     epochs = tcfg.epochs
     # a no-grad forward (π_old), then forward+backward per epoch; a one-step on-policy update (group baseline, one
-    # epoch, one minibatch) skips the no-grad forward (pipeline.rl.trainer._learn)
+    # epoch, one minibatch) skips the no-grad forward (pipeline.train.trainer._learn)
     single_pass = tcfg.algorithm in ("grpo", "rloo") and epochs == 1 and tcfg.minibatches == 1
     flops = ((0 if single_pass else 2) + 6 * epochs) * n_params * base["tokens"]
     print(f"learning: {flops / base['learn_s'] / 1e9:.1f} GFLOP/s vs {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s "

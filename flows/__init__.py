@@ -28,8 +28,8 @@ def project_params(params_path: str | Path) -> Path:
     The stages run through `dvc repro`, which reads the params.yaml next to dvc.yaml, so another file name cannot be
     honoured; a missing or malformed file fails here with a ConfigError rather than inside the first stage.
     """
-    from pipeline.config import read_params
-    from pipeline.errors import AgentRLError
+    from pipeline.core.config import read_params
+    from pipeline.core.errors import AgentRLError
 
     params = Path(params_path).resolve()
     if params.name != "params.yaml":

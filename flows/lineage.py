@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 LOCK_FILE = "dvc.lock"
 TRACKED_ROOTS = ("data", "models")  # versioned outputs worth recording; code deps are covered by the git commit

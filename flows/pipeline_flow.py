@@ -1,4 +1,4 @@
-"""The whole pipeline as one Prefect flow: the stages of `dvc.yaml`, in the order `pipeline.graph` gives, one task each.
+"""The whole pipeline as one Prefect flow: the stages of `dvc.yaml`, in the order `pipeline.core.graph` gives, one task each.
 
 Each task runs ``dvc repro --single-item <stage>`` from the repository root, so DVC decides whether the stage is up to
 date (and skips it), runs the stage's own command, and records `dvc.lock`; the flow adds ordering, one MLflow parent run
@@ -34,12 +34,12 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows import lineage, project_params, summary
-from pipeline.errors import AgentRLError
-from pipeline.graph import load_stages, select
-from pipeline.tracking import PARENT_RUN_ENV, Tracker, require_tracking
+from pipeline.core.errors import AgentRLError
+from pipeline.core.graph import load_stages, select
+from pipeline.core.tracking import PARENT_RUN_ENV, Tracker, require_tracking
 
 TAIL_LINES = 40
-STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # pipeline.cli appends each command's own wall time here
+STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # flows.cli appends each command's own wall time here
 STAGE_TAG = "agentrl.flow_stage"  # set by the flow on the phase runs it has tagged
 SUMMARY_KEY = "agentrl-pipeline-summary"
 

@@ -8,7 +8,7 @@ One run of :func:`retrain_flow`:
 2. finds the champion in the registry (``deploy.model_name``, alias ``champion``) and the data versions its deploy
    run recorded (``agentrl.data.*`` tags, set by the pipeline flow); the reference tasks, world and policy are the
    workspace copies when they are those versions, else restored from the DVC cache (:mod:`flows.lineage`);
-3. runs the drift checks (:func:`pipeline.phases.check_drift.check`) of the incoming tasks against that reference;
+3. runs the drift checks (:func:`pipeline.check_drift.main.check`) of the incoming tasks against that reference;
 4. drift found (``task_drift``, ``trajectory_drift`` or ``state_drift`` failed) or ``force``: runs the pipeline flow
    with every stage from ``adapt`` on forced (build_env is skipped when its data is up to date), so the policy is
    retrained and the deploy stage registers a challenger and runs the promotion gate (which reads the pipeline's own
@@ -17,7 +17,7 @@ One run of :func:`retrain_flow`:
    verdict and the decision as artefacts; the pipeline's runs nest under it) and a Prefect markdown artifact.
 
 A retrain trains on the newest data: the `train` stage adds the incoming tasks to its RL task pool
-(``train.incoming_tasks``, :mod:`pipeline.rl.incoming`). Each file must pass the "tasks" suite, or the stage stops
+(``train.incoming_tasks``, :mod:`pipeline.train.incoming`). Each file must pass the "tasks" suite, or the stage stops
 before anything trains. Tasks that name a validation/test entity or use a test-only template, copies of training tasks,
 and tasks whose answer the training world does not reproduce are left out. The counts are in ``metrics/train.json``
 (``incoming``) and the train run's ``incoming/*`` metrics. ``data/incoming`` is a DVC dep of `train` and `check_drift`,
@@ -44,9 +44,9 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import lineage, project_params
 from flows.pipeline_flow import pipeline_flow
-from pipeline.errors import AgentRLError
-from pipeline.graph import stage_order
-from pipeline.tracking import Tracker, require_tracking
+from pipeline.core.errors import AgentRLError
+from pipeline.core.graph import stage_order
+from pipeline.core.tracking import Tracker, require_tracking
 
 INCOMING = "data/incoming"
 DRIFT_CHECKS = ("task_drift", "trajectory_drift", "state_drift")
@@ -94,10 +94,11 @@ def reference_path(root: Path, configured: str, versions: dict[str, str], scratc
 @task(name="drift-check", cache_policy=NO_CACHE)
 def drift_check(root: str, overrides: dict[str, Any], out_path: str, parent_run_id: str) -> dict[str, Any]:
     """The `check_drift` phase's checks on explicit reference and current data, as a run nested under the retrain run."""
-    from pipeline.config import load_section
-    from pipeline.drift.config import DriftConfig
-    from pipeline.env.config import BuildEnvConfig, EnvConfig
-    from pipeline.phases.check_drift import check
+    from pipeline.core.config import load_section
+    from pipeline.check_drift.config import DriftConfig
+    from pipeline.env.config import EnvConfig
+    from pipeline.build_env.config import BuildEnvConfig
+    from pipeline.check_drift.main import check
     from pipeline.policy.config import RolloutConfig
 
     params = Path(root) / "params.yaml"

@@ -10,8 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline import isolation
-
+from pipeline.core import isolation
 # The figures a reader wants first from each phase's metrics file (dotted paths; missing ones are left out, and a file
 # with none of them shows its first scalar fields instead, so a phase that changes its format still reports).
 HEADLINES: dict[str, tuple[str, ...]] = {
@@ -115,7 +114,7 @@ def cost_figures(total_s: float, stages: dict[str, dict[str, Any]]) -> dict[str,
     overhead = max(total_s - own, 0.0)
     mem = peak_memory_mib()
     # A stage's recorded peak counts the child processes it ran parts in on top of its own resident size
-    # (pipeline.isolation), which the kernel's largest-single-process figure does not.
+    # (pipeline.core.isolation), which the kernel's largest-single-process figure does not.
     stage_peaks = [float(r["peak_mib"]) for r in stages.values() if r.get("peak_mib") is not None]
     return {"total_s": total_s, "stage_commands_s": own, "overhead_s": overhead,
             "overhead_share": overhead / total_s if total_s > 0 else 0.0,

@@ -17,11 +17,13 @@ from pydantic import BaseModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.deploy.config import DeployConfig  # noqa: E402
-from pipeline.drift.config import DriftConfig  # noqa: E402
-from pipeline.env.config import BuildEnvConfig, EnvConfig  # noqa: E402
-from pipeline.evaluation_report import EvaluateConfig  # noqa: E402
-from pipeline.policy.config import AdaptConfig, ModelConfig, RolloutConfig  # noqa: E402
-from pipeline.rl.config import TrainConfig  # noqa: E402
+from pipeline.check_drift.config import DriftConfig  # noqa: E402
+from pipeline.env.config import EnvConfig  # noqa: E402
+from pipeline.build_env.config import BuildEnvConfig  # noqa: E402
+from pipeline.evaluate.config import EvaluateConfig  # noqa: E402
+from pipeline.policy.config import ModelConfig, RolloutConfig  # noqa: E402
+from pipeline.adapt.config import AdaptConfig  # noqa: E402
+from pipeline.train.config import TrainConfig  # noqa: E402
 
 # params.yaml section -> model; a new phase adds its section here.
 SECTIONS: dict[str, type[BaseModel]] = {

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.policy.model import autocast_context, load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.rl import core_algos as A
-    from pipeline.rl.trainer import collate_records, token_logprobs
+    from pipeline.train import core_algos as A
+    from pipeline.train.trainer import collate_records, token_logprobs
 
     modes = args.modes.split(",")
     unknown = set(modes) - {"token-mean", "seq-mean", "pos-only"}

@@ -18,7 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from pipeline.deploy.config import DeployConfig
-from pipeline.env.config import BuildEnvConfig, EnvConfig
+from pipeline.env.config import EnvConfig
+from pipeline.build_env.config import BuildEnvConfig
 from pipeline.policy.config import ModelConfig, RolloutConfig
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, vocab_size=400, dtype="fp32")
@@ -89,7 +90,7 @@ def tracking_uri(uri: str):
 def build_project(root: Path) -> Path:
     """A tiny project folder: data/ (world, splits) by the real build_env, models/policy (a tiny untrained model with
     a tokenizer trained on the world's text), and metrics/ for train, adapt and drift with passing verdicts."""
-    from pipeline.phases.build_env import build
+    from pipeline.build_env.main import build
     from pipeline.policy.model import build_policy, save_policy
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
 

@@ -13,14 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.env.config import BuildEnvConfig, EnvConfig
+from pipeline.env.config import EnvConfig
+from pipeline.build_env.config import BuildEnvConfig
 from pipeline.env.core import ToolTasksEnv, WorldRuntime
 from pipeline.env.tasks import Task
 from pipeline.env.world import load_world
-from pipeline.errors import AgentRLError
-from pipeline.policy import adapters, capability, sft
-from pipeline.policy.config import (AdaptConfig, AdapterConfig, CapabilityConfig, GateConfig, ModelConfig,
-                                    PretrainConfig, RolloutConfig, SFTConfig)
+from pipeline.core.errors import AgentRLError
+from pipeline.adapt import adapters
+from pipeline.adapt import capability
+from pipeline.adapt import sft
+from pipeline.policy.config import ModelConfig, RolloutConfig
+from pipeline.adapt.config import AdaptConfig, AdapterConfig, CapabilityConfig, GateConfig, PretrainConfig, SFTConfig
 from pipeline.policy.model import build_policy, load_policy, save_policy
 from pipeline.policy.tokenizer import corpus_texts, encode_context, train_tokenizer
 
@@ -33,7 +36,7 @@ TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     """A tiny build_env output (world, splits, demos, metrics) made by the real phase."""
-    from pipeline.phases.build_env import build
+    from pipeline.build_env.main import build
 
     root = tmp_path_factory.mktemp("adapt")
     cfg = BuildEnvConfig(n_products=40, n_suppliers=12, tasks_per_split={"train": 80, "validation": 16, "test": 8},
@@ -76,7 +79,7 @@ def tiny_adapt_config(**over) -> AdaptConfig:
 
 def run_phase(data_dir: Path, out: Path, cfg: AdaptConfig | None = None, model_cfg: ModelConfig = TINY,
               data: Path | None = None) -> dict:
-    from pipeline.phases.adapt import adapt
+    from pipeline.adapt.main import adapt
 
     return adapt(cfg or tiny_adapt_config(), model_cfg, RolloutConfig(batch_size=8, max_new_tokens=24), EnvConfig(),
                  data or data_dir, out / "models" / "adapted", out / "metrics" / "adapt.json",
@@ -448,7 +451,7 @@ def test_capability_gate_fails_with_a_report_on_a_bad_model(data_dir, tokenizer,
 def test_episode_scores_follow_the_plan(data_dir, tasks):
     """The expert agrees with its plan everywhere; a wrong first call is caught by tool and parameter accuracy."""
     from pipeline.env.expert import ExpertPolicy
-    from pipeline.evaluation import run_episode
+    from pipeline.policy.episodes import run_episode
 
     runtime = WorldRuntime(load_world(data_dir / "env"))
     try:
@@ -594,7 +597,7 @@ def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_p
 def test_checkpoint_selection_publishes_the_best_scored_weights_and_stops_on_patience(data_dir, tmp_path, monkeypatch):
     """Scores are scripted (1st check best): the published weights are those the model had at that check, every
     later check is recorded, and patience 2 ends SFT two checks after the best."""
-    import pipeline.phases.adapt as phase
+    import pipeline.adapt.main as phase
 
     scores = iter([0.5, 0.4, 0.5, 0.9])  # steps 2, 4, 6 (stop), the 4th must never be asked for
     snapshots = {}

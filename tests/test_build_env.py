@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.env.config import BuildEnvConfig, EnvConfig
-from pipeline.errors import AgentRLError
-from pipeline.phases.build_env import build, validate_outputs
+from pipeline.env.config import EnvConfig
+from pipeline.build_env.config import BuildEnvConfig
+from pipeline.core.errors import AgentRLError
+from pipeline.build_env.main import build, validate_outputs
 
 TINY = BuildEnvConfig(n_products=60, n_suppliers=12, tasks_per_split={"train": 80, "validation": 24, "test": 24},
                       demos={"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.5}})
@@ -83,7 +84,7 @@ def test_data_failing_validation_stops_the_phase_and_keeps_the_previous_outputs(
 
 
 def _agentrl(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True)
 
 
 def test_eval_cli_scores_the_expert_and_refuses_a_corrupt_task_file(built, tmp_path):
@@ -137,7 +138,7 @@ def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from
     from pipeline.env.core import ToolTasksEnv, WorldRuntime, load_tasks
     from pipeline.env.expert import ExpertPolicy
     from pipeline.env.world import load_world
-    from pipeline.evaluation import run_episode
+    from pipeline.policy.episodes import run_episode
 
     root, _ = built
     tasks = {t.task_id: t for t in load_tasks(root / "data" / "tasks" / "train.jsonl")}
@@ -160,7 +161,7 @@ def test_family_coverage_overrides_its_level_and_names_only_known_families(built
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.tasks import FAMILY_LEVEL
     from pipeline.env.world import load_world
-    from pipeline.phases.build_env import build_demos
+    from pipeline.build_env.main import build_demos
 
     root, _ = built
     runtime = WorldRuntime(load_world(root / "data/env"))
@@ -209,12 +210,12 @@ def test_tracking_off_builds_without_mlflow_and_a_bad_switch_stops_first(tmp_pat
     env = {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{Path(__file__).resolve().parents[1]}",
            "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
 
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "build-env"], cwd=root, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "build-env"], cwd=root, capture_output=True,
                          text=True, env={**env, "AGENTRL_TRACKING": "maybe"})
     assert out.returncode == 2 and "AGENTRL_TRACKING='maybe'" in out.stderr and "'off'" in out.stderr, out.stderr
     assert not (root / "data").exists() and not (root / "metrics").exists()
 
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "build-env"], cwd=root, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "build-env"], cwd=root, capture_output=True,
                          text=True, env={**env, "AGENTRL_TRACKING": "off"})
     assert out.returncode == 0, out.stderr
     assert "the build_env run is not tracked" in out.stderr
@@ -222,7 +223,7 @@ def test_tracking_off_builds_without_mlflow_and_a_bad_switch_stops_first(tmp_pat
     assert metrics["counts"]["tasks_train"] == 80 and (root / "data/tasks/test.jsonl").is_file()
     assert not store.parent.exists() and not (root / "mlflow.db").exists()
 
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", "build-env"], cwd=root, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "build-env"], cwd=root, capture_output=True,
                          text=True, env=env)  # tracking on, MLflow not importable: a clear error, not a traceback
     assert out.returncode == 2 and "MLflow cannot be imported" in out.stderr and "AGENTRL_TRACKING=off" in out.stderr
     assert "Traceback" not in out.stderr

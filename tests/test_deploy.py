@@ -17,7 +17,7 @@ from pipeline.deploy.config import DeployConfig, DeployGateConfig, QuantizationC
 from pipeline.deploy.gate import (bootstrap_worse, check_parity, decide, extract_task_results, mcnemar_worse,
                                   pair_results, GateInputs)
 from pipeline.deploy.quantize import Int8Embedding, make_variant, quantize_rows, state_size_bytes
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -222,7 +222,7 @@ def snapshot(registry) -> dict:
 
 
 def run_deploy(project: Path, name: str, metrics: Path | None = None, **over):
-    from pipeline.phases.deploy import deploy
+    from pipeline.deploy.main import deploy
 
     cfg = deploy_config(project, name, **over)
     m = metrics or project / "metrics"
@@ -267,7 +267,7 @@ def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(serve
     assert second["decision"].passed and vs.values["paired_tasks"] == N_TEST and vs.values["p_value"] == 1.0
     assert registry.alias_version("champion") == "2" and registry.history() == ["1", "2"]
     assert second["same_weights_as"] == ["1"]  # a bit-for-bit retrain is registered, and recognised as one
-    from pipeline.phases.deploy import report
+    from pipeline.deploy.main import report
 
     assert "weights identical to v1 " in report(second)
     assert registry.tags("2")["weights.sha256"] == registry.tags("1")["weights.sha256"]
@@ -308,7 +308,7 @@ def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(serve
 def test_promote_by_hand_dry_run_and_bad_input_leave_the_registry_unchanged(server, project, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.cli import main
+    from flows.cli import main
     from pipeline.deploy.registry import ModelRegistry
 
     name = "policy-manual"

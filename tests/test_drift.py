@@ -19,20 +19,20 @@ import pytest
 import torch
 import yaml
 
-from pipeline.drift import checks as C
-from pipeline.drift import suites as S
-from pipeline.drift.config import DriftConfig
-from pipeline.drift.consistency import check_consistency, probes_from_episodes
-from pipeline.drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, Feature, hidden_state_features,
+from pipeline.check_drift import checks as C
+from pipeline.check_drift import suites as S
+from pipeline.check_drift.config import DriftConfig
+from pipeline.check_drift.consistency import check_consistency, probes_from_episodes
+from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, Feature, hidden_state_features,
                                      observation_contexts, task_features, trajectory_features)
 from pipeline.env.config import EnvConfig
 from pipeline.env.core import WorldRuntime
 from pipeline.env.prompt import SYSTEM_TEMPLATE, render_context, render_header
 from pipeline.env.tasks import Task, write_tasks
 from pipeline.env.world import generate_world, write_world
-from pipeline.errors import AgentRLError
-from pipeline.evaluation import evaluate
-from pipeline.validation import validate_records
+from pipeline.core.errors import AgentRLError
+from pipeline.policy.episodes import evaluate
+from pipeline.core.validation import validate_records
 
 ALPHA = 0.01
 FA_REPEATS = 20
@@ -83,8 +83,7 @@ def tiny_lm(reference):
 
 
 def test_doctests():
-    from pipeline.drift import features
-
+    from pipeline.check_drift import features
     for module in (C, S, features):
         assert doctest.testmod(module).failed == 0
 
@@ -212,7 +211,7 @@ def test_false_alarm_rate_over_repeated_fresh_samples(world, capsys):
 def test_calibration_samples_use_the_builds_wordings(world):
     """With `build_env.train_wordings: 8` the reference tasks use eight wordings; the false-alarm calibration must draw
     its fresh samples the same way, or the `template` feature alarms on every repeat."""
-    from pipeline.phases.check_drift import run_checks
+    from pipeline.check_drift.main import run_checks
 
     mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
     ref = C.make_reference_sample(world, N, 101, mix, train_wordings=8).tasks
@@ -262,7 +261,7 @@ def test_hidden_states_batched_equal_one_at_a_time(tiny_lm, reference):
 
 
 def test_shared_prefix_path_equals_the_plain_forward(tiny_lm, episodes):
-    from pipeline.drift.features import default_encode, hidden_states_from_ids, shared_prefix_length
+    from pipeline.check_drift.features import default_encode, hidden_states_from_ids, shared_prefix_length
 
     model, tok = tiny_lm
     tasks, expert, rand = episodes
@@ -360,7 +359,7 @@ def test_probe_from_a_mapping():
 @pytest.fixture(scope="module")
 def rollout_like(episodes, tiny_lm):
     """Expert episodes with the token fields a rollout adds (ids, mask, log-probabilities, segments)."""
-    from pipeline.drift.features import tool_signatures
+    from pipeline.check_drift.features import tool_signatures
     from pipeline.policy.tokenizer import encode_turns
 
     tasks, expert, _ = episodes
@@ -437,7 +436,7 @@ def _verdict(root: Path) -> dict:
 
 
 def test_phase_passes_on_the_validation_split_and_writes_the_verdict(project):
-    from pipeline.phases.check_drift import main
+    from pipeline.check_drift.main import main
 
     verdict = main()
     assert verdict == _verdict(project)
@@ -449,7 +448,7 @@ def test_phase_passes_on_the_validation_split_and_writes_the_verdict(project):
 
 
 def test_phase_fails_on_drifted_incoming_tasks(project, world):
-    from pipeline.phases.check_drift import main
+    from pipeline.check_drift.main import main
 
     drifted = C.make_drifted_tasks(world, 150, "level_shift", seed=5, split="validation")
     (project / "data" / "incoming").mkdir()
@@ -467,7 +466,7 @@ def test_phase_fails_on_drifted_incoming_tasks(project, world):
     (None, "expect_column_values_to_be_in_set"),  # a schema break: level 9
 ])
 def test_phase_refuses_bad_current_data_and_does_not_leave_a_pass(project, content, message):
-    from pipeline.phases.check_drift import main
+    from pipeline.check_drift.main import main
 
     path = project / "data" / "incoming" / "bad.jsonl"
     path.parent.mkdir()
@@ -487,7 +486,7 @@ def test_phase_refuses_bad_current_data_and_does_not_leave_a_pass(project, conte
 
 
 def test_phase_with_a_policy_runs_every_check(project, tiny_lm):
-    from pipeline.phases.check_drift import main
+    from pipeline.check_drift.main import main
     from pipeline.policy.model import save_policy
 
     model, tok = tiny_lm

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.rl.early_stopping import METRICS, EarlyStopping, metric_value
+from pipeline.train.early_stopping import METRICS, EarlyStopping, metric_value
 
 torch.set_num_threads(1)
 
@@ -70,7 +70,7 @@ def test_bad_settings_and_unknown_metrics_are_refused():
 
 
 def test_metrics_read_the_evaluation_summary_and_match_the_config_choices():
-    from pipeline.rl.config import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     summary = {"overall": {"success_rate": 0.25, "mean_return": -0.5}}
     assert metric_value("success", summary) == 0.25 and metric_value("mean_return", summary) == -0.5
@@ -117,7 +117,7 @@ def test_a_resumed_stopper_decides_exactly_as_the_uninterrupted_one(cut):
 
 # ---------------------------------------------------------------------------------------------- inside train()
 class ScriptedValidation:
-    """Follows `pipeline.rl.trainer._evaluate` (rollout, tasks, dist, seed) -> summary, with a scripted success curve
+    """Follows `pipeline.train.trainer._evaluate` (rollout, tasks, dist, seed) -> summary, with a scripted success curve
     indexed by evaluation; records a copy of the policy's weights at every evaluation."""
 
     def __init__(self, curve: list[float], start: int = 0):
@@ -132,15 +132,15 @@ class ScriptedValidation:
 
 
 def _train(project: Path, evaluate, ckpt: str, out: str):
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.config import EnvConfig
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist
-    from pipeline.rl.trainer import train
-    from pipeline.tracking import NullRun
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.distributed import init_dist
+    from pipeline.train.trainer import train
+    from pipeline.core.tracking import NullRun
 
     params = project / "params.yaml"
     cfg = load_section(TrainConfig, "train", params)
@@ -247,7 +247,7 @@ def test_the_kept_policy_is_the_weight_ensemble_with_the_start_when_merge_alpha_
 def test_the_worker_records_the_decision_in_train_json(project, monkeypatch):
     """The real validation evaluation (no script): whatever the tiny policy scores, train.json, the output policy and
     the evaluation history agree about the best update and about why training ended."""
-    from pipeline.rl.worker import run_worker
+    from pipeline.train.worker import run_worker
 
     monkeypatch.chdir(project)
     text = (project / "params.yaml").read_text().replace("updates: 8", "updates: 2")
@@ -269,7 +269,7 @@ def test_the_worker_records_the_decision_in_train_json(project, monkeypatch):
 def test_doctests():
     import doctest
 
-    import pipeline.rl.early_stopping as es
+    import pipeline.train.early_stopping as es
 
     result = doctest.testmod(es)
     assert result.attempted > 0 and result.failed == 0

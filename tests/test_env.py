@@ -20,7 +20,7 @@ from pipeline.env.expert import ExpertPolicy, RandomPolicy
 from pipeline.env.protocol import InvalidAction, ParsedAction, format_action, parse_action
 from pipeline.env.tasks import FAMILIES, TEMPLATES, answers_match, generate_tasks
 from pipeline.env.tools import TOOL_NAMES, ToolError, safe_calc
-from pipeline.evaluation import COMPONENTS, evaluate, run_episode, summarize
+from pipeline.policy.episodes import COMPONENTS, evaluate, run_episode, summarize
 
 
 @pytest.fixture(scope="module")

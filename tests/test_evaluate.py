@@ -13,14 +13,12 @@ import pytest
 import torch
 import yaml
 
-from pipeline.config import load_section, read_params
-from pipeline.env.config import BuildEnvConfig, EnvConfig
-from pipeline.errors import AgentRLError
-from pipeline.evaluation_report import (EPISODE_METRICS, EvaluateConfig, behaviour_diversity, bootstrap_gap,
-                                        bootstrap_means, build_report, cosine, episode_values, flat_metrics,
-                                        markdown_report, overfitting,
-                                        paired_counts, split_report, success_rows, tool_calls_on_common_solved,
-                                        trajectory_features, unseen_templates)
+from pipeline.core.config import load_section, read_params
+from pipeline.env.config import EnvConfig
+from pipeline.build_env.config import BuildEnvConfig
+from pipeline.core.errors import AgentRLError
+from pipeline.evaluate.report import EPISODE_METRICS, behaviour_diversity, bootstrap_gap, bootstrap_means, build_report, cosine, episode_values, flat_metrics, markdown_report, overfitting, paired_counts, split_report, success_rows, tool_calls_on_common_solved, trajectory_features, unseen_templates
+from pipeline.evaluate.config import EvaluateConfig
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +151,7 @@ def test_rigid_behaviour_flags_identical_episodes_and_not_varied_ones():
 @pytest.fixture(scope="module")
 def world_and_tasks(tmp_path_factory):
     from pipeline.env.core import load_tasks
-    from pipeline.phases.build_env import build
+    from pipeline.build_env.main import build
 
     root = tmp_path_factory.mktemp("evaluate")
     build(BuildEnvConfig(n_products=40, n_suppliers=10, tasks_per_split={"train": 24, "validation": 8, "test": 16}),
@@ -167,7 +165,7 @@ def test_flags_on_real_episodes_expert_against_random(world_and_tasks):
     the expert is rigid (deterministic: the same solution for every seed) and the random policy is not."""
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.evaluation import evaluate
+    from pipeline.policy.episodes import evaluate
 
     root, tasks = world_and_tasks
     runtime = WorldRuntime(load_world(root / "data" / "env"))
@@ -282,7 +280,7 @@ def phase_run(project):
     """The phase once, in the project folder, with the real tracker (the session's temporary MLflow store)."""
     import os
 
-    from pipeline.phases.evaluate import main
+    from pipeline.evaluate.main import main
 
     cwd = os.getcwd()
     os.chdir(project)
@@ -296,7 +294,7 @@ def phase_run(project):
 def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(project, phase_run):
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.evaluation import evaluate_model
+    from pipeline.policy.episodes import evaluate_model
 
     written = json.loads((project / "metrics/evaluate.json").read_text())
     assert written["tasks"] == {"train": 6, "validation": 8, "test": 16}
@@ -338,7 +336,7 @@ def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(pro
 def test_phase_logs_the_report_to_mlflow(phase_run):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import Tracker
+    from pipeline.core.tracking import Tracker
 
     client = MlflowClient(tracking_uri=Tracker().tracking_uri)
     exp = client.get_experiment_by_name("agentrl")
@@ -351,7 +349,7 @@ def test_phase_logs_the_report_to_mlflow(phase_run):
 
 
 def test_episodes_that_break_the_evaluation_suite_are_refused(project):
-    from pipeline.phases.evaluate import validate_episodes
+    from pipeline.evaluate.main import validate_episodes
 
     good = episode("t", True)
     good.update(steps=[{"action": "x", "observation": "y"}] * 2, answer="1", ground_truth="1", n_failed=0)
@@ -367,7 +365,7 @@ def test_episodes_that_break_the_evaluation_suite_are_refused(project):
 def test_missing_inputs_are_refused_and_leave_no_metrics_file(project, tmp_path, monkeypatch, breakage, message):
     import shutil
 
-    from pipeline.phases.evaluate import evaluate
+    from pipeline.evaluate.main import evaluate
 
     # a copy of the project with one input missing, and a stale metrics file from an earlier run
     copy = tmp_path / "p"
@@ -390,7 +388,7 @@ def test_missing_inputs_are_refused_and_leave_no_metrics_file(project, tmp_path,
 def test_schema_breaking_task_file_and_cli_error(project, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from pipeline.cli import main
+    from flows.cli import main
 
     copy = tmp_path / "p"
     shutil.copytree(project, copy, ignore=shutil.ignore_patterns("metrics"))
@@ -408,19 +406,19 @@ def test_schema_breaking_task_file_and_cli_error(project, tmp_path, monkeypatch,
 # ---------------------------------------------------------------------------------------- params.yaml and dvc.yaml
 def test_params_yaml_mirrors_the_evaluate_defaults_and_dvc_declares_the_stage():
     assert read_params(ROOT / "params.yaml")["evaluate"] == EvaluateConfig().model_dump()
-    from pipeline.rl.config import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     assert read_params(ROOT / "params.yaml")["train"] == TrainConfig().model_dump()
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["evaluate"]
     assert stage["cmd"] == "agentrl evaluate"
-    assert {"models/adapted", "models/policy", "data/tasks", "data/env", "pipeline/phases/evaluate.py",
-            "pipeline/evaluation_report.py"} <= set(stage["deps"])
+    assert {"models/adapted", "models/policy", "data/tasks", "data/env", "pipeline/evaluate/main.py",
+            "pipeline/evaluate/report.py"} <= set(stage["deps"])
     assert set(stage["params"]) == {"evaluate", "env", "rollout"}
     assert stage["metrics"] == [{"metrics/evaluate.json": {"cache": False}}]
     (plot,) = stage["plots"]
     opts = plot["metrics/evaluate_success.csv"]
     assert opts["cache"] is False
-    from pipeline.phases.evaluate import PLOT_COLUMNS
+    from pipeline.evaluate.main import PLOT_COLUMNS
 
     assert {opts["x"], opts["y"]} <= set(PLOT_COLUMNS)
 
@@ -428,6 +426,6 @@ def test_params_yaml_mirrors_the_evaluate_defaults_and_dvc_declares_the_stage():
 def test_doctests():
     import doctest
 
-    import pipeline.evaluation_report as report
+    import pipeline.evaluate.report as report
 
     assert doctest.testmod(report).failed == 0

@@ -63,7 +63,7 @@ def merge(base: dict, over: dict) -> dict:
 
 
 def tiny_params() -> dict:
-    from pipeline.policy.config import PretrainConfig
+    from pipeline.adapt.config import PretrainConfig
 
     over = copy.deepcopy(TINY)
     if "copy_drills" not in PretrainConfig.model_fields:  # a key being tuned elsewhere; keep the test independent
@@ -142,7 +142,7 @@ def prefect_artifact(root: Path, key: str) -> str:
 
 def stage_lines(stdout: str) -> dict[str, str]:
     """{stage: status} from the flow's timing table (a stage that ran ends its line with "(peak N MiB)")."""
-    from pipeline.graph import stage_order
+    from pipeline.core.graph import stage_order
 
     names = stage_order(ROOT / "dvc.yaml")
     out = {}
@@ -155,7 +155,7 @@ def stage_lines(stdout: str) -> dict[str, str]:
 
 def write_tasks(root: Path, name: str, kind: str | None, n: int = 120, seed: int = 7) -> Path:
     """A batch of incoming tasks: a fresh sample of the reference generator (kind None) or a drifted one."""
-    from pipeline.drift.checks import make_drifted_tasks, make_reference_sample
+    from pipeline.check_drift.checks import make_drifted_tasks, make_reference_sample
     from pipeline.env.world import load_world
 
     world = load_world(root / "data" / "env")
@@ -219,7 +219,7 @@ def test_stage_commands_never_inherit_rank_variables(monkeypatch):
     """A process that ran an in-process rank keeps RANK/WORLD_SIZE/MASTER_PORT in os.environ while its group holds
     that port; a stage that inherited them bound it again (EADDRINUSE). The flow's stage environment drops them."""
     from flows.pipeline_flow import RANK_VARS, stage_env
-    from pipeline.rl.distributed import RANK_VARS as TRAINER_RANK_VARS
+    from pipeline.train.distributed import RANK_VARS as TRAINER_RANK_VARS
 
     assert set(RANK_VARS) == set(TRAINER_RANK_VARS)
     for k in RANK_VARS:
@@ -255,7 +255,7 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
     from pipeline.deploy.gate import CHECKS
-    from pipeline.graph import load_stages
+    from pipeline.core.graph import load_stages
 
     root, proc = trained
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -402,7 +402,7 @@ def test_a_reference_version_the_workspace_moved_past_is_restored_from_the_dvc_c
     # the workspace copy is used when it is the champion's version; a version missing from the cache is refused
     assert reference_path(root, "data/tasks/train.jsonl", {"data/tasks": champion_tasks}, tmp_path)[0] == \
         str(root / "data" / "tasks" / "train.jsonl")
-    from pipeline.errors import AgentRLError
+    from pipeline.core.errors import AgentRLError
 
     with pytest.raises(AgentRLError, match="not in the DVC cache.*dvc fetch"):
         reference_path(root, "data/tasks/train.jsonl", {"data/tasks": "f" * 32 + ".dir"}, tmp_path)

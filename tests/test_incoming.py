@@ -1,4 +1,4 @@
-"""Incoming production tasks for RL (:mod:`pipeline.rl.incoming`): tasks naming held-out entities or test-only
+"""Incoming production tasks for RL (:mod:`pipeline.train.incoming`): tasks naming held-out entities or test-only
 templates, copies and unverifiable tasks dropped and counted, colliding ids renamed, a schema-breaking file refused
 with its name; and the folder's place in the graph (a dep of `train` and `check_drift`, a README that no reader
 mistakes for tasks).
@@ -20,8 +20,8 @@ import yaml
 
 from pipeline.env.core import WorldRuntime, default_world
 from pipeline.env.tasks import generate_tasks, write_tasks
-from pipeline.errors import AgentRLError
-from pipeline.rl.incoming import DROP_REASONS, heldout_entities, load_incoming, read_incoming, select_incoming
+from pipeline.core.errors import AgentRLError
+from pipeline.train.incoming import DROP_REASONS, heldout_entities, load_incoming, read_incoming, select_incoming
 
 ROOT = Path(__file__).resolve().parents[1]
 MIX = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
@@ -52,7 +52,7 @@ def _solve(runtime):
 
 
 def test_doctests():
-    import pipeline.rl.incoming as mod
+    import pipeline.train.incoming as mod
 
     result = doctest.testmod(mod)
     assert result.attempted > 0 and result.failed == 0
@@ -129,8 +129,8 @@ def test_a_file_that_breaks_the_schema_is_refused_naming_the_file(tmp_path, spli
 
 
 def test_train_and_check_drift_depend_on_the_folder_that_train_reads():
-    from pipeline.graph import load_stages
-    from pipeline.rl.config import TrainConfig
+    from pipeline.core.graph import load_stages
+    from pipeline.train.config import TrainConfig
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     stages = {s.name: s for s in load_stages(ROOT / "dvc.yaml")}
@@ -144,8 +144,8 @@ def test_train_and_check_drift_depend_on_the_folder_that_train_reads():
 
 
 def test_check_drift_ignores_a_readme_in_the_folder(tmp_path, monkeypatch, splits):
-    from pipeline.drift.config import DriftConfig
-    from pipeline.phases.check_drift import INCOMING_DIR, VALIDATION_TASKS, current_source
+    from pipeline.check_drift.config import DriftConfig
+    from pipeline.check_drift.main import INCOMING_DIR, VALIDATION_TASKS, current_source
 
     monkeypatch.chdir(tmp_path)
     INCOMING_DIR.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""pipeline.isolation: a part of a phase run in a spawned child process, its errors and its memory accounting."""
+"""pipeline.core.isolation: a part of a phase run in a spawned child process, its errors and its memory accounting."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from pipeline import isolation
-from pipeline.errors import AgentRLError
+from pipeline.core import isolation
+from pipeline.core.errors import AgentRLError
 
 
 def _fill(mib: int) -> int:
@@ -74,8 +74,7 @@ def test_a_commands_recorded_stage_peak_counts_its_child_runs(tmp_path, monkeypa
     import json
     from pathlib import Path
 
-    from pipeline import cli
-
+    from flows import cli
     isolation.run_in_child("filling", _fill, 300)
     times = tmp_path / "times.jsonl"
     monkeypatch.setenv(cli.STAGE_TIMES_ENV, str(times))

@@ -15,8 +15,8 @@ from pipeline.env.prompt import render_header
 from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN, format_action
 from pipeline.env.tasks import generate_tasks
 from pipeline.env.tools import default_tools, signature
-from pipeline.errors import AgentRLError
-from pipeline.evaluation import run_episode
+from pipeline.core.errors import AgentRLError
+from pipeline.policy.episodes import run_episode
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.model import (autocast_context, build_policy, dtype_notice, load_policy, n_parameters,
                                    save_policy, supports_bf16)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.rl import core_algos as A
-from pipeline.rl.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
+from pipeline.train import core_algos as A
+from pipeline.train.sampling import AdaptiveEntropyCoef, Curriculum, GoalSampler, RewardNormalizer
 
 
 def test_gae_matches_a_hand_computed_case():
@@ -115,7 +115,7 @@ def test_loss_weights_token_mean_and_sequence_mean_on_hand_made_tensors():
         A.loss_weights(mask, episode, 2, "seq-sum")
     from typing import get_args
 
-    from pipeline.rl.config import TrainConfig
+    from pipeline.train.config import TrainConfig
     assert get_args(TrainConfig.model_fields["loss_agg"].annotation) == A.LOSS_AGGREGATIONS  # config offers each mode
     # the importance correction ignores the weights' values (only where they are non-zero)
     w, _ = A.truncated_importance_weights(torch.zeros(3, 5), torch.zeros(3, 5), seq, 2.0)
@@ -238,7 +238,7 @@ def _toy_policy_logp(seed: int = 0):
 
 
 def test_the_one_forward_on_policy_step_has_the_gradient_of_the_two_forward_step():
-    # pipeline.rl.trainer._learn: with one epoch and one minibatch, π_old is the training forward's own detached
+    # pipeline.train.trainer._learn: with one epoch and one minibatch, π_old is the training forward's own detached
     # log-probabilities instead of a separate no-grad forward's. Same values, so the same loss and gradient.
     adv = torch.tensor([[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [2.0, 0.0, 0.0], [0.3, 0.3, 0.3]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
@@ -259,7 +259,7 @@ def test_the_one_forward_on_policy_step_has_the_gradient_of_the_two_forward_step
 
 
 def test_rows_with_an_empty_loss_mask_change_neither_loss_nor_gradient():
-    # pipeline.rl.trainer._learn drops zero-variance rows before the forward: they add 0 to the masked sum and 0 to
+    # pipeline.train.trainer._learn drops zero-variance rows before the forward: they add 0 to the masked sum and 0 to
     # its token count, so the policy loss and its gradient are those of the kept rows alone.
     adv = torch.tensor([[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [0.3, 0.3, 0.3]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])

@@ -15,8 +15,8 @@ from pipeline.env.prompt import render_header
 from pipeline.env.protocol import sanitize
 from pipeline.env.tasks import generate_tasks
 from pipeline.env.tools import default_tools, signature
-from pipeline.errors import AgentRLError
-from pipeline.evaluation import run_episode, summarize
+from pipeline.core.errors import AgentRLError
+from pipeline.policy.episodes import run_episode, summarize
 from pipeline.policy.config import ModelConfig, RolloutConfig
 from pipeline.policy.model import build_policy
 from pipeline.policy.rollout import (ModelPolicy, RolloutEngine, filtered_logprobs, sample_tokens, sequence_logprobs,

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def registry_with_champion(tmp_path_factory):
-    from pipeline.phases.deploy import deploy
+    from pipeline.deploy.main import deploy
 
     project = build_project(tmp_path_factory.mktemp("serve_project"))
     with mlflow_server(tmp_path_factory.mktemp("serve_mlflow")) as uri, tracking_uri(uri):

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.env.config import BuildEnvConfig, EnvConfig
-from pipeline.errors import AgentRLError
+from pipeline.env.config import EnvConfig
+from pipeline.build_env.config import BuildEnvConfig
+from pipeline.core.errors import AgentRLError
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_YAML = """
@@ -42,7 +43,7 @@ train:
 
 def make_project(root: Path, seed: int = 0, algorithm: str = "rloo", updates: int = 4, ranks: int = 1,
                  stage: int = 2, d_model: int = 32) -> Path:
-    from pipeline.phases.build_env import build
+    from pipeline.build_env.main import build
     from pipeline.policy.config import ModelConfig
     from pipeline.policy.model import build_policy, save_policy
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
@@ -71,22 +72,22 @@ def in_project(project, monkeypatch):
 
 
 def _worker(project: Path, *args: str, env_extra: dict | None = None, ranks: int = 1):
-    from pipeline.rl.distributed import child_env
+    from pipeline.train.distributed import child_env
 
     env = child_env({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     if ranks > 1:
-        from pipeline.phases.train import launcher_command
-        from pipeline.rl.distributed import _free_port
+        from pipeline.train.main import launcher_command
+        from pipeline.train.distributed import _free_port
 
         cmd = launcher_command("params.yaml", ranks, _free_port(), list(args))
     else:
-        cmd = [sys.executable, "-m", "pipeline.rl.worker", "--params", "params.yaml", *args]
+        cmd = [sys.executable, "-m", "pipeline.train.worker", "--params", "params.yaml", *args]
     return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
 
 
 def test_one_update_changes_the_policy_and_logs_diagnostics(in_project):
     from pipeline.policy.model import load_policy
-    from pipeline.rl.worker import run_worker
+    from pipeline.train.worker import run_worker
 
     before = {k: v.clone() for k, v in load_policy("models/adapted")[0].state_dict().items()}
     result = run_worker("params.yaml", ckpt="ckpt-one", out="models/policy-one", stop_after=1)
@@ -115,13 +116,13 @@ def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(i
 
     from mlflow.tracking import MlflowClient
 
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.tasks import generate_tasks, write_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.worker import run_key, run_worker
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.worker import run_key, run_worker
 
     world = load_world(Path("data/env"))
     runtime = WorldRuntime(world)
@@ -154,8 +155,8 @@ def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(i
 
 
 def test_a_schema_breaking_incoming_file_stops_the_stage_before_anything_is_written(in_project):
-    from pipeline.phases.train import main as train_main
-    from pipeline.rl.worker import run_worker
+    from pipeline.train.main import main as train_main
+    from pipeline.train.worker import run_worker
 
     Path("incoming-bad").mkdir()
     Path("incoming-bad/bad.jsonl").write_text('{"task_id": "x"}\n')
@@ -171,7 +172,7 @@ def test_a_schema_breaking_incoming_file_stops_the_stage_before_anything_is_writ
 
 
 def test_deepspeed_config_that_contradicts_the_params_is_refused(tmp_path):
-    from pipeline.rl.distributed import resolve_ds_config
+    from pipeline.train.distributed import resolve_ds_config
 
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"gradient_clipping": 5.0, "zero_optimization": {"stage": 2}}))
@@ -230,7 +231,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_p
 
 def test_a_finished_run_started_again_restores_its_policy_without_training(tmp_path, monkeypatch, capsys):
     from pipeline.policy.model import load_policy
-    from pipeline.rl.worker import run_worker
+    from pipeline.train.worker import run_worker
 
     proj = make_project(tmp_path / "p", updates=2)
     monkeypatch.chdir(proj)
@@ -253,11 +254,11 @@ def test_a_finished_run_started_again_restores_its_policy_without_training(tmp_p
 
 
 def test_the_checkpoint_key_changes_with_the_code(tmp_path, monkeypatch):
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.config import EnvConfig as E
     from pipeline.policy.config import RolloutConfig
-    from pipeline.rl import worker
-    from pipeline.rl.config import TrainConfig
+    from pipeline.train import worker
+    from pipeline.train.config import TrainConfig
 
     proj = make_project(tmp_path / "p", updates=2)
     monkeypatch.chdir(proj)
@@ -273,8 +274,7 @@ def test_the_checkpoint_key_hashes_the_train_stage_code_that_dvc_yaml_lists():
     """source_digest covers exactly the train stage's code deps in dvc.yaml, so the two cannot drift apart."""
     import yaml
 
-    from pipeline.rl import worker
-
+    from pipeline.train import worker
     root = Path(__file__).resolve().parents[1]
     deps = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["train"]["deps"]
     assert sorted(d for d in deps if d.startswith("pipeline/")) == sorted(worker.TRAIN_SOURCES)
@@ -282,18 +282,18 @@ def test_the_checkpoint_key_hashes_the_train_stage_code_that_dvc_yaml_lists():
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):
-    from pipeline.rl.worker import run_worker
+    from pipeline.train.worker import run_worker
 
     proj = make_project(tmp_path / "a", updates=2)
     monkeypatch.chdir(proj)
     run_worker("params.yaml", stop_after=2)
     other = make_project(tmp_path / "b", updates=2, d_model=48)
     monkeypatch.chdir(other)
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.config import EnvConfig as E
     from pipeline.policy.config import RolloutConfig
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.worker import run_key
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.worker import run_key
 
     # A fresh run of another model never picks up these checkpoints (its folder is keyed by model and params) ...
     key = run_key("models/adapted", load_section(E, "env"), load_section(RolloutConfig, "rollout"),
@@ -310,7 +310,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):
 
 
 def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_project):
-    from pipeline.rl.worker import run_worker
+    from pipeline.train.worker import run_worker
 
     params = Path("params.yaml").read_text().replace("  algorithm: rloo", "  algorithm: rloo\n  async_rollouts: true\n"
                                                      "  max_staleness: 1\n  rollout_workers: 2")
@@ -325,7 +325,7 @@ def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_projec
 def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     """The overall tool calls per solved task mix levels: a policy that solves more 4-call level-4 tasks raises it
     even when every level's solved tasks take no more calls, so `deltas` reports each level too."""
-    from pipeline.rl.worker import deltas
+    from pipeline.train.worker import deltas
 
     def summary(per_level: dict) -> dict:  # (success rate, calls per solved task, solved) per level
         solved = sum(s for _, _, s in per_level.values())
@@ -357,7 +357,7 @@ def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
 def test_seen_wording_headroom_counts_the_seen_tasks_sft_failed():
     """Level 1: 8 seen tasks (SFT solves 6) and 2 in the held-out wording: RL can add 2 of 10 without the held-out
     wording. Level 4: 4 seen (SFT solves 1), 1 held-out: 3 of 5. Overall 5 of 15. No held-out wording: None."""
-    from pipeline.rl.worker import seen_wording_headroom
+    from pipeline.train.worker import seen_wording_headroom
 
     sft = {"per_level": {"1": {"n": 10, "success_rate": 0.6}, "4": {"n": 5, "success_rate": 0.2}},
            "per_level_template_seen": {"1": {"n": 8, "success_rate": 0.75}, "4": {"n": 4, "success_rate": 0.25}}}
@@ -373,15 +373,15 @@ def test_the_test_evaluation_splits_each_level_by_wording(in_project):
     headroom reads: the tiny random policy solves nothing, so a level's headroom is its seen share."""
     import dataclasses
 
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.rl.distributed import Dist
-    from pipeline.rl.trainer import _evaluate
-    from pipeline.rl.worker import seen_wording_headroom
+    from pipeline.train.distributed import Dist
+    from pipeline.train.trainer import _evaluate
+    from pipeline.train.worker import seen_wording_headroom
 
     tasks = load_tasks("data/tasks/test.jsonl")
     tasks = [dataclasses.replace(t, template_seen=False) if i in (1, 5) else t for i, t in enumerate(tasks)]
@@ -405,8 +405,8 @@ def test_efficiency_weight_rescores_episodes_from_their_reward_components():
     and leaves a failed one (shaping on_success) as it was."""
     from pipeline.env.config import RewardWeights
     from pipeline.env.reward import RewardComponents, composite
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.trainer import episode_scores, make_sampler_state
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.trainer import episode_scores, make_sampler_state
 
     env_w = RewardWeights()  # β 0.5, on_success
     comps = [RewardComponents(1.0, 0.0, 0.0, 1.0),  # solved with the minimum calls
@@ -425,8 +425,8 @@ def test_efficiency_weight_rescores_episodes_from_their_reward_components():
 
 
 def test_train_config_refuses_impossible_combinations():
-    from pipeline.config import ConfigError, parse_section
-    from pipeline.rl.config import TrainConfig
+    from pipeline.core.config import ConfigError, parse_section
+    from pipeline.train.config import TrainConfig
 
     with pytest.raises(ConfigError, match="group_size must be at least 2"):
         parse_section(TrainConfig, {"algorithm": "grpo", "group_size": 1}, "params.yaml:train")
@@ -444,8 +444,8 @@ def _sgd_learner(cfg, dist, with_value: bool):
     """The adapted policy (plus a value head for PPO) in a DeepSpeed engine with plain SGD at lr 1, so one step moves
     every weight by exactly minus its (clipped) gradient: steps of different code paths compare weight by weight."""
     from pipeline.policy.model import load_policy
-    from pipeline.rl import trainer
-    from pipeline.rl.distributed import make_engine, resolve_ds_config
+    from pipeline.train import trainer
+    from pipeline.train.distributed import make_engine, resolve_ds_config
 
     actor = trainer.ActorCritic(load_policy("models/adapted")[0], with_value=with_value)
     actor.train()
@@ -462,16 +462,16 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     """`_learn` itself, on one batch of real rollouts: the accumulated step over length-sorted chunks
     (`train.micro_batches`) and, for group baselines, the one-forward on-policy step against the separate π_old
     forward, all move every weight the same way as one forward of the whole batch."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.rl import trainer
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist
+    from pipeline.train import trainer
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.distributed import init_dist
 
     dist = init_dist()
     model, tok, _ = load_policy("models/adapted")
@@ -525,7 +525,7 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
 
 def _sampled_records(n_tasks: int, group: int) -> tuple:
     """The adapted policy's tokenizer and `group` sampled episodes of each of the first `n_tasks` training tasks."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
@@ -544,12 +544,12 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     """`train.turn_credit`: rollout records carry one environment reward per sampled action, summing to the return;
     the per-turn advantages of the first turn are the episode-level ones; the learner takes a finite step with it
     and logs its metrics; records whose rewards do not match their actions are refused."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.rl import core_algos as A
-    from pipeline.rl import trainer
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist
+    from pipeline.train import core_algos as A
+    from pipeline.train import trainer
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.distributed import init_dist
 
     dist = init_dist()
     tok, records = _sampled_records(2, 4)
@@ -587,12 +587,12 @@ def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project,
     """An episode the environment folded (``segments``: several token rows, see pipeline.policy.rollout) goes through
     `_learn` with `algorithm: ppo`: GAE gets one reward per episode, on the last action of its last row, sees every
     row of the episode under one episode index, and the step is finite and moves the weights."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.rl import core_algos as A
-    from pipeline.rl import trainer
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist
+    from pipeline.train import core_algos as A
+    from pipeline.train import trainer
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.distributed import init_dist
 
     dist = init_dist()
     tok, records = _sampled_records(2, 4)
@@ -636,13 +636,13 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     """`train.bc_coef`: the behaviour-cloning term reads demonstrations, so the learner forwards none of the
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
     demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import load_tasks
-    from pipeline.policy.sft import demo_examples, load_demos
+    from pipeline.adapt.sft import demo_examples, load_demos
     from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.rl import trainer
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist
+    from pipeline.train import trainer
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.distributed import init_dist
 
     dist = init_dist()
     tok, records = _sampled_records(2, 4)
@@ -674,8 +674,8 @@ def test_rl_rollouts_and_the_learner_use_the_train_temperature_and_the_test_comp
     """`train.rollout_temperature` replaces `rollout.temperature` for what `train()` samples and learns from (one
     distribution, softmax(logits / T), on both sides of the importance ratio); the greedy SFT-against-RL comparison
     reads the `rollout` section as it is. null keeps `rollout.temperature`."""
-    from pipeline.rl import trainer, worker
-
+    from pipeline.train import trainer
+    from pipeline.train import worker
     seen = {}
 
     def fake_train(cfg, env_cfg, rollout_cfg, **kw):
@@ -697,7 +697,7 @@ def test_behaviour_cloning_demonstrations_can_carry_fictitious_names(in_project)
     stays real, as in SFT's `augment_names`.)"""
     from pipeline.env.core import load_tasks
     from pipeline.policy.model import load_policy
-    from pipeline.policy.sft import NamePool, demo_examples, load_demos
+    from pipeline.adapt.sft import NamePool, demo_examples, load_demos
 
     _, tok, _ = load_policy("models/adapted")
     tasks = load_tasks("data/tasks/train.jsonl")
@@ -729,8 +729,8 @@ def test_rename_options_are_drawn_from_the_episode_seed_and_spare_search_tasks(i
     """`train.rollout_entity_augmentation`: which episodes are renamed, and to what, depends only on the episode's
     seed (a resumed run draws the same); a task with a search step is never renamed; new names are fictitious."""
     from pipeline.env.core import load_tasks
-    from pipeline.policy.sft import NamePool
-    from pipeline.rl.trainer import rename_options
+    from pipeline.adapt.sft import NamePool
+    from pipeline.train.trainer import rename_options
 
     pool = NamePool.from_entities(json.loads(Path("data/env/entities.json").read_text()))
     tasks = load_tasks("data/tasks/train.jsonl")
@@ -750,19 +750,18 @@ def test_rename_options_are_drawn_from_the_episode_seed_and_spare_search_tasks(i
 
 def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episodes(in_project):
     """`RolloutEngine.demonstrate`: the scripted expert's episodes, recorded as sampled ones are, are token for token
-    the SFT text of the same steps (:func:`pipeline.policy.sft.encode_segment`, whose layout test_adapt checks
+    the SFT text of the same steps (:func:`pipeline.adapt.sft.encode_segment`, whose layout test_adapt checks
     against the environment's contexts), segment by segment, also where a short history window folds the context;
     they solve their tasks, and the learner's collate reads them like sampled records."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.expert import ExpertPolicy
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.policy.sft import demo_segments, encode_segment
-    from pipeline.rl import trainer
-
+    from pipeline.adapt.sft import demo_segments, encode_segment
+    from pipeline.train import trainer
     model, tok, _ = load_policy("models/adapted")
     tasks = load_tasks("data/tasks/train.jsonl")
     tasks = [t for t in tasks if len(t.plan) >= 3][:4] + [t for t in tasks if len(t.plan) == 2][:1]
@@ -800,16 +799,16 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     is. Without guidance such a batch carries no signal (every group zero-variance, nothing moves); with it the
     learner trains on the guided groups, the demonstration's tokens at importance weight 1, and its step moves the
     policy's log-probability of the demonstrated actions up."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine, sequence_logprobs
     from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.rl import trainer
-    from pipeline.rl.config import TrainConfig
-    from pipeline.rl.distributed import init_dist
+    from pipeline.train import trainer
+    from pipeline.train.config import TrainConfig
+    from pipeline.train.distributed import init_dist
 
     dist = init_dist()
     tok, records = _sampled_records(3, 4)

@@ -1,4 +1,4 @@
-"""Tests of `pipeline.validation`: valid data passes; each kind of defect fails naming the expectation and the row.
+"""Tests of `pipeline.core.validation`: valid data passes; each kind of defect fails naming the expectation and the row.
 
 Records are built by hand (small, valid by construction); each defect test changes one field of one record and checks
 that the error message names the GX expectation and the offending id, and that the report's structured results agree.
@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pandas as pd
 import pytest
 
-from pipeline import validation
-from pipeline.validation import (
+from pipeline.core import validation
+from pipeline.core.validation import (
     DataValidationError,
     ValidationReport,
     check_splits,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config import PhaseConfig
+from pipeline.core.config import PhaseConfig
 
 PRECISIONS = ("fp32", "bf16", "int8")
 PAIRED_TESTS = ("mcnemar", "bootstrap")

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from pipeline.deploy.config import DeployGateConfig
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 CHECKS = ("capability", "safety", "drift", "consistency", "quantization_parity", "vs_champion")
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import mlflow.pyfunc
 
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 SERVING_JSON = "serving.json"
 WORLD_FILES = ("world.sqlite", "corpus.jsonl", "entities.json")

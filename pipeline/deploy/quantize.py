@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pipeline.deploy.config import PRECISIONS, QuantizationConfig
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 
 def _row_scales(weight: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ model that does not exist, or a version without its gate inputs is an :class:`Ag
 as it was. ``dry_run`` writes nothing at all.
 
 Every call goes through an explicit ``MlflowClient`` (no fluent API and no module-level state, as in
-:mod:`pipeline.tracking`).
+:mod:`pipeline.core.tracking`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from pipeline.deploy.config import DeployGateConfig
 from pipeline.deploy.gate import GateDecision, GateInputs, decide, pair_results
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 HISTORY_TAG = "agentrl.champion_history"
@@ -68,7 +68,7 @@ class ModelRegistry:
     """One registered model in an MLflow registry (``tracking_uri``: ``$MLFLOW_TRACKING_URI`` or the repo's store)."""
 
     def __init__(self, name: str, tracking_uri: str | None = None):
-        from pipeline.tracking import Tracker, mlflow_client, require_tracking
+        from pipeline.core.tracking import Tracker, mlflow_client, require_tracking
 
         require_tracking(f"the model registry ({name!r})")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.tokenizer import MARKERS, marker_ids
 
@@ -51,7 +51,7 @@ def release_free_memory() -> bool:
     is not free: the pages it returns are faulted in again by the next steps. Measured on 200 SFT steps of the default
     (session 7, alternated runs): never trimming, peak 3.9-4.1 GiB at 9.2-10.0k tokens/s; trimming every 10 steps,
     3.4 GiB at 8.4k; every 5, 3.1 GiB at 8.0-8.1k; :class:`HeapTrimmer` with 1 GiB of headroom (the SFT loop's
-    choice, :data:`pipeline.policy.sft.TRIM_HEADROOM_MIB`), 2.8 GiB at 7.6k; with 0.5 GiB, 2.5 GiB at 7.0k. So the
+    choice, :data:`pipeline.adapt.sft.TRIM_HEADROOM_MIB`), 2.8 GiB at 7.6k; with 0.5 GiB, 2.5 GiB at 7.0k. So the
     bound costs 10-20 % of SFT throughput, which the default pays to stay under the 4 GiB memory goal. A fixed low
     mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``) also stops the growth but page-faults every activation afresh:
     3.4k tokens/s. Nothing numerical changes: the same tensors are computed in the same order.

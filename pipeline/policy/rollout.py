@@ -44,7 +44,7 @@ How it works (``RolloutEngine._loop``):
   than its fp32 one (the prototype's "bf16 slowed decoding", ../shared/FINDINGS.md). The KV cache is stored in the
   model's dtype.
 
-What an episode record holds (the :func:`pipeline.evaluation.run_episode` fields, so ``summarize`` works unchanged,
+What an episode record holds (the :func:`pipeline.policy.episodes.run_episode` fields, so ``summarize`` works unchanged,
 plus): ``token_ids`` (the whole episode as the model saw it, prompt included), ``logprobs`` (same length),
 ``action_mask`` (1 exactly on sampled tokens), ``segments`` (start offset of each token segment, see below),
 ``policy_version``, ``actions`` (each step's parsed call: ``{"tool", "params"}``, or ``{"tool": None, "params":
@@ -101,7 +101,7 @@ from pipeline.env.config import EnvConfig
 from pipeline.env.core import ToolTasksEnv, WorldRuntime
 from pipeline.env.protocol import InvalidAction, parse_action
 from pipeline.env.tasks import Task
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 from pipeline.policy.config import RolloutConfig
 from pipeline.policy.model import autocast_context, release_free_memory
 from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_context, encode_continuation, marker_ids
@@ -827,7 +827,7 @@ def _batch_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature: 
 # ====================================================================================================== one episode
 class ModelPolicy:
     """The language-model policy behind the ``reset(task)`` / ``act(obs, info) -> text`` interface of
-    :func:`pipeline.evaluation.run_episode` (serving, single episodes). Each turn it encodes ``obs["context"]`` -- the
+    :func:`pipeline.policy.episodes.run_episode` (serving, single episodes). Each turn it encodes ``obs["context"]`` -- the
     same prompt text the engine and training use -- and writes one action with the engine's decoder.
 
     Args:

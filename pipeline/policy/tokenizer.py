@@ -47,7 +47,7 @@ from transformers import PreTrainedTokenizerFast
 from pipeline.env.prompt import render_header
 from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 from pipeline.env.tools import default_tools, signature
-from pipeline.errors import AgentRLError
+from pipeline.core.errors import AgentRLError
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 MARKERS = (CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE)

@@ -27,11 +27,11 @@ warnings.filterwarnings("ignore")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline.config import load_section  # noqa: E402
+from pipeline.core.config import load_section  # noqa: E402
 from pipeline.env.config import EnvConfig  # noqa: E402
-from pipeline.phases import adapt as A  # noqa: E402
+from pipeline.adapt import main as A  # noqa: E402
 from pipeline.policy import sft  # noqa: E402
-from pipeline.policy.config import AdaptConfig  # noqa: E402
+from pipeline.adapt.config import AdaptConfig  # noqa: E402
 from pipeline.policy.model import autocast_context, load_policy  # noqa: E402
 from sampled_eval import success_per_level  # noqa: E402  (this folder's sibling probe)
 

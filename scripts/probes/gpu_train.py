@@ -67,7 +67,7 @@ def matmul_rate(device: str) -> float:
 
 def launch(name: str, out: Path, train: dict, env: dict | None = None, extra: list[str] | None = None,
            timeout: int = 300, log_name: str | None = None) -> dict:
-    from pipeline.rl.distributed import _free_port, child_env
+    from pipeline.train.distributed import _free_port, child_env
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["train"].update({"num_ranks": 1, **train})
@@ -140,14 +140,14 @@ def profile_rollout(out: Path, device: str, n_tasks: int = 8, group: int = 8) ->
     time, and the host-device copies and synchronisations per forward). On a GPU the policy is cast to bf16, as the
     bf16 engine holds it. What a GPU session needs to see where the rollouts' time goes (session 30's H200 run took
     10-14 s per such batch against 3 s on the 2-core CPU)."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.config import EnvConfig
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.rl.config import TrainConfig
+    from pipeline.train.config import TrainConfig
 
     params = REPO / "params.yaml"
     model, tok, _ = load_policy(REPO / "models" / "adapted")

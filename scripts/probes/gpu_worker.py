@@ -1,8 +1,8 @@
-"""`pipeline.rl.worker` as one rank of `scripts/probes/gpu_train.py` (``deepspeed --module scripts.probes.gpu_worker``).
+"""`pipeline.train.worker` as one rank of `scripts/probes/gpu_train.py` (``deepspeed --module scripts.probes.gpu_worker``).
 
 Three things differ from the worker itself, all for the device machine. MLflow and Great Expectations are not
 installed there (the probe carries only the packages the train path imports, as wheels): tracking is off
-(``AGENTRL_TRACKING=off``, `pipeline.tracking`, set here unless the caller set it), and where ``great_expectations`` cannot be imported the demonstrations'
+(``AGENTRL_TRACKING=off``, `pipeline.core.tracking`, set here unless the caller set it), and where ``great_expectations`` cannot be imported the demonstrations'
 validation (suite ``demos``, which the env stage already ran when it wrote them, on the machine that built ``data/``)
 is skipped, said once on the output (``VALIDATION skipped``). And the rank prints what the probe reads back: the DeepSpeed engine's precision (``ENGINE bf16=... param_dtype=...``) when it is
 made, and the peak GPU memory at exit (``GPU_PEAK_MIB``). Nothing else is changed: the worker's own `main` runs.
@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-import pipeline.rl.distributed as distributed
-from pipeline.tracking import TRACKING_ENV
+import pipeline.train.distributed as distributed
+from pipeline.core.tracking import TRACKING_ENV
 
 os.environ.setdefault(TRACKING_ENV, "off")  # no MLflow on the device machine
 _make_engine = distributed.make_engine
@@ -35,7 +35,7 @@ distributed.make_engine = _reporting_make_engine  # the trainer imports it from 
 try:
     import great_expectations  # noqa: F401
 except ImportError:
-    import pipeline.validation as validation
+    import pipeline.core.validation as validation
 
     class _Skipped:
         def raise_if_failed(self) -> None:
@@ -55,6 +55,6 @@ def _peak() -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.rl.worker import main
+    from pipeline.train.worker import main
 
     sys.exit(main())

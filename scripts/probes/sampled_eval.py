@@ -4,7 +4,7 @@
     python scripts/probes/sampled_eval.py POLICY_DIR [--split validation] [--data data] [--params params.yaml]
         [--samples 8]
 
-The adapt stage's capability evaluation (``pipeline.policy.capability.evaluate_capabilities``) with `--samples`
+The adapt stage's capability evaluation (``pipeline.adapt.capability.evaluate_capabilities``) with `--samples`
 sampled episodes per task at the rollout temperature. Session 9 used it to see RL's sharpening: sampled success
 rising while greedy success barely moves (README, RL status). Not part of the pipeline or the tests.
 """
@@ -20,13 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
-from pipeline.config import load_section  # noqa: E402
+from pipeline.core.config import load_section  # noqa: E402
 from pipeline.env.config import EnvConfig  # noqa: E402
 from pipeline.env.core import WorldRuntime  # noqa: E402
 from pipeline.env.world import load_world  # noqa: E402
-from pipeline.phases import adapt as A  # noqa: E402
+from pipeline.adapt import main as A  # noqa: E402
 from pipeline.policy import capability  # noqa: E402
-from pipeline.policy.config import AdaptConfig, RolloutConfig  # noqa: E402
+from pipeline.policy.config import RolloutConfig  # noqa: E402
+from pipeline.adapt.config import AdaptConfig  # noqa: E402
 from pipeline.policy.model import load_policy  # noqa: E402
 
 

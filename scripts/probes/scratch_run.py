@@ -55,7 +55,7 @@ def set_key(params: dict, dotted: str, value) -> None:
 def validate(params: dict) -> None:
     from params_table import SECTIONS  # noqa: PLC0415 (scripts/ on the path above)
 
-    from pipeline.config import ConfigError, parse_section  # noqa: PLC0415
+    from pipeline.core.config import ConfigError, parse_section  # noqa: PLC0415
 
     unknown = sorted(set(params) - set(SECTIONS))
     if unknown:

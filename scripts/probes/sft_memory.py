@@ -12,12 +12,12 @@ import gc, json, resource, sys
 from pathlib import Path
 import numpy as np, torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from pipeline.config import load_section
+from pipeline.core.config import load_section
 from pipeline.env.config import EnvConfig
-from pipeline.policy.config import AdaptConfig
-from pipeline.policy import sft
+from pipeline.adapt.config import AdaptConfig
+from pipeline.adapt import sft
 from pipeline.policy.model import load_policy, autocast_context, resident_mib, release_free_memory
-import pipeline.phases.adapt as A
+import pipeline.adapt.main as A
 mx = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 def show(w): print(f"{w}: rss {resident_mib():.0f} MiB, maxrss {mx():.0f}", flush=True)
 if len(sys.argv) != 3 or sys.argv[2] not in ("compiled", "eager") or not sys.argv[1].isdigit() or int(sys.argv[1]) < 1:

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# the seeds of the train stage: validation in pipeline.rl.trainer.train (10,000 + i), test in pipeline.rl.worker.compare
+# the seeds of the train stage: validation in pipeline.train.trainer.train (10,000 + i), test in pipeline.train.worker.compare
 # (20,000 + i); train 30,000 + i is the probes' own choice, used by no stage
 SPLIT_SEED = {"validation": 10_000, "test": 20_000, "train": 30_000}
 
 
 def load_split(split: str, n_tasks: int):
     """(tasks, seeds, runtime, env_cfg, rollout_cfg) for the first `n_tasks` of `split` (data/tasks/<split>.jsonl)."""
-    from pipeline.config import load_section
+    from pipeline.core.config import load_section
     from pipeline.env.config import EnvConfig
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.world import load_world
-    from pipeline.errors import AgentRLError
+    from pipeline.core.errors import AgentRLError
     from pipeline.policy.config import RolloutConfig
 
     if n_tasks < 1:

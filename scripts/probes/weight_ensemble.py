@@ -51,9 +51,9 @@ def main() -> None:
 
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.rl.core_algos import interpolate_weights
-    from pipeline.rl.distributed import Dist
-    from pipeline.rl.trainer import _evaluate
+    from pipeline.train.core_algos import interpolate_weights
+    from pipeline.train.distributed import Dist
+    from pipeline.train.trainer import _evaluate
     from split import SPLIT_SEED, check_policy_folders, load_split
 
     check_policy_folders(args.start, args.rl)

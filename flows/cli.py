@@ -1,0 +1,365 @@
+"""The `agentrl` command line: one command per phase, `run` for the whole pipeline, `stages` for the phase graph.
+
+Every command imports its phase only when it runs, so `agentrl --help` stays fast and the library never imports an
+orchestrator: Prefect is imported by `agentrl run` alone, after its state directory has been pointed into the repo.
+
+Errors the user can fix (a bad `params.yaml`, a corrupt task file, a missing phase output: `ConfigError` and every
+`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback; anything else is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from pipeline.core.config import DEFAULT_PARAMS, ConfigError
+from pipeline.core.errors import AgentRLError
+from pipeline.core.tracking import require_tracking, tracking_enabled
+
+USER_ERROR = 2
+# When set (the Prefect flow sets it for each stage it launches), every `agentrl` command appends one JSON line
+# {"command", "seconds", "rc", "peak_rss_mib"} to this file: the stage's own time, which the flow subtracts from its
+# wall time to report the orchestration overhead (DVC, Prefect and MLflow bookkeeping), and the peak resident memory
+# of the command: its own process with the parts it ran in child processes (pipeline.core.isolation), or its largest other
+# child (a DeepSpeed rank), whichever is larger.
+STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
+
+
+def _cmd_build_env(args: argparse.Namespace) -> int:
+    from pipeline.build_env import main as build_env
+    build_env.main(args.params)
+    return 0
+
+
+def _cmd_adapt(args: argparse.Namespace) -> int:
+    from pipeline.adapt import main as adapt
+    adapt.main(args.params)
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.train import main as train
+    train.main(args.params)
+    return 0
+
+
+def _cmd_check_drift(args: argparse.Namespace) -> int:
+    from pipeline.check_drift import main as check_drift
+    check_drift.main(args.params)
+    return 0
+
+
+def _cmd_deploy(args: argparse.Namespace) -> int:
+    from pipeline.deploy import main as deploy
+    deploy.main(args.params)
+    return 0
+
+
+def _cmd_promote(args: argparse.Namespace) -> int:
+    from pipeline.deploy import main as deploy
+    passed = deploy.promote_main(args.params, version=args.version, alias=args.alias, dry_run=args.dry_run)
+    return 0 if passed else 1
+
+
+def _cmd_rollback(args: argparse.Namespace) -> int:
+    from pipeline.deploy import main as deploy
+    deploy.rollback_main(args.params)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pipeline.deploy import main as deploy
+    deploy.serve_main(args.params, model_uri=args.model_uri, host=args.host, port=args.port)
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from pipeline.evaluate import main as evaluate
+    evaluate.main(args.params)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pipeline.policy import episodes as evaluation
+    evaluation.main(args.policy, args.tasks, args.out, args.params, args.seed)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    started = time.time()  # the reported wall time includes Prefect's start-up
+    import flows
+
+    params = flows.project_params(args.params)  # bad input fails here, before Prefect starts a server
+    require_tracking("agentrl run (its MLflow parent run and the registry's promotion gate)")
+    flows.use_project_prefect_home(params.parent)  # must happen before the first `import prefect`
+    from flows.pipeline_flow import StageFailed, pipeline_flow
+
+    try:
+        pipeline_flow(params_path=str(params), stages=args.stage, push=args.push, started_at=started)
+    except StageFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    import flows
+
+    params = flows.project_params(args.params)
+    require_tracking("agentrl schedule (the champion's data version and the promotion gate)")
+    root = params.parent
+    flows.use_project_prefect_home(root)  # must happen before the first `import prefect`
+    if args.once:
+        from flows.pipeline_flow import StageFailed
+        from flows.retrain_flow import retrain_flow
+
+        try:
+            retrain_flow(project=str(root), incoming=args.incoming, force=args.force)
+        except StageFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.force:
+        raise AgentRLError("--force applies to --once; a served run is forced with "
+                           "`prefect deployment run agentrl-retrain/<name> --param force=true`")
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:  # PREFECT_API_URL, from the environment or a Prefect profile
+        raise AgentRLError(
+            "agentrl schedule serves the retraining deployment on a Prefect server, so that the schedule and "
+            "`prefect deployment run` reach it: start one (`prefect server start --host 127.0.0.1 --port 4200`) and "
+            "`export PREFECT_API_URL=http://127.0.0.1:4200/api`; or run one retraining now with `agentrl schedule --once`"
+        )
+    from flows.retrain_flow import serve_retraining
+
+    serve_retraining(root, name=args.name, cron=args.cron)
+    return 0
+
+
+def _cmd_stages(args: argparse.Namespace) -> int:
+    from pipeline.core.graph import load_stages
+
+    for i, stage in enumerate(load_stages(args.dvc_yaml), 1):
+        deps = ", ".join(stage.deps) or "-"
+        outs = ", ".join(stage.outs) or "-"
+        print(f"{i}. {stage.name}: {stage.cmd}\n   deps: {deps}\n   outs: {outs}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentrl",
+        description="Train tool-using agents with RL: one command per phase, `run` for the whole pipeline.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def params_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--params", default=str(DEFAULT_PARAMS), metavar="FILE", help="params file to read (default: %(default)s)"
+        )
+
+    p = sub.add_parser(
+        "build-env",
+        help="build the environment's data: database, documents, task splits, demonstrations",
+        description="Generate the SQLite world, the document corpus, the train/validation/test task splits and the "
+        "demonstrations under data/, validate them, and write metrics/build_env.json. "
+        "Reads the `env` and `build_env` sections of the params file.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_build_env)
+
+    p = sub.add_parser(
+        "adapt",
+        help="adapt the base model: tokenizer, optional continued pre-training, adapter fine-tuning, capability gate",
+        description="Build (or load) the base model, optionally continue pre-training on the environment's corpus, "
+        "fine-tune it on the demonstrations with adapters, evaluate its capabilities on the validation split, apply "
+        "the capability gate, and save models/adapted and metrics/adapt.json. Reads `env`, `model`, `rollout`, `adapt`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_adapt)
+
+    p = sub.add_parser(
+        "train",
+        help="RL training from the adapted model with DeepSpeed (train.num_ranks processes)",
+        description="Train the adapted policy with RL (PPO or a group baseline) inside DeepSpeed engines launched with "
+        "the deepspeed launcher; write the best policy to models/policy, metrics/train.json and "
+        "metrics/train_curve.csv. Resumes from checkpoints/train when present. Reads `env`, `rollout`, `train`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "check-drift",
+        help="drift and state-representation checks (train/serve consistency, data and behaviour drift)",
+        description="Compare the current data (data/incoming/ or the validation split) and the policy's behaviour "
+        "with the reference it was trained on, check that training and serving preprocess observations identically, "
+        "and write metrics/drift.json with a verdict per check. Reads `check_drift`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_check_drift)
+
+    p = sub.add_parser(
+        "deploy",
+        help="quantise the policy, check parity, register it as challenger, run the promotion gate",
+        description="Measure fp32, bf16 and int8 variants of models/policy on the test split (success, latency per "
+        "action, throughput, size), check quantisation parity, log the policy to MLflow as a pyfunc with its world, "
+        "register it as a new version with alias `challenger`, and (deploy.promote) run the promotion gate. Writes "
+        "metrics/deploy.json. Reads `deploy`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_deploy)
+
+    p = sub.add_parser(
+        "promote",
+        help="run the promotion gate on a model version by hand (challenger -> champion)",
+        description="Judge a registered version (default: the one with alias `challenger`) with the promotion gate: "
+        "capability, safety, drift and consistency verdicts, quantisation parity, and a paired test against the "
+        "champion on the same test tasks. Every check is tagged on the version; on a pass `champion` moves to it. "
+        "Exits 0 when promoted, 1 when rejected. Reads `deploy`, `env`, `rollout`.",
+    )
+    params_option(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--version", type=int, metavar="N", help="model version to judge")
+    which.add_argument("--alias", metavar="A", help="alias of the version to judge (default: challenger)")
+    p.add_argument("--dry-run", action="store_true", help="show the decision and its reasons; write nothing")
+    p.set_defaults(func=_cmd_promote)
+
+    p = sub.add_parser(
+        "rollback",
+        help="point the `champion` alias back to the previous champion",
+        description="Move the registered model's `champion` alias to the version that was champion before the "
+        "current one (the history is the registered-model tag agentrl.champion_history). Reads `deploy`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_rollback)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a registered policy over HTTP (dynamic batching, cache, limits)",
+        description="Load models:/<deploy.model_name>@champion (or --model-uri) and serve POST /solve (a task in, "
+        "the answer and trajectory out), GET /health, /ready and /stats. Concurrent requests are batched; identical "
+        "requests are answered from a cache; request size and rate are limited (deploy.serve). Reads `deploy`.",
+    )
+    params_option(p)
+    p.add_argument("--model-uri", metavar="URI", help="any MLflow model URI (default: models:/NAME@champion)")
+    p.add_argument("--host", metavar="HOST", help="interface to listen on (default: deploy.serve.host)")
+    p.add_argument("--port", type=int, metavar="PORT", help="port (default: deploy.serve.port)")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="evaluate the SFT and RL policies on every split: metrics with intervals, overfitting flags",
+        description="Evaluate the SFT policy (models/adapted) and the RL policy (models/policy) on a subset of the "
+        "train split and on the validation and test splits: success, return and reward components, tool calls and "
+        "safety violations, overall and per level, with bootstrap confidence intervals. Flag overfitting (train/"
+        "validation gap), failure on unseen question templates and rigid behaviour (low behaviour diversity and few "
+        "distinct solutions across seeds). Write metrics/evaluate.json and metrics/evaluate_success.csv, and log a "
+        "report to MLflow. Reads `evaluate`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_evaluate)
+
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a policy on a task file",
+        description="Run a policy on every task of a task file (JSON Lines, the schema build-env writes) and write "
+        "success rate, mean return, mean reward components, mean tool calls and safety violations, overall and per "
+        "level, as JSON. A task file that breaks the schema is refused before anything runs.",
+    )
+    p.add_argument("--policy", required=True, metavar="POLICY",
+                   help="'expert', 'random', or a model directory (e.g. models/adapted, models/policy)")
+    p.add_argument("--tasks", required=True, metavar="FILE", help="task file (JSON Lines), e.g. data/tasks/test.jsonl")
+    p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the results")
+    params_option(p)
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the policy and episodes (default: %(default)s)")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
+        "run",
+        help="run the whole pipeline (Prefect flow over the dvc.yaml stages)",
+        description="Run every stage of dvc.yaml in graph order as a Prefect flow on an embedded local server (state "
+        "under .prefect/), each through `dvc repro --single-item`, so up-to-date stages are skipped. The stages read "
+        "the params.yaml next to dvc.yaml; to try other values, edit it or use `dvc exp run -S key=value`.",
+    )
+    params_option(p)
+    p.add_argument(
+        "--stage",
+        action="append",
+        metavar="NAME",
+        help="run only this stage (repeatable; run in graph order); default: every stage",
+    )
+    p.add_argument("--push", action="store_true",
+                   help="`dvc push` data and models to the default DVC remote at the end (retried when it fails)")
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser(
+        "schedule",
+        help="serve the scheduled retraining deployment of prefect.yaml (or run one retraining now: --once)",
+        description="Serve the retraining deployment defined in prefect.yaml (its cron schedule and parameters) from "
+        "this process with Prefect's flow.serve, against the Prefect server in PREFECT_API_URL, until interrupted. "
+        "Each run checks data/incoming/*.jsonl for drift against the data the champion was trained on, retrains and "
+        "re-gates (the pipeline stages from adapt on) when drift is found or when forced, and otherwise records that "
+        "nothing was needed. Trigger a run by hand with `prefect deployment run agentrl-retrain/<name>`.",
+    )
+    params_option(p)
+    p.add_argument("--name", metavar="NAME", help="deployment of prefect.yaml to serve (default: the retraining one)")
+    p.add_argument("--cron", metavar="EXPR", help="override the deployment's cron schedule, e.g. '*/30 * * * *'")
+    p.add_argument("--once", action="store_true", help="run one retraining decision now, without a server, and exit")
+    p.add_argument("--force", action="store_true", help="with --once: retrain and re-gate even without drift")
+    p.add_argument("--incoming", default="data/incoming", metavar="DIR",
+                   help="with --once: folder of incoming task files (default: %(default)s)")
+    p.set_defaults(func=_cmd_schedule)
+
+    p = sub.add_parser(
+        "stages",
+        help="print the phase graph in run order",
+        description="Print the stages of dvc.yaml in the order the pipeline runs them, with their deps and outputs.",
+    )
+    p.add_argument("--dvc-yaml", default="dvc.yaml", metavar="FILE", help="dvc.yaml to read (default: %(default)s)")
+    p.set_defaults(func=_cmd_stages)
+    return parser
+
+
+def _record_time(command: str, seconds: float, rc: int | str) -> None:
+    path = os.environ.get(STAGE_TIMES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"command": command, "seconds": seconds, "rc": rc, "peak_rss_mib": _peak_rss_mib()})
+                    + "\n")
+
+
+def _peak_rss_mib() -> float:
+    """The stage's peak: this process with the parts it ran in child processes (their resident sizes added to this
+    process's while they ran; pipeline.core.isolation), or its largest other child (the DeepSpeed ranks), if larger."""
+    from pipeline.core.isolation import children_peak_mib, tree_peak_mib
+
+    return round(max(tree_peak_mib(), children_peak_mib()), 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    rc: int | str = "exception"
+    try:
+        tracking_enabled()  # a mistyped AGENTRL_TRACKING stops every command here, before it does anything
+        rc = args.func(args)
+        return rc
+    except (ConfigError, AgentRLError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        rc = USER_ERROR
+        return rc
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        rc = 130
+        return rc
+    finally:
+        _record_time(args.command, time.perf_counter() - started, rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

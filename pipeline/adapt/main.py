@@ -1,0 +1,422 @@
+"""Phase 2, `adapt`: base-model adaptation. Build or load the base, continue pre-training on the environment's text,
+fine-tune on the demonstrations with an adapter, evaluate capabilities, apply the gate, publish atomically.
+
+Steps (each a library call; this module only does I/O and wiring):
+
+1. read and validate the inputs: the training tasks and the evaluation split (suite ``tasks``), the demonstrations
+   (suite ``demos``); a file that breaks its schema stops the phase before any training;
+2. the base: ``model.base: builtin`` trains the byte-level BPE tokenizer on the training text
+   (:func:`pipeline.policy.tokenizer.corpus_texts`) and builds the small Llama; a directory written by
+   :func:`~pipeline.policy.model.save_policy` is loaded with its tokenizer (a tokenizer that does not fit the model is
+   refused); any other local model directory or cached hub id is loaded with its own tokenizer plus the protocol markers;
+3. continued pre-training (``adapt.pretrain``, full parameters, every token in the loss) on copy drills (short texts
+   that end in a JSON copy of a quoted fictitious name: the skill held-out entities need, which SFT alone forms only
+   after a slow phase change; :func:`pipeline.adapt.sft.copy_drills`), optionally with the world's documents and the
+   training questions; no demonstrations; by default in a child process (``adapt.pretrain.subprocess``,
+   :func:`pretrain_in_child`), so that the heap the loop leaves behind is returned when the child exits;
+4. SFT (``adapt.sft``) with the adapter (``adapt.adapter``: LoRA merged afterwards, bottleneck kept, full fine-tuning;
+   ``auto`` is full fine-tuning for the built-in from-scratch base and LoRA for a pre-trained one), loss on action
+   tokens only, entity names replaced by fictitious ones in a share of the demonstrations; the loss curve goes to
+   MLflow; with ``adapt.sft.select_every`` the checkpoint that scores best on validation tasks is kept
+   (:class:`pipeline.adapt.capability.CheckpointSelector`);
+5. capability evaluation (:mod:`pipeline.adapt.capability`) on the validation split: success per level greedy and
+   sampled, tool selection, parameters, recovery after injected tool errors;
+6. the gate (``adapt.gate``): a model below it raises :class:`~pipeline.adapt.capability.CapabilityGateError` and is
+   not published;
+7. only then is the model saved to ``models/adapted`` (``save_policy`` writes a temporary sibling and swaps it in) and
+   ``metrics/adapt.json`` written (temporary file, then rename).
+
+Any failure before step 7 (bad input, a model that does not load, the gate) leaves an existing ``models/adapted`` and
+``metrics/adapt.json`` exactly as they were.
+
+Deliberately left out: hyper-parameter search (DVC experiments do that: ``dvc exp run -S adapt.sft.lr=...``), and
+DeepSpeed (SFT of the default model takes minutes on two cores; the RL phase owns distributed training).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.core.config import load_section
+from pipeline.env.config import LEVELS, EnvConfig
+from pipeline.env.tasks import FIELD_WORDS, UNIT_WORDS
+from pipeline.core.errors import AgentRLError
+from pipeline.core.isolation import run_in_child, tree_peak_mib
+from pipeline.policy.config import ModelConfig, RolloutConfig
+from pipeline.adapt.config import AdaptConfig
+
+PHASE = "adapt"
+EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artefact
+
+
+# ----------------------------------------------------------------------------------------------------------- inputs
+
+
+def load_inputs(data_dir: Path, split: str) -> dict:
+    """Training tasks, evaluation tasks and demonstrations, each validated against its schema."""
+    from pipeline.policy.episodes import load_task_file
+    from pipeline.adapt.sft import load_demos
+
+    train_path = data_dir / "tasks" / "train.jsonl"
+    eval_path = data_dir / "tasks" / f"{split}.jsonl"
+    for p in (train_path, eval_path):
+        if not p.is_file():
+            raise AgentRLError(f"{p} not found; run `agentrl build-env` (DVC stage build_env) first")
+    train = load_task_file(train_path)
+    evaluation = load_task_file(eval_path)
+    demos = load_demos(data_dir / "demos" / "train.jsonl", task_ids=[t.task_id for t in train])
+    return {"train": train, "eval": evaluation, "demos": demos}
+
+
+def base_policy(model_cfg: ModelConfig, data_dir: Path):
+    """(model, tokenizer, description) of the base to adapt; see step 2 of the module docstring."""
+    from pipeline.policy.model import build_policy, check_pair, load_base_tokenizer, load_policy
+    from pipeline.policy.model import POLICY_JSON
+    from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
+
+    import pipeline.adapt.adapters  # noqa: F401  (registers the bottleneck model class for a bottleneck base)
+
+    if model_cfg.base == "builtin":
+        tokenizer = train_tokenizer(corpus_texts(data_dir), model_cfg.vocab_size)
+        model = build_policy(model_cfg, tokenizer)
+        source = "builtin"
+    elif (Path(model_cfg.base) / POLICY_JSON).is_file():
+        model, tokenizer, _ = load_policy(model_cfg.base)
+        source = f"policy:{model_cfg.base}"
+    else:
+        tokenizer = load_base_tokenizer(model_cfg)
+        model = build_policy(model_cfg, tokenizer)
+        source = f"hf:{model_cfg.base}"
+    check_pair(model, tokenizer, f"model.base={model_cfg.base!r}")
+    return model, tokenizer, source
+
+
+def check_base_exists(model_cfg: ModelConfig) -> None:
+    """Refuse a base that is neither 'builtin', nor an existing path, nor shaped like a hub id ('org/name'), early."""
+    base = model_cfg.base
+    looks_like_path = base.startswith((".", "/", "~")) or base.count("/") != 1
+    if base != "builtin" and looks_like_path and not Path(base).expanduser().exists():
+        raise AgentRLError(f"model.base={base!r}: no such directory (give 'builtin', a local model directory, or a "
+                           f"hub id already in the local cache)")
+
+
+def baselines(metrics_path: Path, split: str) -> dict | None:
+    """Expert and random success on the evaluation split, from build_env's metrics (None when absent)."""
+    if not metrics_path.is_file():
+        return None
+    try:
+        data = json.loads(metrics_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    out = {}
+    for policy in ("expert", "random"):
+        b = data.get("baselines", {}).get(f"{split}/{policy}")
+        if b:
+            out[policy] = {"success": b["success_rate"], "mean_return": b["mean_return"],
+                           "per_level_success": b["per_level_success"]}
+    return out or None
+
+
+def data_version(metrics_path: Path) -> dict:
+    if not metrics_path.is_file():
+        return {}
+    try:
+        return json.loads(metrics_path.read_text()).get("checksums", {})
+    except json.JSONDecodeError:
+        return {}
+
+
+# ------------------------------------------------------------------------------------------------------------ phase
+
+
+def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, env_cfg: EnvConfig, data_dir: Path,
+          out_dir: Path, metrics_path: Path, build_metrics: Path, run=None) -> dict:
+    """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
+    from pipeline.env.core import WorldRuntime
+    from pipeline.env.world import load_world
+    from pipeline.adapt import adapters
+    from pipeline.adapt import capability
+    from pipeline.adapt import sft
+    from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
+                                       resolve_dtype, save_policy)
+
+    t0 = time.perf_counter()
+    seconds: dict[str, float] = {}
+    peak_mib: dict[str, float] = {}  # the process tree's high-water resident size after each part (tree_peak_mib)
+    capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
+    if cfg.sft.compile:
+        sft.check_compile_available()  # before pre-training, not minutes into the phase
+    check_base_exists(model_cfg)
+    if (notice := dtype_notice(model_cfg.dtype)) is not None:
+        print(f"adapt: {notice}", flush=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    inputs = load_inputs(data_dir, cfg.eval.split)
+    eval_tasks = inputs["eval"][: cfg.eval.max_tasks] if cfg.eval.max_tasks else inputs["eval"]
+    try:
+        world = load_world(data_dir / "env")
+    except (FileNotFoundError, ValueError) as exc:
+        raise AgentRLError(f"{data_dir / 'env'}: {exc}; run `agentrl build-env` first") from None
+
+    t = time.perf_counter()
+    model, tokenizer, source = base_policy(model_cfg, data_dir)
+    seconds["base"] = time.perf_counter() - t
+    n_base = n_parameters(model)
+    autocast = lambda: autocast_context(model_cfg)  # noqa: E731
+    rng = np.random.default_rng([cfg.seed, 2])
+    log = run.log_metrics if run is not None else (lambda *a, **k: None)
+
+    pool = sft.NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
+
+    # continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is off)
+    pre_summary = None
+    if cfg.pretrain.steps > 0:
+        t = time.perf_counter()
+        questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
+        if cfg.pretrain.subprocess:
+            out = run_in_child("adapt: continued pre-training (adapt.pretrain.subprocess: false runs it in this "
+                               "process)", pretrain_in_child, model, tokenizer, cfg, model_cfg,
+                               data_dir, pool, questions, rng, torch.get_num_threads(),
+                               torch.get_rng_state())
+            model.load_state_dict(torch.load(io.BytesIO(out["state"]), weights_only=True))
+            for p in model.parameters():
+                p.requires_grad_(True)
+            rng.bit_generator.state = out["rng"]
+            torch.set_rng_state(out["torch_rng"])
+            for metrics, step in out["logged"]:
+                log(metrics, step=step)
+            pre_summary = out["summary"]
+        else:
+            pre_summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng, log)
+        seconds["pretrain"] = time.perf_counter() - t
+        peak_mib["pretrain"] = round(tree_peak_mib(), 1)
+
+    # SFT with the adapter
+    t = time.perf_counter()
+    sampler = sft.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
+                              env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool)
+    examples = [e for exs in sampler.plain for e in exs]
+    kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
+    trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))
+    counts = adapters.trainable_summary(trainable_model)
+    curve: list[list[float]] = []
+
+    def sft_log(step: int, m: dict) -> None:
+        curve.append([step, round(m["loss"], 5)])
+        _progress("sft", step, cfg.sft.steps, m, cfg.sft.log_every, log)
+
+    selector = None
+    if cfg.sft.select_every:
+        selector = capability.CheckpointSelector(trainable_model, tokenizer, WorldRuntime(world),
+                                      inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
+                                      cfg.eval.seed, log)
+    try:
+        res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
+                                                             tokenizer.pad_token_id),
+                           cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
+                           grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
+                           micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
+                           stop=selector, stop_every=cfg.sft.select_every or 100)
+        selection = selector.finish(res.steps) if selector is not None else None
+    finally:
+        if selector is not None:
+            selector.runtime.close()
+    model = adapters.finalize(trainable_model)
+    sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
+                   "demos": len(inputs["demos"]), "loss_curve": curve,
+                   "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in LEVELS},
+                   "loss_tokens_per_epoch": sum(sum(e.loss_mask) for e in examples),
+                   "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
+                   "entity_augmentation": cfg.sft.entity_augmentation, "selection": selection}
+    seconds["sft"] = time.perf_counter() - t
+    if selector is not None:
+        seconds["select"] = selector.seconds
+
+    peak_mib["sft"] = round(tree_peak_mib(), 1)
+
+    # capability evaluation and gate
+    t = time.perf_counter()
+    # The SFT loop leaves its C heap fragmented, up to `sft.TRIM_HEADROOM_MIB` above its live size, and the
+    # evaluation's rollouts (about 900 MiB in a fresh process) land on top of it; return the free pages first
+    # (release_free_memory says why the heap grows; nothing numerical changes). It did not bring adapt under 4 GiB in
+    # pipeline run 14: `peak_rss_mib` was 3,764 after SFT and 4,267 after evaluation, so most of the resident size
+    # at that point is not free heap; what holds it is open (README, Status).
+    release_free_memory()
+    runtime = WorldRuntime(world)
+    try:
+        cap, episodes = capability.evaluate_capabilities(model, tokenizer, runtime, eval_tasks, env_cfg, rollout_cfg,
+                                                         cfg.eval)
+    finally:
+        runtime.close()
+    seconds["evaluate"] = time.perf_counter() - t
+    peak_mib["evaluate"] = round(tree_peak_mib(), 1)
+    shortfalls = capability.check_gate(cap, cfg.gate.min) if cfg.gate.enabled else []
+    seconds["total"] = time.perf_counter() - t0
+    metrics = {
+        "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
+                 "bf16": resolve_dtype(model_cfg.dtype) == torch.bfloat16, "dtype": model_cfg.dtype},
+        "adapter": {"kind": kind, "configured_kind": cfg.adapter.kind, **counts},
+        "pretrain": pre_summary,
+        "sft": sft_summary,
+        "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
+        "per_level": capability.per_level_table(cap),
+        "baselines": baselines(build_metrics, cfg.eval.split),
+        "eval": {"split": cfg.eval.split, "tasks": len(eval_tasks), "sampled_per_task": cfg.eval.sampled_per_task,
+                 "temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p,
+                 "recovery_failure_rate": cfg.eval.recovery_failure_rate},
+        "gate": {"enabled": cfg.gate.enabled, "passed": (not shortfalls) if cfg.gate.enabled else None,
+                 "min": dict(cfg.gate.min),
+                 "shortfalls": [{"metric": k, "value": v, "min": lo} for k, v, lo in shortfalls]},
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "peak_rss_mib": peak_mib,
+    }
+    if run is not None:
+        _log_run(run, metrics, cap, episodes)
+    if cfg.gate.enabled:
+        capability.enforce_gate(cap, cfg.gate.min, PHASE)
+
+    # publish: the model (atomic swap), then the metrics (temp file + rename)
+    meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
+            "adapt_config": cfg.model_dump(), "base": source, "adapter": kind,
+            "step": (pre_summary["steps"] if pre_summary else 0) + (selection["selected_step"] if selection
+                                                                     else sft_summary["steps"]),
+            "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
+    save_policy(model, tokenizer, out_dir, meta)
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = metrics_path.with_name(f".{metrics_path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(metrics_path)
+    if run is not None:
+        run.log_artifact(str(metrics_path))
+    return metrics
+
+
+def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+             questions: list[str] | None, rng: np.random.Generator, log) -> dict:
+    """Continued pre-training of `model` in place (step 3 of the module docstring); returns its summary for
+    ``metrics/adapt.json``. `rng` draws the batches (SFT goes on drawing from it); `log(metrics, step=...)` records
+    the progress and the copy-accuracy checks."""
+    from pipeline.adapt import sft
+    from pipeline.policy.model import autocast_context
+
+    autocast = lambda: autocast_context(model_cfg)  # noqa: E731
+    texts = sft.pretraining_texts(data_dir, [{"question": q} for q in questions] if questions is not None else None,
+                                  documents=cfg.pretrain.include_documents)
+    n_domain = len(texts)
+    texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
+    words = sft.drill_words(pool, extra=sorted(FIELD_WORDS.values()) + sorted(UNIT_WORDS.values()))
+    texts += sft.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
+    texts += sft.number_drills(cfg.pretrain.number_drills, np.random.default_rng([cfg.seed, 3]))
+    pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
+    copy_curve: list[list[float]] = []
+
+    def copied_enough(step: int) -> bool:
+        acc = sft.copy_accuracy(model, tokenizer, probe[:100], autocast)
+        copy_curve.append([step, acc])
+        log({"pretrain/copy_accuracy_check": acc}, step=step)
+        print(f"adapt: pretrain step {step}: exact-copy accuracy {acc:.2f} (target {cfg.pretrain.copy_target})",
+              flush=True)
+        return acc >= cfg.pretrain.copy_target
+
+    res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
+                       cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
+                       autocast=autocast, log=lambda s, m: _progress("pretrain", s, cfg.pretrain.steps, m,
+                                                                     cfg.sft.log_every, log),
+                       log_every=cfg.sft.log_every,
+                       stop=copied_enough if cfg.pretrain.copy_target is not None else None,
+                       stop_every=cfg.pretrain.check_every)
+    number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
+    word_probe = sft.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
+    summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
+               "drills": len(texts) - n_domain, "word_drills": cfg.pretrain.word_drills,
+               "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
+               "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast),
+               "word_copy_accuracy": sft.copy_accuracy(model, tokenizer, word_probe, autocast),
+               "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
+    log({"pretrain/copy_accuracy": summary["copy_accuracy"],
+         "pretrain/number_copy_accuracy": summary["number_copy_accuracy"],
+         "pretrain/word_copy_accuracy": summary["word_copy_accuracy"]})
+    return summary
+
+
+def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+                      questions: list[str] | None, rng: np.random.Generator, threads: int,
+                      torch_rng: torch.Tensor) -> dict:
+    """:func:`pretrain` as run by :func:`pipeline.core.isolation.run_in_child`: returns what the parent needs to go on as
+    if it had trained in place: the weights (``torch.save`` bytes), the summary, the states of `rng` and of torch's
+    generator after training, and the logged metrics (MLflow's run lives in the parent, which logs them).
+
+    `threads` and `torch_rng` are the parent's torch thread count and generator state, set here first: a spawned
+    interpreter starts with one thread per core (a matmul split over another number of threads sums in another order,
+    so the weights would differ in their last bits) and with torch's default seed."""
+    torch.set_num_threads(threads)
+    torch.set_rng_state(torch_rng)
+    logged: list[tuple[dict, int | None]] = []
+    summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng,
+                       lambda metrics, step=None: logged.append((metrics, step)))
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return {"state": buf.getvalue(), "summary": summary, "rng": rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(), "logged": logged}
+
+
+def _progress(name: str, step: int, steps: int, m: dict, every: int, log) -> None:
+    """Log a training step's metrics to MLflow, and print a progress line every 10 logs (the stage's progress display)."""
+    log({f"{name}/{k}": v for k, v in m.items()}, step=step)
+    if step % (10 * every) == 0 or step == steps:
+        print(f"adapt: {name} step {step}/{steps} loss {m['loss']:.3f}", flush=True)
+
+
+def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
+    flat = {k: v for k, v in cap.items() if np.isfinite(v)}
+    for part in ("pretrain", "sft"):
+        if metrics[part]:
+            flat.update({f"{part}/{k}": v for k, v in metrics[part].items() if isinstance(v, (int, float))})
+    flat.update({f"model/{k}": v for k, v in metrics["adapter"].items() if isinstance(v, (int, float))})
+    flat.update({f"sys/{k}_seconds": v for k, v in metrics["seconds"].items()})
+    if metrics["gate"]["passed"] is not None:
+        flat["eval/gate_passed"] = float(metrics["gate"]["passed"])
+    run.log_metrics(flat)
+    run.log_dict({k: v for k, v in metrics.items() if k != "capability"}, "adapt_summary.json")
+    samples = []
+    for lv in LEVELS:
+        eps = [e for e in episodes["greedy"] if e["level"] == lv][:EXAMPLES_PER_LEVEL]
+        samples += [{"task_id": e["task_id"], "level": lv, "success": e["success"],
+                     "steps": e["steps"], "ground_truth": e["ground_truth"]} for e in eps]
+    run.log_dict(samples, "greedy_transcripts.json")
+
+
+def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str = "models/adapted",
+         metrics_path: str = "metrics/adapt.json", build_metrics: str = "metrics/build_env.json") -> dict:
+    """Entry point of `agentrl adapt` and of the DVC stage `adapt`."""
+    from pipeline.core.tracking import Tracker
+
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    model_cfg = load_section(ModelConfig, "model", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    cfg = load_section(AdaptConfig, "adapt", params_path)
+    params = {"env": env_cfg.model_dump(), "model": model_cfg.model_dump(), "rollout": rollout_cfg.model_dump(),
+              "adapt": cfg.model_dump()}
+    with Tracker().run(PHASE, params=params) as run:
+        metrics = adapt(cfg, model_cfg, rollout_cfg, env_cfg, Path(data_dir), Path(out_dir), Path(metrics_path),
+                        Path(build_metrics), run)
+    pl = metrics["per_level"]
+    gate = {True: "passed", False: "failed", None: "off"}[metrics["gate"]["passed"]]
+    levels = " ".join(f"L{lv} {pl[str(lv)]['greedy_success']:.2f}/{pl[str(lv)]['sampled_success']:.2f}" for lv in LEVELS
+                      if pl[str(lv)]["greedy_success"] is not None)
+    print(f"adapt: {metrics['adapter']['kind']} on {metrics['base']['source']} "
+          f"({metrics['base']['n_parameters'] / 1e6:.2f}M parameters, {metrics['adapter']['trainable_fraction']:.1%} "
+          f"trained); {metrics['eval']['split']} success greedy/sampled: {levels}; gate {gate}; "
+          f"{metrics['seconds']['total']:.0f}s -> {out_dir}")
+    return metrics

@@ -1,0 +1,366 @@
+"""Phase `check_drift`: is the current data still the data the policy was trained for, and does serving see what
+training saw? Writes ``metrics/drift.json`` with a pass/fail verdict per check and overall.
+
+Inputs (the `check_drift` section of params.yaml, :class:`pipeline.check_drift.config.DriftConfig`):
+
+- reference tasks: the training tasks (``data/tasks/train.jsonl``), entity values from the world ``data/env``;
+- current tasks: ``data/incoming/*.jsonl`` when that folder holds any, else the validation split (a stand-in until
+  production data arrives: it shares the level mix and templates, and names held-out entities);
+- reference episodes: the policy's greedy rollouts on a sample of the reference tasks when a policy exists; before
+  the first policy, the demonstrations ``data/demos/train.jsonl`` (the behaviour SFT imitates);
+- current episodes: a configured file (e.g. logged by the deployed policy), else the policy's rollouts on a sample of
+  the current tasks; with neither, the behaviour check is skipped.
+
+Checks, each ``pass``, ``fail`` or ``skipped`` (with the reason) in the verdict:
+
+- ``consistency``: train/serve consistency on probe observations (prompts always; token ids and hidden states when a
+  policy exists), serving path = ``serving_preprocess``;
+- ``task_drift``: per-feature tests on task features (pipeline.check_drift.checks);
+- ``calibration``: the task check's false-alarm rate on repeated fresh samples of the reference generator against
+  the reference tasks; fails above ``max_false_alarm_rate`` (the task verdict would not be trustworthy);
+- ``trajectory_drift``: per-feature tests on episode features (behaviour drift); the outcome features (success,
+  return, correctness) are reported under ``outcomes`` but gate only with ``trajectory_outcomes: test``
+  (pipeline.check_drift.checks says why);
+- ``state_drift``: the MMD test on the policy's hidden states of reference and current observations;
+- ``trajectory_suite``: the Great Expectations suite "trajectories" on the rollouts this phase produced.
+
+The overall verdict passes when no check failed. Bad input (a missing or empty file, a task file that breaks the
+"tasks" suite, episodes that break the "trajectories" suite) is refused with an :class:`AgentRLError`; the verdict
+file is then overwritten with ``"verdict": "error"`` and ``"passed": false`` first, so a stale pass never survives.
+
+Deliberately left out: acting on the verdict (the promotion gate and the retraining flow read the file), and
+collecting production trajectories (they arrive as a file).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.core.config import load_section
+from pipeline.check_drift.config import DriftConfig
+from pipeline.env.config import EnvConfig
+from pipeline.build_env.config import BuildEnvConfig
+from pipeline.core.errors import AgentRLError
+
+INCOMING_DIR = Path("data/incoming")
+VALIDATION_TASKS = Path("data/tasks/validation.jsonl")
+DEMOS = Path("data/demos/train.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------------------- inputs
+def load_tasks(path: str | Path) -> tuple[list[dict], list[str]]:
+    """Task records from a JSONL file or from every *.jsonl in a folder, each file checked with the "tasks" suite;
+    returns (records, files read). Missing, empty or schema-breaking files raise AgentRLError naming the file."""
+    from pipeline.policy.episodes import load_task_file
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise AgentRLError(f"{path}: the folder holds no *.jsonl task files")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise AgentRLError(f"{path}: task data not found")
+    records = []
+    for f in files:
+        records += [t.to_dict() for t in load_task_file(f)]  # AgentRLError on an empty or schema-breaking file
+    return records, [str(f) for f in files]
+
+
+def current_source(cfg: DriftConfig) -> Path:
+    """The current task data `cfg.current` names ('auto': data/incoming/ if it holds *.jsonl, else validation)."""
+    if cfg.current != "auto":
+        return Path(cfg.current)
+    if INCOMING_DIR.is_dir() and any(INCOMING_DIR.glob("*.jsonl")):
+        return INCOMING_DIR
+    return VALIDATION_TASKS
+
+
+def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, suite: str | None = "trajectories") -> list[dict]:
+    """Episode records from a JSONL file, checked with `suite` (None: not checked, e.g. demonstrations)."""
+    from pipeline.core.validation import DataValidationError, validate_records
+
+    path = Path(path)
+    if not path.is_file():
+        raise AgentRLError(f"{path}: {what} not found")
+    records = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise AgentRLError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+    if not records:
+        raise AgentRLError(f"{path}: no {what} in file")
+    if suite is not None:
+        try:
+            validate_records(records, suite, dataset=str(path), env_cfg=env_cfg).raise_if_failed()
+        except DataValidationError as exc:
+            raise AgentRLError(str(exc)) from None
+    return records
+
+
+def _world(path: str | Path):
+    from pipeline.env.world import load_world
+
+    try:
+        return load_world(Path(path))
+    except (FileNotFoundError, ValueError) as exc:
+        raise AgentRLError(str(exc)) from None
+
+
+@dataclass
+class Policy:
+    model: object
+    tokenizer: object
+    path: str
+
+
+def load_policy_if_any(cfg: DriftConfig) -> Policy | None:
+    if not Path(cfg.policy).exists():
+        return None
+    from pipeline.policy.model import load_policy
+
+    model, tokenizer, _ = load_policy(cfg.policy)
+    return Policy(model, tokenizer, cfg.policy)
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+def _skipped(reason: str) -> dict:
+    return {"status": "skipped", "reason": reason}
+
+
+def _sample(records: list, k: int, rng: np.random.Generator) -> list:
+    if len(records) <= k:
+        return list(records)
+    return [records[i] for i in np.sort(rng.choice(len(records), size=k, replace=False))]
+
+
+def rollouts(policy: Policy, tasks: list[dict], world, env_cfg: EnvConfig, rollout_cfg, seed: int) -> list[dict]:
+    """Greedy episodes of the policy on `tasks` in `world`, with token ids, log-probabilities and masks."""
+    from pipeline.env.core import WorldRuntime
+    from pipeline.env.tasks import Task
+    from pipeline.policy.rollout import RolloutEngine
+
+    runtime = WorldRuntime(world)
+    try:
+        engine = RolloutEngine(policy.model, policy.tokenizer, runtime, env_cfg, rollout_cfg)
+        return engine.run([Task.from_dict(t) for t in tasks], [seed + i for i in range(len(tasks))], greedy=True)
+    finally:
+        runtime.close()
+
+
+def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_wordings: int, ref_tasks: list[dict],
+               cur_tasks: list[dict],
+               ref_world, cur_world, policy: Policy | None = None, rollout_cfg=None,
+               ref_episodes: list[dict] | None = None, ref_episodes_source: str = "none",
+               cur_episodes: list[dict] | None = None, cur_episodes_source: str = "none") -> dict:
+    """Every check on loaded inputs; returns the verdict (without file I/O). Rollouts are made here when a policy
+    is given and the corresponding episodes are not."""
+    from pipeline.check_drift.checks import false_alarm_rate, make_reference_sample, state_drift, task_drift, trajectory_drift
+    from pipeline.check_drift.consistency import check_consistency, probes_from_episodes, resolve_callable
+    from pipeline.check_drift.features import observation_contexts, unknown_entities
+    from pipeline.core.validation import validate_records
+
+    seconds: dict[str, float] = {}
+    checks: dict[str, dict] = {}
+    rng = np.random.default_rng([cfg.seed, 10])
+    t0 = time.perf_counter()
+
+    # rollouts where the policy must provide the episodes
+    made: dict[str, list[dict]] = {}
+    if policy is not None:
+        if ref_episodes is None:
+            ref_episodes = made["reference"] = rollouts(policy, _sample(ref_tasks, cfg.max_rollout_episodes, rng),
+                                                        ref_world, env_cfg, rollout_cfg, cfg.seed * 1_000_000)
+            ref_episodes_source = f"policy rollouts ({policy.path})"
+        if cur_episodes is None:
+            cur_episodes = made["current"] = rollouts(policy, _sample(cur_tasks, cfg.max_rollout_episodes, rng),
+                                                      cur_world, env_cfg, rollout_cfg, cfg.seed * 1_000_000 + 500_000)
+            cur_episodes_source = f"policy rollouts ({policy.path})"
+    seconds["rollouts"] = time.perf_counter() - t0
+
+    # train/serve consistency
+    t = time.perf_counter()
+    probes = probes_from_episodes(ref_tasks, ref_episodes or [], env_cfg.history_window, cfg.consistency_probes,
+                                  cfg.seed)
+    serve = resolve_callable(cfg.serving_preprocess)
+    report = check_consistency(probes, None, serve, policy.model if policy else None,
+                               policy.tokenizer if policy else None, cfg.consistency_mse_threshold,
+                               batch_size=cfg.hidden_batch_size, max_tokens=cfg.hidden_max_tokens)
+    checks["consistency"] = {**report.to_dict(), "serving_preprocess": cfg.serving_preprocess}
+    if policy is None:
+        checks["consistency"]["skipped"].append(f"no policy at {cfg.policy}")
+    seconds["consistency"] = time.perf_counter() - t
+
+    # task drift and its calibration
+    t = time.perf_counter()
+    task_report = task_drift(ref_tasks, cur_tasks, ref_world, cur_world, cfg)
+    checks["task_drift"] = task_report.to_dict()
+    seconds["task_drift"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if cfg.false_alarm_repeats:
+        n = min(cfg.false_alarm_sample_size, len(cur_tasks))
+        base = 1_000_000 + 1000 * cfg.seed
+        pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix,
+                                                   train_wordings=train_wordings).tasks)
+                 for k in range(cfg.false_alarm_repeats))
+        fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg))
+        checks["calibration"] = {
+            "status": "pass" if fa.rate <= cfg.max_false_alarm_rate else "fail", **fa.to_dict(),
+            "sample_size": n, "max_false_alarm_rate": cfg.max_false_alarm_rate,
+            "what": "task check run on the reference tasks against fresh samples of the reference generator",
+        }
+    else:
+        checks["calibration"] = _skipped("false_alarm_repeats is 0")
+    seconds["calibration"] = time.perf_counter() - t
+
+    # behaviour drift
+    t = time.perf_counter()
+    if ref_episodes and cur_episodes:
+        checks["trajectory_drift"] = {**trajectory_drift(ref_episodes, cur_episodes, cfg).to_dict(),
+                                      "reference": ref_episodes_source, "current": cur_episodes_source}
+    else:
+        missing = "reference" if not ref_episodes else "current"
+        checks["trajectory_drift"] = _skipped(f"no {missing} episodes (set check_drift.current_trajectories, or "
+                                              f"train a policy at {cfg.policy})")
+    seconds["trajectory_drift"] = time.perf_counter() - t
+
+    # hidden-state drift
+    t = time.perf_counter()
+    if policy is None:
+        checks["state_drift"] = _skipped(f"no policy at {cfg.policy}")
+    else:
+        both = bool(ref_episodes and cur_episodes)
+        ref_ctx = observation_contexts(ref_tasks, ref_episodes if both else None, env_cfg.history_window)
+        cur_ctx = observation_contexts(cur_tasks, cur_episodes if both else None, env_cfg.history_window)
+        result = state_drift(policy.model, policy.tokenizer, ref_ctx, cur_ctx, cfg)
+        observed = "every step of the episodes" if both else "reset contexts of the tasks"
+        checks["state_drift"] = {**result.to_dict(), "observations": observed}
+    seconds["state_drift"] = time.perf_counter() - t
+
+    # the rollouts this phase made must satisfy the trajectories suite
+    if made:
+        reports = [validate_records(v, "trajectories", dataset=f"{k} rollouts", env_cfg=env_cfg, require_tokens=True)
+                   for k, v in made.items()]
+        checks["trajectory_suite"] = {"status": "pass" if all(r.success for r in reports) else "fail",
+                                      "message": "\n".join(r.describe() for r in reports)}
+    else:
+        checks["trajectory_suite"] = _skipped("no rollouts made by this phase (episodes given as files are checked "
+                                              "on load)")
+
+    unknown = unknown_entities(cur_tasks, cur_world)
+    failed = sorted(k for k, v in checks.items() if v["status"] == "fail")
+    seconds["total"] = time.perf_counter() - t0
+    return {
+        "passed": not failed, "verdict": "fail" if failed else "pass", "failed_checks": failed,
+        "checks": checks,
+        "inputs": {"n_reference_tasks": len(ref_tasks), "n_current_tasks": len(cur_tasks),
+                   "reference_episodes": ref_episodes_source, "n_reference_episodes": len(ref_episodes or []),
+                   "current_episodes": cur_episodes_source, "n_current_episodes": len(cur_episodes or []),
+                   "policy": policy.path if policy else None,
+                   "unknown_current_entities": len(unknown), "unknown_current_entity_examples": unknown[:10]},
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+    }
+
+
+def verdict_metrics(verdict: dict) -> dict[str, float]:
+    """Flat, namespaced numbers of a verdict for MLflow."""
+    c = verdict["checks"]
+    out = {"drift/passed": float(verdict["passed"])}
+    for name, check in c.items():
+        out[f"drift/{name}/status"] = {"pass": 1.0, "fail": 0.0}.get(check["status"], -1.0)  # -1: skipped
+    for name in ("task_drift", "trajectory_drift"):
+        for feat, r in c[name].get("features", {}).items():
+            if r["test"] != "skipped":
+                out[f"drift/{name}/{feat}/p_adjusted"] = r["p_adjusted"]
+                out[f"drift/{name}/{feat}/effect"] = r["effect"]
+    if "rate" in c["calibration"]:
+        out["drift/calibration/false_alarm_rate"] = c["calibration"]["rate"]
+    if "p_value" in c["state_drift"]:
+        out["drift/state_drift/p_value"] = c["state_drift"]["p_value"]
+        out["drift/state_drift/mmd2"] = c["state_drift"]["statistic"]
+    if c["consistency"].get("hidden_mse_max") is not None:
+        out["drift/consistency/hidden_mse_max"] = c["consistency"]["hidden_mse_max"]
+    out.update({f"sys/check_drift_{k}_seconds": v for k, v in verdict["seconds"].items()})
+    return out
+
+
+def _write(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+def check(cfg: DriftConfig, env_cfg: EnvConfig, build_cfg: BuildEnvConfig, metrics_path: Path, run=None,
+          rollout_cfg=None) -> dict:
+    """Load the inputs `cfg` names, run every check, write the verdict to `metrics_path`; bad input writes an error
+    verdict and raises AgentRLError."""
+    try:
+        ref_tasks, _ = load_tasks(cfg.reference_tasks)
+        cur_path = current_source(cfg)
+        cur_tasks, cur_files = load_tasks(cur_path)
+        if len(cur_tasks) < cfg.min_samples:
+            raise AgentRLError(f"{cur_path}: {len(cur_tasks)} current tasks, fewer than check_drift.min_samples="
+                               f"{cfg.min_samples}: too few to test for drift")
+        ref_world = _world(cfg.world_dir)
+        cur_world = _world(cfg.current_world_dir) if cfg.current_world_dir else ref_world
+        policy = load_policy_if_any(cfg)
+        ref_eps, ref_src = None, "none"
+        if cfg.reference_trajectories != "auto":
+            ref_src = cfg.reference_trajectories
+            ref_eps = load_episodes(ref_src, "reference episodes", env_cfg)
+        elif policy is None and DEMOS.is_file():
+            ref_eps, ref_src = load_episodes(DEMOS, "demonstrations", env_cfg, suite=None), str(DEMOS)
+        cur_eps, cur_src = None, "none"
+        if cfg.current_trajectories:
+            cur_src = cfg.current_trajectories
+            cur_eps = load_episodes(cur_src, "current episodes", env_cfg)
+        if policy is not None and rollout_cfg is None:
+            from pipeline.policy.config import RolloutConfig
+
+            rollout_cfg = RolloutConfig()
+        verdict = run_checks(cfg, env_cfg, dict(build_cfg.level_mix), build_cfg.train_wordings, ref_tasks, cur_tasks,
+                             ref_world, cur_world,
+                             policy, rollout_cfg, ref_eps, ref_src, cur_eps, cur_src)
+    except AgentRLError as exc:
+        _write(metrics_path, {"passed": False, "verdict": "error", "error": str(exc)})
+        raise AgentRLError(f"check_drift: {exc}") from None
+    verdict["inputs"].update({"reference_tasks": cfg.reference_tasks, "current": cur_files})
+    _write(metrics_path, verdict)
+    if run is not None:
+        run.log_metrics(verdict_metrics(verdict))
+        run.log_artifact(str(metrics_path))
+    return verdict
+
+
+def main(params_path: str = "params.yaml", metrics_path: str = "metrics/drift.json") -> dict:
+    """Entry point of `agentrl check-drift` and of the DVC stage `check_drift`."""
+    from pipeline.core.tracking import Tracker
+
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    build_cfg = load_section(BuildEnvConfig, "build_env", params_path)
+    cfg = load_section(DriftConfig, "check_drift", params_path)
+    rollout_cfg = None
+    if Path(cfg.policy).exists():
+        from pipeline.policy.config import RolloutConfig
+
+        rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    with Tracker().run("check_drift", params={"check_drift": cfg.model_dump(), "env": env_cfg.model_dump()}) as run:
+        verdict = check(cfg, env_cfg, build_cfg, Path(metrics_path), run, rollout_cfg)
+    c = verdict["checks"]
+    summary = ", ".join(f"{k} {v['status']}" for k, v in c.items())
+    fa = c["calibration"].get("rate")
+    print(f"check_drift: {verdict['verdict'].upper()} ({summary})"
+          + (f"; false-alarm rate {fa:.2f} over {c['calibration']['repeats']} fresh samples" if fa is not None else "")
+          + f"; {verdict['seconds']['total']:.1f}s -> {metrics_path}")
+    if cfg.fail_on_drift and not verdict["passed"]:
+        raise AgentRLError(f"check_drift: checks failed: {', '.join(verdict['failed_checks'])} (see {metrics_path})")
+    return verdict

@@ -1,0 +1,48 @@
+"""The one reader of JSON Lines files (tasks, demonstrations, episodes, corpora).
+
+Every phase reads its JSONL inputs through :func:`read_jsonl` (or :func:`iter_jsonl` for a file too large to hold),
+so a missing file, a line that is not JSON or a line that is not a JSON object is refused the same way everywhere: an
+:class:`~pipeline.core.errors.AgentRLError` whose message names the file, the line and what is wrong. What the records
+must hold is not checked here: that is the job of the Great Expectations suite of the data they carry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.core.errors import AgentRLError
+
+
+def iter_jsonl(path: str | Path, what: str = "records", *, hint: str = "") -> Iterator[dict]:
+    """Yield the JSON objects of `path` one line at a time (blank lines skipped).
+
+    `what` names the data in messages ("task file", "demonstrations"); `hint` is appended to the not-found message
+    (for example the command that writes the file).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise AgentRLError(f"{path}: {what} not found" + (f"; {hint}" if hint else ""))
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise AgentRLError(f"{path}:{i}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(rec, dict):
+                raise AgentRLError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
+            yield rec
+
+
+def read_jsonl(path: str | Path, what: str = "records", *, hint: str = "", allow_empty: bool = False) -> list[dict]:
+    """All JSON objects of `path` (see :func:`iter_jsonl`); an empty file is an error unless `allow_empty`."""
+    records = list(iter_jsonl(path, what, hint=hint))
+    if not records and not allow_empty:
+        raise AgentRLError(f"{path}: no {what} in file")
+    return records
+
+
+__all__ = ["iter_jsonl", "read_jsonl"]

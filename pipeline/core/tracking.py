@@ -1,0 +1,322 @@
+"""One tracking front end for every phase, with MLflow behind it.
+
+    tracker = Tracker()
+    with tracker.run("build_env", params={"env": env_cfg.model_dump()}) as run:
+        run.log_metrics({"data/n_tasks": 4800})
+        run.log_artifact("metrics/build_env.json")
+
+Where runs go:
+- the tracking URI is ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<repo>/mlflow.db``;
+- every run lands in the experiment ``agentrl``; when this module creates that experiment in a SQLite store, its
+  artifact location is the ``mlartifacts/`` folder next to the database (``<repo>/mlartifacts`` by default): MLflow's
+  own default is a folder relative to the process's cwd, which scatters artefacts (shared/STACK.md);
+- when ``AGENTRL_PARENT_RUN_ID`` is set (the Prefect flow sets it for the stages it launches), the phase run is a
+  nested child of that run;
+- when ``AGENTRL_TRACKING=off``, nowhere: :meth:`Tracker.run` yields a :class:`NullRun`, MLflow is not imported and no
+  store is touched, and a phase says so once on its log. This is for machines without a tracking store or without
+  MLflow installed (a GPU box that only trains, a quick local try); the metrics files under ``metrics/`` are written as
+  always. What needs the store for its result refuses with a clear error instead of running half-tracked
+  (:func:`require_tracking`): the model registry (``deploy``, ``promote``, ``rollback``, serving by alias) and the
+  Prefect flows, whose parent run ties the phases together. Values: ``on`` (the default), ``off``; anything else is
+  an error that names the variable.
+
+Conventions enforced here rather than in every phase: nested params are flattened with dots (``env.reward.safety``);
+metric keys are namespaced (``data/n_tasks``; a key without a ``/`` gets the phase name as its namespace, and nested
+metric dicts are joined with ``/``); a run that raises is marked FAILED.
+
+Deliberately left out: MLflow's fluent API (``mlflow.start_run``) keeps the active run in module-level state, which
+breaks when Prefect calls phases repeatedly in one process; every call here goes through an explicit ``MlflowClient``
+and a run id. MLflow itself is imported inside the methods, because importing it costs about a second.
+:class:`NullTracker` has the same methods and does nothing (logging from rank > 0, tests, dry runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pipeline import repo_root
+from pipeline.core.errors import AgentRLError
+
+logger = logging.getLogger(__name__)
+
+EXPERIMENT = "agentrl"
+PARENT_RUN_ENV = "AGENTRL_PARENT_RUN_ID"
+TRACKING_ENV = "AGENTRL_TRACKING"
+PHASE_TAG = "agentrl.phase"
+_BATCH = 100  # MLflow accepts at most 100 params (and 1000 metrics) per log_batch call.
+
+
+def flatten(mapping: Mapping[str, Any], sep: str = ".", prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings into one level, joining keys with `sep`.
+
+    >>> flatten({"env": {"reward": {"safety": 1.0}, "max_steps": 8}})
+    {'env.reward.safety': 1.0, 'env.max_steps': 8}
+    """
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten(value, sep, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def namespaced(metrics: Mapping[str, Any], namespace: str) -> dict[str, float]:
+    """Metric keys with a namespace: nested dicts join with '/', a bare key gets `namespace/` in front.
+
+    >>> namespaced({"n_tasks": 3, "data": {"rows": 2}, "env/sps": 1.5}, "build_env")
+    {'build_env/n_tasks': 3.0, 'data/rows': 2.0, 'env/sps': 1.5}
+    """
+    out: dict[str, float] = {}
+    for key, value in flatten(metrics, sep="/").items():
+        if "/" not in key:
+            key = f"{namespace}/{key}"
+        if isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, (int, float)):
+            try:
+                value = float(value)  # numpy scalars, 0-d tensors
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}: {value!r}") from None
+        out[key] = float(value)
+    return out
+
+
+def tracking_enabled() -> bool:
+    """Whether phase runs go to MLflow: ``$AGENTRL_TRACKING`` is ``on`` (or unset) or ``off``.
+
+    Raises :class:`~pipeline.core.errors.AgentRLError` for any other value, naming the variable and the values it takes.
+    """
+    raw = os.environ.get(TRACKING_ENV, "on").strip().lower()
+    if raw in ("on", "1", "true", ""):
+        return True
+    if raw in ("off", "0", "false"):
+        return False
+    raise AgentRLError(f"{TRACKING_ENV}={os.environ[TRACKING_ENV]!r}: expected 'on' (the default) or 'off'")
+
+
+def require_tracking(what: str) -> None:
+    """Raise :class:`~pipeline.core.errors.AgentRLError` when tracking is off: `what` needs the MLflow store for its result."""
+    if not tracking_enabled():
+        raise AgentRLError(f"{what} needs the MLflow tracking store, and {TRACKING_ENV}=off turns it off: unset "
+                           f"{TRACKING_ENV} (or set it to 'on') and run again; nothing was changed")
+
+
+def mlflow_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
+    """An ``MlflowClient``; where MLflow cannot be imported, an :class:`~pipeline.core.errors.AgentRLError` that says how
+    to install it or how to run without it, instead of an ImportError traceback."""
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError as exc:
+        raise AgentRLError(f"MLflow cannot be imported here ({exc}): install the project (`pip install -e .`), or set "
+                           f"{TRACKING_ENV}=off to run a phase without tracking") from None
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+
+
+_said_off: set[str] = set()
+
+
+def _say_off(phase: str) -> None:
+    if phase not in _said_off:
+        _said_off.add(phase)
+        logger.warning("%s=off: the %s run is not tracked (nothing is written to MLflow)", TRACKING_ENV, phase)
+
+
+def _git_commit(root: Path) -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None  # not a git repository, or no commit yet
+    return proc.stdout.strip() or None
+
+
+class RunHandle:
+    """The run a phase logs into; obtained from :meth:`Tracker.run`, never built by hand."""
+
+    def __init__(self, client: Any, run_id: str, phase: str) -> None:
+        self._client = client
+        self.run_id = run_id
+        self.phase = phase
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log params; nested mappings are flattened with dots (``env.reward.safety``)."""
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)) for k, v in flatten(params).items()]
+        for i in range(0, len(flat), _BATCH):
+            self._client.log_batch(self.run_id, params=flat[i : i + _BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log numeric metrics at `step` (0 when omitted); see :func:`namespaced` for the key rules. NaN is logged as is."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        entries = [Metric(k, v, now, step or 0) for k, v in namespaced(metrics, self.phase).items()]
+        for i in range(0, len(entries), 1000):
+            self._client.log_batch(self.run_id, metrics=entries[i : i + 1000])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Copy a file or a whole directory into the run's artefacts (under `artifact_path` when given)."""
+        path = Path(path)
+        if path.is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        elif path.is_file():
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+        else:
+            raise FileNotFoundError(f"cannot log artifact {path}: no such file or directory")
+
+    def log_dict(self, obj: Any, name: str) -> None:
+        """Store a JSON- or YAML-serialisable object as the artefact `name` (``.json``/``.yaml`` picks the format)."""
+        self._client.log_dict(self.run_id, obj, name)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        entries = [RunTag(k, str(v)) for k, v in flatten(tags).items()]
+        for i in range(0, len(entries), _BATCH):
+            self._client.log_batch(self.run_id, tags=entries[i : i + _BATCH])
+
+
+class Tracker:
+    """Opens MLflow runs for phases; holds only its configuration, so one instance can open any number of runs."""
+
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = EXPERIMENT,
+        root: str | Path | None = None,
+    ) -> None:
+        self.root = Path(root).resolve() if root is not None else repo_root()
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.root / 'mlflow.db'}"
+        self.experiment = experiment
+
+    @property
+    def artifact_location(self) -> str | None:
+        """Where a newly created experiment keeps artefacts: `mlartifacts/` next to a SQLite store, else the server's choice."""
+        prefix = "sqlite:///"
+        if self.tracking_uri.startswith(prefix):
+            db = Path(self.tracking_uri[len(prefix) :])
+            if not db.is_absolute():
+                db = Path.cwd() / db
+            return (db.parent / "mlartifacts").resolve().as_uri()
+        return None
+
+    def client(self) -> Any:
+        return mlflow_client(self.tracking_uri)
+
+    def experiment_id(self, client: Any) -> str:
+        """The id of the tracker's experiment, created (or restored from deletion) on first use."""
+        from mlflow.exceptions import MlflowException
+
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                return client.create_experiment(self.experiment, artifact_location=self.artifact_location)
+            except MlflowException:  # another process created it in between
+                exp = client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+
+    @contextlib.contextmanager
+    def run(
+        self,
+        phase: str,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
+    ) -> Iterator[RunHandle]:
+        """Open a run named `phase`, log `params` and `tags`, and close it FINISHED (or FAILED/KILLED if the body raises).
+
+        The run is a child of `parent_run_id`, or of ``$AGENTRL_PARENT_RUN_ID`` when that is set. With
+        ``AGENTRL_TRACKING=off`` it yields a :class:`NullRun` instead and touches no store.
+        """
+        if not tracking_enabled():
+            _say_off(phase)
+            yield NullRun(phase)
+            return
+        client = self.client()
+        exp_id = self.experiment_id(client)
+        parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
+        run_tags = {PHASE_TAG: phase, "mlflow.runName": phase, "mlflow.source.type": "LOCAL"}
+        commit = _git_commit(self.root)
+        if commit:
+            run_tags["mlflow.source.git.commit"] = commit
+        if parent:
+            run_tags["mlflow.parentRunId"] = parent
+        run = client.create_run(exp_id, run_name=phase, tags=run_tags)
+        handle = RunHandle(client, run.info.run_id, phase)
+        status = "FAILED"
+        try:
+            if params:
+                handle.log_params(params)
+            if tags:
+                handle.set_tags(tags)
+            yield handle
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            client.set_terminated(handle.run_id, status)
+
+
+class NullRun:
+    """A run that records nothing; same methods as :class:`RunHandle`."""
+
+    run_id: str | None = None
+
+    def __init__(self, phase: str = "") -> None:
+        self.phase = phase
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_dict(self, obj: Any, name: str) -> None:
+        pass
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        pass
+
+
+class NullTracker:
+    """A tracker that records nothing (non-zero ranks, tests, dry runs); same interface as :class:`Tracker`."""
+
+    @contextlib.contextmanager
+    def run(
+        self,
+        phase: str,
+        params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
+    ) -> Iterator[NullRun]:
+        yield NullRun(phase)
+
+
+def make_tracker(enabled: bool = True, **kwargs: Any) -> Tracker | NullTracker:
+    """A real :class:`Tracker` when `enabled` (e.g. on rank 0), else a :class:`NullTracker`."""
+    return Tracker(**kwargs) if enabled else NullTracker()
+
+
+__all__ = ["EXPERIMENT", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle", "Tracker", "flatten",
+           "make_tracker", "mlflow_client", "namespaced", "require_tracking", "tracking_enabled"]

@@ -1,0 +1,269 @@
+"""Phase `deploy`: quantise the trained policy, check parity on the test split, register it in the MLflow model
+registry as `challenger`, and run the promotion gate. Also the entry points of `agentrl promote`, `agentrl rollback`
+and `agentrl serve`.
+
+Inputs: ``models/policy`` (train), ``metrics/train.json`` (provenance, logged with the version),
+``metrics/adapt.json`` (capability gate), ``metrics/drift.json`` (drift and consistency verdicts), and
+``metrics/evaluate.json`` when the evaluate stage has written it (its per-task test results are what the paired test
+compares; without it the fp32 policy's greedy episodes on the test split, task i with seed ``deploy.seed + i``, are
+used, and the champion is evaluated on the same tasks with the same seeds when its stored results do not cover them).
+A missing required input is an :class:`AgentRLError` before anything is registered.
+
+Steps: (1) every variant in ``deploy.precisions`` plays the test tasks greedily: success, return, safety violations,
+latency per action (one episode at a time), throughput (batched) and state size, each also as a ratio to fp32;
+(2) parity: a variant fails when its success drops more than ``parity_tolerance`` below fp32; (3) the pyfunc (HF
+weights + packaged world + serving settings) is logged in a ``deploy`` MLflow run and registered as a new version with
+the gate inputs, alias ``challenger``; (4) with ``deploy.promote`` the gate runs and promotes on a pass.
+Writes ``metrics/deploy.json`` (variants, parity, version, the gate's decision and reasons).
+
+Deliberately left out: serving itself (``agentrl serve`` is a long-running process, not a stage) and any retraining
+decision (the retraining flow reads the gate's outcome).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.core.config import load_section
+from pipeline.deploy.config import DeployConfig
+from pipeline.env.config import EnvConfig
+from pipeline.core.errors import AgentRLError
+
+REQUIRED_METRICS = {"train": "train.json", "adapt": "adapt.json", "drift": "drift.json"}
+EVALUATE_METRICS = "evaluate.json"
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise AgentRLError(f"deploy: {path} not found ({what}); run the stage that writes it first")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise AgentRLError(f"deploy: {path}: not valid JSON ({exc.msg})") from None
+
+
+def load_inputs(cfg: DeployConfig, metrics_dir: Path) -> dict:
+    """Every file the phase reads, checked before any work: a missing or unreadable one is an AgentRLError."""
+    from pipeline.policy.episodes import load_task_file
+
+    if not Path(cfg.policy).is_dir():
+        raise AgentRLError(f"deploy: policy {cfg.policy} not found; run the train stage first (`agentrl train`)")
+    inputs = {k: _read_json(metrics_dir / f, f"the {k} stage's metrics") for k, f in REQUIRED_METRICS.items()}
+    evaluate = metrics_dir / EVALUATE_METRICS
+    inputs["evaluate"] = _read_json(evaluate, "evaluate") if evaluate.is_file() else None
+    tasks = load_task_file(cfg.test_tasks)
+    inputs["tasks"] = tasks[: cfg.max_test_tasks] if cfg.max_test_tasks else tasks
+    return inputs
+
+
+def summarize_variant(records: list[dict], timing: dict, size: int) -> dict:
+    from pipeline.policy.episodes import summarize
+
+    o = summarize(records)["overall"]
+    return {"success": o["success_rate"], "mean_return": o["mean_return"], "safety_violations": o["safety_violations"],
+            "mean_tool_calls": o["mean_tool_calls"], "size_bytes": size, **timing}
+
+
+def measure_variants(model, tokenizer, tasks, runtime, env_cfg: EnvConfig, rollout_cfg, cfg: DeployConfig) -> dict:
+    """Every configured precision on `tasks`: summaries with ratios to fp32, parity, and the fp32 episode records."""
+    from pipeline.deploy.quantize import make_variant, measure_variant, state_size_bytes
+
+    roll = rollout_cfg.model_copy(update={"dtype": "fp32"})  # a variant computes in its own dtype
+    order = ["fp32"] + [p for p in cfg.precisions if p != "fp32"]
+    variants, fp32_records = {}, None
+    for prec in order:
+        variant = make_variant(model, prec, cfg.quantization)
+        m = measure_variant(variant, tokenizer, runtime, tasks, env_cfg, roll, cfg.seed, cfg.latency_repeats,
+                            cfg.latency_tasks)
+        variants[prec] = summarize_variant(m["records"], m["timing"], state_size_bytes(variant))
+        if prec == "fp32":
+            fp32_records = m["records"]
+        del variant
+    ref = variants["fp32"]
+    for v in variants.values():
+        v["size_ratio"] = v["size_bytes"] / ref["size_bytes"]
+        lat, ref_lat = v.get("latency_per_action_ms"), ref.get("latency_per_action_ms")
+        v["latency_ratio"] = lat / ref_lat if lat is not None and ref_lat else None
+        v["throughput_ratio"] = v["actions_per_s"] / ref["actions_per_s"] if ref["actions_per_s"] else None
+    parity = {p: {"success": v["success"], "fp32_success": ref["success"], "drop": ref["success"] - v["success"],
+                  "tolerance": cfg.parity_tolerance,
+                  "passed": ref["success"] - v["success"] <= cfg.parity_tolerance + 1e-12}
+              for p, v in variants.items()}
+    return {"variants": variants, "parity": parity, "fp32_records": fp32_records}
+
+
+def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str | Path = "metrics",
+           out_path: str | Path = "metrics/deploy.json", tracker=None, registry=None) -> dict:
+    """The phase on explicit configs and paths (tests call this); returns what it writes to `out_path`."""
+    from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
+    from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
+    from pipeline.deploy.registry import WEIGHTS_TAG, ModelRegistry, champion_evaluator, promote, weights_digest
+    from pipeline.env.core import WorldRuntime
+    from pipeline.env.world import load_world
+    from pipeline.policy.model import load_policy
+    from pipeline.core.tracking import Tracker
+
+    t0 = time.perf_counter()
+    metrics_dir, out_path = Path(metrics_dir), Path(out_path)
+    inputs = load_inputs(cfg, metrics_dir)
+    try:
+        world = load_world(Path(cfg.world_dir))
+    except (FileNotFoundError, ValueError) as exc:
+        raise AgentRLError(f"deploy: {exc}") from None
+    model, tokenizer, meta = load_policy(cfg.policy)
+    digest = weights_digest(cfg.policy)
+    tracker = tracker or Tracker()
+    registry = registry or ModelRegistry(cfg.model_name, tracker.tracking_uri)
+    runtime = WorldRuntime(world)
+    try:
+        measured = measure_variants(model, tokenizer, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg)
+        if inputs["evaluate"] is not None:
+            results = extract_task_results(inputs["evaluate"], str(metrics_dir / EVALUATE_METRICS))
+            source = str(metrics_dir / EVALUATE_METRICS)
+        else:
+            results = [task_result(r) for r in measured["fp32_records"]]
+            source = f"fp32 greedy episodes on {cfg.test_tasks} (seed {cfg.seed} + i)"
+        quant = {"serve_precision": cfg.serve_precision, "parity": measured["parity"],
+                 "variants": measured["variants"], "quantization": cfg.quantization.model_dump()}
+        gate_inputs = GateInputs(adapt=inputs["adapt"], drift=inputs["drift"], quantization=quant,
+                                 test_results=results)
+        settings = serving_settings(env_cfg, rollout_cfg, cfg.serve_precision, cfg.quantization, cfg.seed)
+        params = {"deploy": cfg.model_dump(), "env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump()}
+        with tracker.run("deploy", params=params) as run, tempfile.TemporaryDirectory() as tmp:
+            run.log_metrics(flat_metrics(measured["variants"], measured["parity"]))
+            save_pyfunc(Path(tmp) / "model", cfg.policy, cfg.world_dir, settings)
+            version = registry.register(run.run_id, Path(tmp) / "model", gate_inputs, tags={WEIGHTS_TAG: digest})
+            same = registry.versions_with_weights(digest, exclude=version)
+            run.log_dict(inputs["train"], "provenance/train.json")
+            decision = None
+            if cfg.promote:
+                evaluator = champion_evaluator(registry, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg.seed)
+                decision = promote(registry, cfg.gate, version=version, evaluate_champion=evaluator)
+                run.log_dict(decision.to_dict(), "gate_decision.json")
+                run.log_metrics({"gate/passed": decision.passed})
+                run.set_tags({"deploy.decision": "promoted" if decision.passed else "rejected"})
+            run.set_tags({"deploy.model_name": cfg.model_name, "deploy.version": version})
+    finally:
+        runtime.close()
+    out = {
+        "model_name": cfg.model_name, "version": version, "model_uri": registry.model_uri(version),
+        "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step", "git_commit", "saved_at")},
+        "weights_sha256": digest, "same_weights_as": same,
+        "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
+        "variants": measured["variants"], "parity": measured["parity"],
+        "gate": decision.to_dict() if decision else None,
+        "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    tmp_path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    tmp_path.replace(out_path)
+    out["decision"] = decision
+    return out
+
+
+def flat_metrics(variants: dict, parity: dict) -> dict:
+    flat = {}
+    for prec, v in variants.items():
+        for k in ("success", "mean_return", "safety_violations", "size_bytes", "size_ratio", "latency_per_action_ms",
+                  "latency_ratio", "actions_per_s", "episodes_per_s"):
+            if v.get(k) is not None:
+                flat[f"deploy/{prec}/{k}"] = v[k]
+        flat[f"deploy/{prec}/parity_passed"] = parity[prec]["passed"]
+    return flat
+
+
+def report(out: dict) -> str:
+    lines = [f"deploy: {out['model_name']} v{out['version']} registered as challenger ({out['tasks']} test tasks; "
+             f"test results from {out['test_results_source']})"]
+    if out.get("same_weights_as"):
+        lines.append(f"  weights identical to v{', v'.join(out['same_weights_as'])} (sha256 {out['weights_sha256'][:12]}): "
+                     f"this run reproduced an earlier policy bit for bit")
+    for prec, v in out["variants"].items():
+        lat = (f"latency/action {v['latency_per_action_ms']:.1f} ms (x{v['latency_ratio']:.2f}), "
+               if v.get("latency_ratio") is not None else "")
+        lines.append(f"  {prec:>4}: success {v['success']:.3f}, size {v['size_bytes'] / 1e6:.2f} MB "
+                     f"(x{v['size_ratio']:.2f}), {lat}{v['actions_per_s']:.0f} actions/s batched; parity "
+                     f"{'pass' if out['parity'][prec]['passed'] else 'FAIL'}")
+    if out["decision"] is not None:
+        lines.append(out["decision"].describe())
+    lines.append(f"  champion: v{out['champion']}" if out["champion"] else "  champion: none")
+    return "\n".join(lines)
+
+
+def main(params_path: str = "params.yaml") -> dict:
+    """Entry point of `agentrl deploy` and of the DVC stage `deploy`."""
+    from pipeline.policy.config import RolloutConfig
+
+    cfg = load_section(DeployConfig, "deploy", params_path)
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    out = deploy(cfg, env_cfg, rollout_cfg)
+    print(report(out))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ promote, rollback, serve
+def promote_main(params_path: str = "params.yaml", version: int | None = None, alias: str | None = None,
+                 dry_run: bool = False) -> bool:
+    """`agentrl promote`: the gate on a version (default: the challenger); returns whether it passed."""
+    from pipeline.deploy.registry import ModelRegistry, champion_evaluator, promote
+    from pipeline.env.core import WorldRuntime
+    from pipeline.env.world import load_world
+    from pipeline.policy.episodes import load_task_file
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.core.tracking import Tracker
+
+    cfg = load_section(DeployConfig, "deploy", params_path)
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    tracker = Tracker()
+    registry = ModelRegistry(cfg.model_name, tracker.tracking_uri)
+    runtime, evaluator = None, None
+    if Path(cfg.test_tasks).is_file() and Path(cfg.world_dir).is_dir():  # lets the champion be re-evaluated
+        tasks = load_task_file(cfg.test_tasks)
+        runtime = WorldRuntime(load_world(Path(cfg.world_dir)))
+        evaluator = champion_evaluator(registry, tasks, runtime, env_cfg, rollout_cfg, cfg.seed)
+    try:
+        decision = promote(registry, cfg.gate, version=version, alias=alias, dry_run=dry_run,
+                           evaluate_champion=evaluator)
+    finally:
+        if runtime is not None:
+            runtime.close()
+    print(("dry run (nothing written): " if dry_run else "") + decision.describe())
+    if not dry_run:
+        with tracker.run("promote", params={"deploy.gate": cfg.gate.model_dump()}) as run:
+            run.log_dict(decision.to_dict(), "gate_decision.json")
+            run.log_metrics({"gate/passed": decision.passed})
+            run.set_tags({"deploy.model_name": cfg.model_name, "deploy.version": decision.version,
+                          "deploy.decision": "promoted" if decision.passed else "rejected"})
+        champion = registry.alias_version("champion")
+        print(f"champion: v{champion}" if champion else "champion: none")
+    return decision.passed
+
+
+def rollback_main(params_path: str = "params.yaml") -> tuple[str, str]:
+    from pipeline.deploy.registry import ModelRegistry, rollback
+
+    cfg = load_section(DeployConfig, "deploy", params_path)
+    registry = ModelRegistry(cfg.model_name)
+    current, previous = rollback(registry)
+    print(f"rollback: champion of {cfg.model_name} moved from v{current} back to v{previous}")
+    return current, previous
+
+
+def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, host: str | None = None,
+               port: int | None = None) -> None:
+    from pipeline.deploy.serve import serve
+
+    cfg = load_section(DeployConfig, "deploy", params_path)
+    uri = model_uri or f"models:/{cfg.model_name}@champion"
+    if uri.startswith("models:/"):
+        from pipeline.core.tracking import require_tracking
+
+        require_tracking(f"serving {uri} (a registry model)")
+    serve(uri, cfg.serve, host, port)

@@ -1,1 +1,0 @@
-"""The RL phase's library: pure tensor maths (:mod:`pipeline.rl.core_algos`) and sampling state (:mod:`pipeline.rl.sampling`)."""

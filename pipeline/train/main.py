@@ -1,0 +1,69 @@
+"""Phase 3, `train`: DeepSpeed-distributed RL from the adapted policy (see :mod:`pipeline.train.trainer`).
+
+`main` launches ``train.num_ranks`` processes with the ``deepspeed`` launcher (each one
+:mod:`pipeline.train.worker`), or runs the single rank in this process when `num_ranks` is 1. Outputs:
+``models/policy`` (the best policy by validation success), ``metrics/train.json``, ``metrics/train_curve.csv``;
+checkpoints in ``checkpoints/train`` (a rerun resumes from the last one; delete the folder to start over).
+
+Incoming production tasks (``train.incoming_tasks``, default ``data/incoming/*.jsonl``) join the RL task pool; a file
+that breaks the task schema stops the phase before anything trains (:mod:`pipeline.train.incoming`; with several ranks
+it is checked here, before the launcher starts them, so the error is reported once).
+
+Multi-node: the same worker runs under ``deepspeed --hostfile hosts --num_nodes K --num_gpus G --module
+pipeline.train.worker --params params.yaml`` (see the README); nothing in the library changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.core.config import load_section
+from pipeline.core.errors import AgentRLError
+from pipeline.train.config import TrainConfig
+
+
+def launcher_command(params_path: str, num_ranks: int, port: int, extra: list[str] | None = None) -> list[str]:
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", str(port), "--module", "pipeline.train.worker",
+            "--params", params_path, *(extra or [])]
+
+
+def main(params_path: str = "params.yaml", stop_after: int | None = None) -> None:
+    cfg = load_section(TrainConfig, "train", params_path)
+    if not Path("models/adapted").is_dir():
+        raise AgentRLError("train: models/adapted not found; run the adapt stage first (`agentrl adapt`)")
+    import torch
+
+    from pipeline.policy.model import dtype_notice
+
+    # the learner's autocast is 'auto' (pipeline.train.trainer), on the ranks' device (pipeline.train.distributed.init_dist)
+    if (notice := dtype_notice("auto", "cuda" if torch.cuda.is_available() else "cpu")) is not None:
+        print(f"train: {notice}", flush=True)
+    extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
+    if cfg.num_ranks == 1:
+        from pipeline.train.worker import run_worker
+
+        run_worker(params_path, stop_after=stop_after)
+        return
+    from pipeline.train.distributed import _free_port, child_env
+    from pipeline.train.incoming import read_incoming
+
+    read_incoming(cfg.incoming_tasks)  # AgentRLError naming the file, before any rank starts
+    cmd = launcher_command(params_path, cfg.num_ranks, _free_port(), extra)
+    # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
+    # display); keep the last lines of everything for the error message
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    with subprocess.Popen(cmd, env=child_env({"PYTHONUNBUFFERED": "1"}), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if not line.startswith("["):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+    if proc.returncode != 0:
+        raise AgentRLError(f"train: the DeepSpeed launcher exited with {proc.returncode}; last lines:\n"
+                           + "\n".join(tail))
