@@ -2,7 +2,7 @@
 
 Prints, per variant: test success (greedy, the same tasks and seeds), latency of one action with episodes played one
 at a time (batch 1), batched throughput (actions/s through the rollout engine), and state size; each as a ratio to
-fp32. Goals (issue 6): int8 at most 0.35 of fp32 size, with success within `deploy.parity_tolerance` of fp32.
+fp32. Goals: int8 at most 0.35 of fp32 size, with success within `deploy.parity_tolerance` of fp32.
 
 The policy is ``--policy`` (default: models/policy, else models/adapted); when neither exists, the built-in model at its
 default size with random weights, and the output says so (success is then 0 for every variant, and every action runs
@@ -53,7 +53,7 @@ def main() -> None:
     from pipeline.env.config import EnvConfig
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.policy.episodes import load_task_file
+    from pipeline.env.tasks import load_task_file
     from pipeline.policy.config import RolloutConfig
 
     params = ROOT / "params.yaml"

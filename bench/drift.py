@@ -96,8 +96,7 @@ def main() -> None:
     cfg = DriftConfig(max_hidden_samples=args.hidden_samples, mmd_permutations=args.permutations,
                       hidden_dtype=args.dtype)
 
-    print(f"machine now: {matmul_gflops():.0f} GFLOP/s fp32 matmul (a quiet 2-core machine here: about 210, "
-          f"shared/STACK.md)")
+    print(f"machine now: {matmul_gflops():.0f} GFLOP/s fp32 matmul (a quiet 2-core machine: about 210)")
     t0 = time.perf_counter()
     world = generate_world(0, 400, 80, 0.3)
     tasks, expert, rand = base_episodes(world, args.base_tasks, seed=1)

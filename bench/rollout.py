@@ -16,13 +16,13 @@ Generated tokens are the tokens the policy sampled (each action up to and includ
 configuration runs in its own process, so the peak resident memory printed (``resource.getrusage``, max RSS) is that
 configuration's own. Quote the ratios: these machines are shared and absolute speeds move with the load.
 
-Last measured (2026-11-30, session 4, 1 thread, loaded machine, the space-isolating tokenizer): engine fp32 945
+Last measured (2026-11-30, 1 thread, loaded machine, the space-isolating tokenizer): engine fp32 945
 tokens/s = 4.6x (b) and 5.2x (a); bf16 742 tokens/s = 2.9x (b) and 4.5x (a); engine bf16/fp32 0.79 (so the rollout
 default stays fp32); peak RSS engine 1.2 GB, (b) 1.5 GB. Random weights make every action run to max_new_tokens and
 every episode to max_steps (episodes re-based once when the environment folds its history), the worst case for the
 engine; a trained policy's short episodes favour it more.
 
-Prefix cache (session 5, 1 thread, loaded machine, ``--methods engine engine_noprefix --dtypes fp32``): with
+Prefix cache (1 thread, loaded machine, ``--methods engine engine_noprefix --dtypes fp32``): with
 ``--policy models/policy --episodes 128 --batch-size 32 --repeats 3`` the engine prefilled 11,213 tokens against
 20,869 and ran 1.13x as fast with the cache (1.06x in a second run, 1.19x at ``--batch-size 64``); with random weights
 (64 episodes, ``--repeats 2``) 0.88x the prefilled tokens, 1.04x. A single run of seconds can be off by a third on a
@@ -62,7 +62,7 @@ def setup_policy(n_episodes: int, policy: str):
     """A trained policy with its world (data/env) and the first validation tasks."""
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.policy.episodes import load_task_file
+    from pipeline.env.tasks import load_task_file
     from pipeline.policy.model import load_policy
 
     model, tok, _ = load_policy(ROOT / policy)

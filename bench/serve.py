@@ -9,7 +9,7 @@ tasks no earlier phase sent (so nothing is cached until the cache phase):
 2. `--clients` concurrent clients sending `--concurrent` tasks in all (the batcher groups them);
 3. the same requests as phase 2 again: every one is a cache hit.
 
-Goal (issue 6): throughput at 32 clients at least 8x one client at a time. The policy is models/policy (else
+Goal: throughput at 32 clients at least 8x one client at a time. The policy is models/policy (else
 models/adapted, else the built-in default size with random weights, said in the output: every action then runs to
 max_new_tokens and every episode to max_steps, ~400 generated tokens per request). Quote ratios: the machine is shared.
 

@@ -21,7 +21,7 @@ How FLOPs are counted (Kaplan et al. 2020, "Scaling Laws for Neural Language Mod
   kernel computes it); reported separately and included in the "with attention" ratio.
 
 Utilisation = achieved FLOP/s ÷ measured matmul peak FLOP/s of the same dtype. Goal: at least 40 %. The machines are
-shared and noisy (../shared/STACK.md): trust ratios measured in one run, not absolute numbers across runs.
+shared and noisy: trust ratios measured in one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations

@@ -5,12 +5,11 @@
 - 1 rank against 2 DeepSpeed ranks (episodes/s);
 - synchronous against asynchronous rollouts under a tool latency of 20 ms (episodes/s; goal: async ≥ 2×), each with
   the tool calls that end in one decode step run side by side (`rollout.tool_threads`, the default) and one after
-  another (`tool_threads: 0`, the plain Gymnasium loop, which sessions 4 to 21 measured); what hiding every wait
+  another (`tool_threads: 0`, the plain Gymnasium loop); what hiding every wait
   could give while generation and learning stay one after the other: the synchronous update at 20 ms over the
   generation and learning time of the run without latency; and the async run at 20 ms against that run without
   latency, which is above 1 only where generation and learning side by side use the cores better than each alone
-  (session 23's table on an Intel Xeon gives 0.99x; session 28 printed 1.16x and 1.21x on an AMD EPYC; README, RL
-  section);
+  (0.99x measured on an Intel Xeon, 1.16x and 1.21x on an AMD EPYC; README, RL section);
 - the learner's gradient accumulation over length chunks (`train.micro_batches`, default) against one forward of
   the whole batch (`micro_batches: 1`): learning time and peak memory;
 - peak memory of each run (the largest process of that run alone: each run is measured in its own wrapper process).
@@ -21,7 +20,7 @@ Needs `models/adapted` and `data/` (run `dvc repro adapt` first). Runs write onl
 FLOPs are counted as 2·N·T for the no-grad forward (π_old, V_old; skipped by a one-step on-policy update) plus 6·N·T
 for each training forward+backward, with N the parameter count and T the tokens of the padded rows the learner
 forwards (attention's extra FLOPs are ignored: sequences are short). The behaviour-cloning forward on
-demonstrations (`train.bc_coef`, on by default since session 11: `bc_batch` demonstrations per step and rank) is not
+demonstrations (`train.bc_coef`, on by default: `bc_batch` demonstrations per step and rank) is not
 counted either, so the learning FLOP/s figure is a lower bound when it is on.
 """
 
@@ -71,9 +70,9 @@ def run(name: str, tmp: Path, updates: int, tasks: int, group: int, ranks: int, 
             "--metrics", str(d / "train.json"), "--curve", str(d / "curve.csv")]
     if ranks > 1:
         from pipeline.train.main import launcher_command
-        from pipeline.train.distributed import _free_port
+        from pipeline.train.distributed import free_port
 
-        cmd = launcher_command(str(d / "params.yaml"), ranks, _free_port(), args[2:])
+        cmd = launcher_command(str(d / "params.yaml"), ranks, free_port(), args[2:])
     else:
         cmd = [sys.executable, "-m", "pipeline.train.worker", *args]
     from pipeline.train.distributed import child_env
@@ -127,6 +126,7 @@ def main() -> None:
     from pipeline.core.config import load_section
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
+    from pipeline.train.learner import one_forward
 
     tcfg_chunks = load_section(TrainConfig, "train", REPO / "params.yaml").micro_batches  # params.yaml, validated
     print(f"RL benchmark: {n_params / 1e6:.2f}M-parameter policy, {args.tasks} tasks x {args.group} rollouts per "
@@ -152,7 +152,7 @@ def main() -> None:
           f"{eps['sync-20ms'] / eps['sync-20ms-serial']:.2f}x")
     # what hiding the waits alone could give: the sync update at 20 ms against generation + learning without any
     # waiting, one after the other. An async mode beats it only where generation and learning, run side by side,
-    # use the cores better than each does alone (session 28 measured that on a 2-core AMD EPYC).
+    # use the cores better than each does alone (measured on a 2-core AMD EPYC).
     compute = (base["rollout_s"] + base["learn_s"]) / base["updates"]
     for r in (lat_sync, lat_sync_serial):
         per_update = (r["rollout_s"] + r["learn_s"]) / r["updates"]
@@ -165,8 +165,8 @@ def main() -> None:
     tcfg = load_section(TrainConfig, "train", REPO / "params.yaml")
     epochs = tcfg.epochs
     # a no-grad forward (π_old), then forward+backward per epoch; a one-step on-policy update (group baseline, one
-    # epoch, one minibatch) skips the no-grad forward (pipeline.train.trainer._learn)
-    single_pass = tcfg.algorithm in ("grpo", "rloo") and epochs == 1 and tcfg.minibatches == 1
+    # epoch, one minibatch) skips the no-grad forward (pipeline.train.learner.one_forward)
+    single_pass = one_forward(tcfg)
     flops = ((0 if single_pass else 2) + 6 * epochs) * n_params * base["tokens"]
     print(f"learning: {flops / base['learn_s'] / 1e9:.1f} GFLOP/s vs {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s "
           f"({100 * flops / base['learn_s'] / peak:.1f}% of peak)")

@@ -1,7 +1,9 @@
-"""The `agentrl` command line: one command per phase, `run` for the whole pipeline, `stages` for the phase graph.
+"""The `agentrl` command line: one command per phase, `run` for the whole pipeline, `schedule` for the retraining
+deployment, `stages` for the phase graph.
 
-Every command imports its phase only when it runs, so `agentrl --help` stays fast and the library never imports an
-orchestrator: Prefect is imported by `agentrl run` alone, after its state directory has been pointed into the repo.
+It lives in `flows/`, next to the Prefect flows it starts: the layer above the library, which imports neither
+(tests/test_layering.py). Every command imports its phase only when it runs, so `agentrl --help` stays fast; Prefect
+is imported by `agentrl run` and `agentrl schedule` alone, after its state directory has been pointed into the repo.
 
 Errors the user can fix (a bad `params.yaml`, a corrupt task file, a missing phase output: `ConfigError` and every
 `AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback; anything else is a bug
@@ -154,7 +156,8 @@ def _cmd_stages(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentrl",
-        description="Train tool-using agents with RL: one command per phase, `run` for the whole pipeline.",
+        description="Train tool-using agents with RL: one command per phase, `run` for the whole pipeline, "
+                    "`schedule` for scheduled retraining.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -20,7 +20,6 @@ repeat blindly) and Prefect result caching (DVC already knows what is up to date
 from __future__ import annotations
 
 import collections
-import json
 import os
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from prefect.cache_policies import NO_CACHE
 from flows import lineage, project_params, summary
 from pipeline.core.errors import AgentRLError
 from pipeline.core.graph import load_stages, select
+from pipeline.core.jsonl import read_jsonl
 from pipeline.core.tracking import PARENT_RUN_ENV, Tracker, require_tracking
 
 TAIL_LINES = 40
@@ -52,7 +52,7 @@ class StageFailed(AgentRLError):
 
 
 # torch.distributed's rank variables: a stage is never a rank of this process's group. A process that once ran a
-# single in-process rank (a test session, a notebook) keeps them in os.environ with the port its own group still
+# single in-process rank (a test run, a notebook) keeps them in os.environ with the port its own group still
 # holds; a training stage that inherited them bound that port again and failed with EADDRINUSE.
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -98,7 +98,7 @@ def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: 
                 tail.append(line.rstrip("\n"))
                 skipped = skipped or "didn't change, skipping" in line
         seconds = time.perf_counter() - start
-        records = [json.loads(l) for l in Path(times_path).read_text().splitlines() if l.strip()]
+        records = read_jsonl(times_path, "stage timings", allow_empty=True)
     finally:
         os.unlink(times_path)
     command_s = sum(r["seconds"] for r in records) if records else None
@@ -121,36 +121,24 @@ def tag_runs(tracking_uri: str, parent_run_id: str, parent_tags: dict[str, str],
 
     A tracking store is a network service in production: a failed call is retried. Returns the phase runs tagged.
     """
-    from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
+    tracker = Tracker(tracking_uri=tracking_uri)
     if parent_tags:
-        client.log_batch(parent_run_id, tags=[RunTag(k, str(v)) for k, v in parent_tags.items()])
+        tracker.set_tags(parent_run_id, parent_tags)
     if stage is None:
         return 0
-    exp_id = client.get_run(parent_run_id).info.experiment_id
-    children = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
-    fresh = [r for r in children if STAGE_TAG not in r.data.tags]
-    for run in fresh:
-        tags = {**(child_tags or {}), STAGE_TAG: stage}
-        client.log_batch(run.info.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    fresh = [run_id for run_id, tags in tracker.child_runs(parent_run_id) if STAGE_TAG not in tags]
+    for run_id in fresh:
+        tracker.set_tags(run_id, {**(child_tags or {}), STAGE_TAG: stage})
     return len(fresh)
 
 
 @task(name="registry-read", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def read_champion(tracking_uri: str, model_name: str) -> str | None:
     """The version the registry's `champion` alias points to now (None: no champion, or no registered model)."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from pipeline.deploy.registry import CHAMPION, ModelRegistry
 
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    try:
-        return str(client.get_model_version_by_alias(model_name, "champion").version)
-    except MlflowException as exc:
-        if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
-            return None
-        raise  # anything else (a store that did not answer) is retried
+    version = ModelRegistry(model_name, tracking_uri).find_alias(CHAMPION)  # a store that did not answer: retried
+    return None if version is None else str(version.version)
 
 
 @task(name="dvc-push", retries=3, retry_delay_seconds=5, cache_policy=NO_CACHE)
@@ -171,12 +159,6 @@ def _timing_table(results: dict[str, dict[str, Any]], total: float) -> str:
     lines.append(f"{'total':<{width}}  {total:8.1f} s")
     return "\n".join(lines)
 
-
-def _deploy_model_name(params: Path) -> str | None:
-    import yaml
-
-    doc = yaml.safe_load(params.read_text()) or {}
-    return (doc.get("deploy") or {}).get("model_name")
 
 
 @flow(name="agentrl-pipeline")

@@ -44,6 +44,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import lineage, project_params
 from flows.pipeline_flow import pipeline_flow
+from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
 from pipeline.core.graph import stage_order
 from pipeline.core.tracking import Tracker, require_tracking
@@ -61,20 +62,16 @@ def champion_lineage(tracking_uri: str, model_name: str) -> dict[str, Any] | Non
 
     None when there is no champion. Registry calls go over the network in production: failures are retried.
     """
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from pipeline.deploy.registry import CHAMPION, ModelRegistry
 
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    try:
-        mv = client.get_model_version_by_alias(model_name, "champion")
-    except MlflowException as exc:
-        if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
-            return None
-        raise
-    tags = dict(client.get_run(mv.run_id).data.tags) if mv.run_id else {}
+    registry = ModelRegistry(model_name, tracking_uri)
+    mv = registry.find_alias(CHAMPION)
+    if mv is None:
+        return None
+    tags = registry.run_tags(mv.run_id) if mv.run_id else {}
     versions = lineage.versions_from_tags(tags)
     if not versions and tags.get("mlflow.parentRunId"):  # deployed by a flow that predates the per-phase tags
-        versions = lineage.versions_from_tags(dict(client.get_run(tags["mlflow.parentRunId"]).data.tags))
+        versions = lineage.versions_from_tags(registry.run_tags(tags["mlflow.parentRunId"]))
     return {"version": str(mv.version), "run_id": mv.run_id, "data": versions}
 
 
@@ -94,7 +91,6 @@ def reference_path(root: Path, configured: str, versions: dict[str, str], scratc
 @task(name="drift-check", cache_policy=NO_CACHE)
 def drift_check(root: str, overrides: dict[str, Any], out_path: str, parent_run_id: str) -> dict[str, Any]:
     """The `check_drift` phase's checks on explicit reference and current data, as a run nested under the retrain run."""
-    from pipeline.core.config import load_section
     from pipeline.check_drift.config import DriftConfig
     from pipeline.env.config import EnvConfig
     from pipeline.build_env.config import BuildEnvConfig
@@ -142,13 +138,15 @@ def _markdown(record: dict[str, Any]) -> str:
 @flow(name="agentrl-retrain")
 def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = False) -> dict[str, Any]:
     """One scheduled retraining decision for the project at `project` (see the module docstring); returns the record."""
+    from pipeline.check_drift.config import DriftConfig
+    from pipeline.deploy.config import DeployConfig
+
     require_tracking("the retraining flow (its MLflow runs and the registry)")
     logger = get_run_logger()
     params = project_params(Path(project) / "params.yaml")
     root = params.parent
-    doc = yaml.safe_load(params.read_text()) or {}
-    model_name = (doc.get("deploy") or {}).get("model_name", "agentrl-policy")
-    drift_cfg = doc.get("check_drift") or {}
+    model_name = load_section(DeployConfig, "deploy", params).model_name
+    drift_cfg = load_section(DriftConfig, "check_drift", params)
     incoming_dir = (root / incoming).resolve()
     files = sorted(incoming_dir.glob("*.jsonl")) if incoming_dir.is_dir() else []
 
@@ -166,9 +164,8 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
             versions = champion["data"] if champion else {}
             reference: dict[str, str] = {}
             overrides: dict[str, Any] = {"current": str(incoming_dir), "current_world_dir": None}
-            for key, default in (("reference_tasks", "data/tasks/train.jsonl"), ("world_dir", "data/env"),
-                                 ("policy", "models/policy")):
-                path, source = reference_path(root, drift_cfg.get(key, default), versions, scratch)
+            for key in ("reference_tasks", "world_dir", "policy"):
+                path, source = reference_path(root, getattr(drift_cfg, key), versions, scratch)
                 overrides[key], reference[key] = path, f"{path} from {source}"
             record["reference"] = reference
             with tempfile.TemporaryDirectory() as tmp:

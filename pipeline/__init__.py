@@ -2,7 +2,7 @@
 
 Importing the package sets offline and telemetry defaults (with ``os.environ.setdefault``, so an explicit setting by the
 user always wins) before any phase can import MLflow, Prefect, DVC, Great Expectations or a model hub client: nothing
-may phone home or download at run time (shared/STACK.md).
+may phone home or download at run time.
 
 The library imports no orchestrator: Prefect lives in ``flows/`` only.
 """

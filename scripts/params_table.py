@@ -1,12 +1,18 @@
 #!/usr/bin/env python
-"""Print the README's configuration table: every params.yaml key with its type, default and description.
+"""The configuration table of docs/configuration.md: every params.yaml key with its type, default and description.
 
 The rows come from the pydantic models' field descriptions (the single source of the documentation), so regenerate the
-table whenever a model changes:  python scripts/params_table.py
+table whenever a model changes:
+
+    python scripts/params_table.py           # print the table
+    python scripts/params_table.py --write   # replace the table in docs/configuration.md
+
+A test fails while docs/configuration.md holds any other table than the one this script generates.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -14,7 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "configuration.md"
+sys.path.insert(0, str(ROOT))
 
 from pipeline.deploy.config import DeployConfig  # noqa: E402
 from pipeline.check_drift.config import DriftConfig  # noqa: E402
@@ -81,5 +89,38 @@ def table() -> str:
     return "\n".join(lines)
 
 
+def table_in(text: str) -> list[str]:
+    """The table a page holds: the lines from the generated header row to the last contiguous table row."""
+    lines = text.splitlines()
+    header = table().splitlines()[0]
+    if header not in lines:
+        return []
+    start = lines.index(header)
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return lines[start:end]
+
+
+def write(doc: Path = DOC) -> None:
+    """Replace the table in `doc` (or append one when it has none) with the generated one."""
+    text = doc.read_text()
+    old = table_in(text)
+    new = table()
+    if not old:
+        doc.write_text(text.rstrip("\n") + "\n\n" + new + "\n")
+        return
+    lines = text.splitlines()
+    start = lines.index(old[0])
+    lines[start:start + len(old)] = new.splitlines()
+    doc.write_text("\n".join(lines) + "\n")
+
+
 if __name__ == "__main__":
-    print(table())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"replace the table in {DOC.relative_to(ROOT)}")
+    if parser.parse_args().write:
+        write()
+        print(f"wrote the parameter table to {DOC.relative_to(ROOT)}")
+    else:
+        print(table())

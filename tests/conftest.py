@@ -1,7 +1,9 @@
-"""Shared fixtures.
+"""Shared fixtures and the suite's MLflow store.
 
-`mlflow_tmp_uri` is autouse: no test writes into the repository's own `mlflow.db`/`mlartifacts`, whichever phase it
-runs. A test that needs a store of its own can still point MLFLOW_TRACKING_URI elsewhere with monkeypatch.
+`pytest_configure` points MLFLOW_TRACKING_URI at a SQLite store in a temporary folder for the whole run (and
+`pytest_unconfigure` restores the environment and removes it): no test writes into the repository's own
+`mlflow.db`/`mlartifacts`, whichever phase it runs. A test that needs a store of its own can still point
+MLFLOW_TRACKING_URI elsewhere with monkeypatch.
 
 `fixed_seeds` is autouse: every test starts from the same global random state (Python, NumPy, torch), so a test's
 draw is the same in CI as here and in any order; a test that means to range over draws parametrizes its seeds.
@@ -9,19 +11,31 @@ draw is the same in CI as here and in any order; a test that means to range over
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
-def mlflow_tmp_uri(tmp_path_factory: pytest.TempPathFactory):
-    """A SQLite MLflow store in a session temp dir, exported as MLFLOW_TRACKING_URI for the whole test session."""
-    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
-    uri = f"sqlite:///{db}"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
-        mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
-        mp.delenv("AGENTRL_TRACKING", raising=False)  # a user's switch must not turn the suite's tracking off
-        yield uri
+def pytest_configure(config: pytest.Config) -> None:
+    """Export a fresh SQLite MLflow store for the whole run (see the module docstring)."""
+    store = Path(tempfile.mkdtemp(prefix="agentrl-test-mlflow-"))
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
+    mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
+    mp.delenv("AGENTRL_TRACKING", raising=False)  # a user's switch must not turn the suite's tracking off
+    config.stash[_STORE] = (store, mp)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    store, mp = config.stash.get(_STORE, (None, None))
+    if mp is not None:
+        mp.undo()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+_STORE = pytest.StashKey[tuple]()
 
 
 @pytest.fixture(autouse=True)

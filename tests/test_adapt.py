@@ -21,9 +21,10 @@ from pipeline.env.world import load_world
 from pipeline.core.errors import AgentRLError
 from pipeline.adapt import adapters
 from pipeline.adapt import capability
-from pipeline.adapt import sft
+from pipeline.adapt import batching, drills, sft
 from pipeline.policy.config import ModelConfig, RolloutConfig
 from pipeline.adapt.config import AdaptConfig, AdapterConfig, CapabilityConfig, GateConfig, PretrainConfig, SFTConfig
+from pipeline.policy.demos import NamePool, augment_names, demo_examples, demo_segments, encode_segment, load_demos
 from pipeline.policy.model import build_policy, load_policy, save_policy
 from pipeline.policy.tokenizer import corpus_texts, encode_context, train_tokenizer
 
@@ -78,10 +79,11 @@ def tiny_adapt_config(**over) -> AdaptConfig:
 
 
 def run_phase(data_dir: Path, out: Path, cfg: AdaptConfig | None = None, model_cfg: ModelConfig = TINY,
-              data: Path | None = None) -> dict:
+              data: Path | None = None, rollout_cfg: RolloutConfig | None = None) -> dict:
     from pipeline.adapt.main import adapt
 
-    return adapt(cfg or tiny_adapt_config(), model_cfg, RolloutConfig(batch_size=8, max_new_tokens=24), EnvConfig(),
+    return adapt(cfg or tiny_adapt_config(), model_cfg, rollout_cfg or RolloutConfig(batch_size=8, max_new_tokens=24),
+                 EnvConfig(),
                  data or data_dir, out / "models" / "adapted", out / "metrics" / "adapt.json",
                  data_dir.parent / "metrics" / "build_env.json")
 
@@ -101,8 +103,8 @@ def tree_digest(path: Path) -> str:
 def test_loss_mask_covers_exactly_the_action_tokens(tokenizer, demos, tasks):
     questions = {t.task_id: t.question for t in tasks["train"]}
     for demo in demos[:40]:
-        (prompt, pairs), = sft.demo_segments(questions[demo["task_id"]], demo["steps"], window=6)
-        ex = sft.encode_segment(tokenizer, prompt, pairs)
+        (prompt, pairs), = demo_segments(questions[demo["task_id"]], demo["steps"], window=6)
+        ex = encode_segment(tokenizer, prompt, pairs)
         ids, mask = np.array(ex.input_ids), np.array(ex.loss_mask)
         assert set(mask.tolist()) <= {0, 1} and len(ids) == len(mask)
         assert tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == "".join(a for a, _ in pairs)
@@ -120,7 +122,7 @@ def test_sft_text_replays_the_environment_contexts(data_dir, demos, tasks):
     try:
         env = ToolTasksEnv(world=runtime, tasks=tasks["train"], config=EnvConfig())
         for demo in [d for d in demos if d["n_calls"] >= 3][:10]:
-            (prompt, pairs), = sft.demo_segments(by_id[demo["task_id"]].question, demo["steps"], window=6)
+            (prompt, pairs), = demo_segments(by_id[demo["task_id"]].question, demo["steps"], window=6)
             obs, _ = env.reset(seed=0, options={"task": by_id[demo["task_id"]]})
             text = prompt
             for action, observation in pairs:
@@ -135,7 +137,7 @@ def test_sft_text_replays_the_environment_contexts(data_dir, demos, tasks):
 def test_folded_history_starts_a_new_segment_from_the_folded_context():
     steps = [{"action": f'<call>lookup {{"name": "P{i}", "field": "price"}}</call>', "observation": f"<obs>{i}</obs>\n"}
              for i in range(5)]
-    segs = sft.demo_segments("Q?", steps, window=2)
+    segs = demo_segments("Q?", steps, window=2)
     assert [len(p) for _, p in segs] == [3, 1, 1]  # folding starts once the history exceeds the window
     assert segs[1][0].count("State: earlier calls and results") == 1
     assert sum(len(p) for _, p in segs) == 5
@@ -143,13 +145,13 @@ def test_folded_history_starts_a_new_segment_from_the_folded_context():
 
 def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(data_dir, demos, tasks, tokenizer):
     entities = json.loads((data_dir / "env" / "entities.json").read_text())
-    pool = sft.NamePool.from_entities(entities)
+    pool = NamePool.from_entities(entities)
     real = set(entities["products"]) | set(entities["suppliers"])
     by_id = {t.task_id: t for t in tasks["train"]}
     rng = np.random.default_rng(0)
     for demo in demos[:30]:
         task = by_id[demo["task_id"]]
-        question, steps, mapping = sft.augment_names(task.question, demo["steps"], task.entities, pool, rng)
+        question, steps, mapping = augment_names(task.question, demo["steps"], task.entities, pool, rng)
         assert set(mapping) == set(task.entities) and not set(mapping.values()) & real
         text = question + "".join(s["action"] + s["observation"] for s in steps)
         assert not any(e in text for e in task.entities)  # every occurrence replaced
@@ -157,7 +159,7 @@ def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(dat
             text = text.replace(fake, name)
         assert text == task.question + "".join(s["action"] + s["observation"] for s in demo["steps"])
     # the sampler's augmented examples keep the mask exact: it decodes to the (renamed) actions
-    sampler = sft.DemoSampler(tokenizer, demos[:10], {t.task_id: t.to_dict() for t in tasks["train"]}, 6, 1024, 1.0, pool)
+    sampler = batching.DemoSampler(tokenizer, demos[:10], {t.task_id: t.to_dict() for t in tasks["train"]}, 6, 1024, 1.0, pool)
     for i in range(10):
         (ex,) = sampler(i, rng)
         acts = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m], skip_special_tokens=False)
@@ -168,7 +170,7 @@ def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(dat
 def test_copy_drills_end_in_a_json_copy_of_a_quoted_fictitious_name(data_dir):
     entities = json.loads((data_dir / "env" / "entities.json").read_text())
     real = set(entities["products"]) | set(entities["suppliers"])
-    texts = sft.copy_drills(sft.NamePool.from_entities(entities), 50, np.random.default_rng(0))
+    texts = drills.copy_drills(NamePool.from_entities(entities), 50, np.random.default_rng(0))
     assert len(texts) >= 45
     for text in texts:
         body, record = text.rsplit("\n", 1)
@@ -178,10 +180,10 @@ def test_copy_drills_end_in_a_json_copy_of_a_quoted_fictitious_name(data_dir):
 
 def test_word_drills_copy_an_unquoted_word_and_the_quoted_name_of_their_sentence(data_dir):
     entities = json.loads((data_dir / "env" / "entities.json").read_text())
-    pool = sft.NamePool.from_entities(entities)
-    words = sft.drill_words(pool, extra=["price", "stock"])
+    pool = NamePool.from_entities(entities)
+    words = drills.drill_words(pool, extra=["price", "stock"])
     assert "price" in words and len(words) > 20 and all(w == w.lower() for w in words)
-    texts = sft.word_drills(pool, words, 60, np.random.default_rng(0))
+    texts = drills.word_drills(pool, words, 60, np.random.default_rng(0))
     assert len(texts) >= 55
     seen_words = set()
     for text in texts:
@@ -193,28 +195,9 @@ def test_word_drills_copy_an_unquoted_word_and_the_quoted_name_of_their_sentence
     assert len(seen_words) > 20  # a vocabulary to copy from, not a handful of classes to memorise
 
 
-def test_number_drills_end_in_a_json_copy_of_numbers_from_the_observations():
-    texts = sft.number_drills(60, np.random.default_rng(0))
-    assert len(texts) == 60
-    forms = set()
-    for text in texts:
-        body, record = text.rsplit("\n", 1)
-        observed = re.findall(r"<obs>([0-9.]+)</obs>", body)
-        fields = json.loads(record)
-        forms.add(tuple(sorted(fields)))
-        if "item" in fields:
-            assert fields["value"] == observed[fields["item"]]
-        elif "value" in fields:
-            assert fields["value"] == observed[-1]
-        else:
-            a, b = re.split(r"[*+-]", fields["expr"])
-            assert a in observed and (b in observed or b.isdigit())
-    assert forms == {("value",), ("expr",), ("item", "value")}
-
-
 def test_masked_loss_ignores_masked_positions():
     logits = torch.randn(1, 4, 7)
-    labels = torch.tensor([[5, sft.IGNORE, 3, sft.IGNORE]])
+    labels = torch.tensor([[5, batching.IGNORE, 3, batching.IGNORE]])
     loss, n = sft.masked_lm_loss(logits, labels)
     expected = torch.nn.functional.cross_entropy(logits[0, 1:2], torch.tensor([3]))
     assert n == 1 and torch.allclose(loss, expected)
@@ -224,6 +207,15 @@ def test_masked_loss_ignores_masked_positions():
     assert torch.allclose(sft.masked_lm_loss(logits2, labels)[0], loss)
 
 
+def test_unreadable_demo_files_are_refused_naming_the_file_and_line(tmp_path, demos):
+    with pytest.raises(AgentRLError, match=r"demonstrations not found; run `agentrl build-env`"):
+        load_demos(tmp_path / "missing.jsonl")
+    path = tmp_path / "demos.jsonl"
+    path.write_text(json.dumps(demos[0]) + "\n{not json\n")
+    with pytest.raises(AgentRLError, match=rf"{re.escape(str(path))}:2: not valid JSON"):
+        load_demos(path)
+
+
 def test_demo_file_that_breaks_the_schema_is_refused(tmp_path, demos):
     bad = [dict(d) for d in demos[:5]]
     bad[2]["steps"] = [{"action": "<call>answer {}</call>"}]  # no observation
@@ -231,7 +223,7 @@ def test_demo_file_that_breaks_the_schema_is_refused(tmp_path, demos):
     path = tmp_path / "demos.jsonl"
     path.write_text("".join(json.dumps(d) + "\n" for d in bad))
     with pytest.raises(AgentRLError, match="breaks the schema"):
-        sft.load_demos(path)
+        load_demos(path)
 
 
 # ------------------------------------------------------------------------------------------------------- adapters
@@ -239,8 +231,8 @@ def test_demo_file_that_breaks_the_schema_is_refused(tmp_path, demos):
 
 def _batch(tokenizer, demos, tasks, n=8):
     questions = {t.task_id: t.question for t in tasks["train"]}
-    ex = sft.demo_examples(tokenizer, demos[:n], questions, 6)
-    return sft.collate(ex, tokenizer.pad_token_id)
+    ex = demo_examples(tokenizer, demos[:n], questions, 6)
+    return batching.collate(ex, tokenizer.pad_token_id)
 
 
 def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demos, tasks):
@@ -280,7 +272,7 @@ def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks):
 
 def test_compiled_sft_runs_under_deterministic_algorithms_and_restores_the_setting(tokenizer, demos, tasks,
                                                                                   monkeypatch):
-    """Inductor's CPU kernels are not reproducible run to run by default (session 11: two processes, the same weights
+    """Inductor's CPU kernels are not reproducible run to run by default (measured: two processes, the same weights
     and batches, different losses from the first steps; with deterministic algorithms, bit-identical), so the compiled
     loop runs under ``torch.use_deterministic_algorithms(True)`` and puts the previous setting back afterwards; the
     eager loop is left alone."""
@@ -365,8 +357,8 @@ def test_copy_accuracy_counts_only_whole_copies(tokenizer):
             return type("Out", (), {"logits": logits})()
 
     texts = ['Item 0: \'Polar Kettle\'.\n{"item": 0, "name": "Polar Kettle"}']
-    assert sft.copy_accuracy(Oracle(False), tokenizer, texts) == 1.0
-    assert sft.copy_accuracy(Oracle(True), tokenizer, texts) == 0.0
+    assert drills.copy_accuracy(Oracle(False), tokenizer, texts) == 1.0
+    assert drills.copy_accuracy(Oracle(True), tokenizer, texts) == 0.0
 
 
 @pytest.mark.parametrize("kind", ["lora", "bottleneck"])
@@ -655,8 +647,10 @@ def test_selection_that_would_score_nothing_before_the_last_step_is_refused():
 
 
 def test_checkpoint_selection_with_lora_scores_the_unmerged_model_and_publishes_a_merged_one(data_dir, tmp_path):
-    """The checks play the peft-wrapped model being trained; the published model is the merged selected one."""
-    cfg = tiny_adapt_config(sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False,
+    """The checks play the peft-wrapped model being trained (with LoRA dropout, off by default); the published model
+    is the merged selected one."""
+    cfg = tiny_adapt_config(adapter=AdapterConfig(kind="lora", lora_r=4, lora_alpha=8, lora_dropout=0.1),
+                            sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False,
                                           select_every=2, select_from=2, select_tasks=4))
     metrics = run_phase(data_dir, tmp_path, cfg)
     sel = metrics["sft"]["selection"]
@@ -664,3 +658,35 @@ def test_checkpoint_selection_with_lora_scores_the_unmerged_model_and_publishes_
     assert sel["selected_step"] in (2, 4) and all(c["sampled_nll"] > 0 for c in sel["curve"])
     model, _, meta = load_policy(tmp_path / "models" / "adapted")
     assert meta["adapter"] == "lora" and not any("lora" in n for n, _ in model.named_parameters())
+
+
+def test_every_option_that_is_off_by_default_runs_in_a_real_adapt(data_dir, tmp_path, tasks):
+    """One tiny run with every adapt, model and rollout option that is off by default turned on (each elsewhere only in
+    unit tests, if at all): torch threads, the document corpus and the training questions in pre-training, the
+    bottleneck adapter with base parameters trained next to it, weight decay, micro-batches, grouped-query
+    attention, bf16 rollouts on their own thread count with top-p sampling."""
+    before = torch.get_num_threads()
+    corpus = (data_dir / "env" / "corpus.jsonl").read_text().splitlines()
+    cfg = tiny_adapt_config(
+        threads=1,
+        pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50, word_drills=20,
+                                subprocess=False, include_documents=True, include_questions=True),
+        adapter=AdapterConfig(kind="bottleneck", bottleneck_dim=8, train_also=["norm"]),
+        sft=SFTConfig(steps=4, batch_size=8, warmup_steps=1, log_every=2, compile=False, select_every=0,
+                      micro_batches=2, weight_decay=0.1))
+    try:
+        metrics = run_phase(data_dir, tmp_path, cfg, model_cfg=TINY.model_copy(update={"n_kv_heads": 1}),
+                            rollout_cfg=RolloutConfig(batch_size=8, max_new_tokens=24, dtype="bf16", num_threads=1,
+                                                      top_p=0.9))
+        assert torch.get_num_threads() == 1  # adapt.threads
+    finally:
+        torch.set_num_threads(before)
+    assert metrics["pretrain"]["domain_texts"] == len([l for l in corpus if l.strip()]) + len(tasks["train"])
+    assert metrics["pretrain"]["drills"] > 50 and metrics["sft"]["steps"] == 4
+    assert metrics["adapter"]["kind"] == "bottleneck" and metrics["eval"]["top_p"] == 0.9
+    model, _, meta = adapters.load_adapted(tmp_path / "models" / "adapted")
+    assert meta["adapter"] == "bottleneck" and model.config.num_key_value_heads == 1
+    # SFT trained the adapters and, next to them, the final norm (train_also), not the rest of the base
+    adapter_size = sum(p.numel() for n, p in model.named_parameters() if ".mlp.adapter." in n)
+    assert adapter_size > 0
+    assert metrics["adapter"]["trainable"] == adapter_size + model.model.norm.weight.numel()

@@ -133,8 +133,8 @@ def test_build_env_cli_refuses_bad_params_and_keeps_data(built, tmp_path):
 def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from_disk(built):
     """Task files are written with sorted keys, so a plan read back has `{"field": ..., "name": ...}`; the expert
     still writes its calls in the tools' signature order, the text of the demonstrations (which were made before the
-    tasks were written) and so the tokens the policy learned. Found in session 17: expert-guided RL groups
-    (`train.guide_failed_groups`) had trained on field-first calls."""
+    tasks were written) and so the tokens the policy learned. Without it, expert-guided RL groups
+    (`train.guide_failed_groups`) trained on field-first calls."""
     from pipeline.env.core import ToolTasksEnv, WorldRuntime, load_tasks
     from pipeline.env.expert import ExpertPolicy
     from pipeline.env.world import load_world

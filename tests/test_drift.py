@@ -20,11 +20,11 @@ import torch
 import yaml
 
 from pipeline.check_drift import checks as C
-from pipeline.check_drift import suites as S
 from pipeline.check_drift.config import DriftConfig
 from pipeline.check_drift.consistency import check_consistency, probes_from_episodes
 from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, Feature, hidden_state_features,
                                      observation_contexts, task_features, trajectory_features)
+from pipeline.env import episode_suites as S
 from pipeline.env.config import EnvConfig
 from pipeline.env.core import WorldRuntime
 from pipeline.env.prompt import SYSTEM_TEMPLATE, render_context, render_header
@@ -372,6 +372,13 @@ def rollout_like(episodes, tiny_lm):
         out.append({**copy.deepcopy(r), "token_ids": ids, "action_mask": mask,
                     "logprobs": [-0.5 * m for m in mask], "segments": [0]})
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _episode_suites_registered():
+    from pipeline.env.suites import register_suites
+
+    register_suites()
 
 
 def _failed(report) -> dict[str, list]:

@@ -46,7 +46,7 @@ def test_scripted_curve_stops_at_the_right_update_and_keeps_the_best(curve, pati
         assert decisions[-1].stop and decisions[-1].step == stop_at  # nothing is evaluated after the stop
         assert f"stopped at update {stop_at}" in decisions[-1].reason and f"update {best_at}" in decisions[-1].reason
     improved = [d.step for d in decisions if d.improved]
-    assert improved[-1] == best_at  # the trainer saves on every improvement: the last save is the best
+    assert improved[-1] == best_at  # the loop saves on every improvement: the last save is the best
     summary = es.summary(completed_all=stop_at is None)
     assert summary["stopped"] == (stop_at is not None) and summary["best_update"] == best_at and summary["reason"]
 
@@ -117,7 +117,7 @@ def test_a_resumed_stopper_decides_exactly_as_the_uninterrupted_one(cut):
 
 # ---------------------------------------------------------------------------------------------- inside train()
 class ScriptedValidation:
-    """Follows `pipeline.train.trainer._evaluate` (rollout, tasks, dist, seed) -> summary, with a scripted success curve
+    """Follows `pipeline.train.validation.evaluate_greedy` (rollout, tasks, dist, seed) -> summary, with a scripted success curve
     indexed by evaluation; records a copy of the policy's weights at every evaluation."""
 
     def __init__(self, curve: list[float], start: int = 0):
@@ -139,7 +139,7 @@ def _train(project: Path, evaluate, ckpt: str, out: str):
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
-    from pipeline.train.trainer import train
+    from pipeline.train.loop import Hooks, train
     from pipeline.core.tracking import NullRun
 
     params = project / "params.yaml"
@@ -150,8 +150,8 @@ def _train(project: Path, evaluate, ckpt: str, out: str):
     result = train(cfg, load_section(EnvConfig, "env", params), load_section(RolloutConfig, "rollout", params),
                    policy_dir=project / "models" / "adapted", train_tasks=load_tasks(tasks / "train.jsonl"),
                    val_tasks=load_tasks(tasks / "validation.jsonl"), runtime=runtime, out_dir=project / out,
-                   ckpt_dir=project / ckpt, dist=init_dist(), run=NullRun("train"), evaluate=evaluate,
-                   log=logs.append)
+                   ckpt_dir=project / ckpt, dist=init_dist(), run=NullRun("train"),
+                   hooks=Hooks(evaluate=evaluate, log=logs.append))
     return result, logs
 
 

@@ -277,7 +277,7 @@ def _load_cfgs(params: Path):
 
 @pytest.fixture(scope="module")
 def phase_run(project):
-    """The phase once, in the project folder, with the real tracker (the session's temporary MLflow store)."""
+    """The phase once, in the project folder, with the real tracker (the test run's temporary MLflow store)."""
     import os
 
     from pipeline.evaluate.main import main
@@ -411,8 +411,8 @@ def test_params_yaml_mirrors_the_evaluate_defaults_and_dvc_declares_the_stage():
     assert read_params(ROOT / "params.yaml")["train"] == TrainConfig().model_dump()
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["evaluate"]
     assert stage["cmd"] == "agentrl evaluate"
-    assert {"models/adapted", "models/policy", "data/tasks", "data/env", "pipeline/evaluate/main.py",
-            "pipeline/evaluate/report.py"} <= set(stage["deps"])
+    assert {"models/adapted", "models/policy", "data/tasks", "data/env", "pipeline/evaluate", "pipeline/policy",
+            "pipeline/env", "pipeline/core"} <= set(stage["deps"])
     assert set(stage["params"]) == {"evaluate", "env", "rollout"}
     assert stage["metrics"] == [{"metrics/evaluate.json": {"cache": False}}]
     (plot,) = stage["plots"]

@@ -91,7 +91,7 @@ def make_project(root: Path) -> Path:
 
 
 def clean_env(root: Path) -> dict[str, str]:
-    """The environment of a user in `root`: no test-session MLflow store, Prefect settings or parent run."""
+    """The environment of a user in `root`: no MLflow store of the test run, Prefect settings or parent run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_"))}
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env["OMP_NUM_THREADS"] = "1"
@@ -458,7 +458,7 @@ def _healthy(url: str) -> bool:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End a process started in its own session, and every child it started (a served flow run, the server's own)."""
+    """End a process-group leader and every child it started (a served flow run, the server's own)."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)  # Prefect's worker, server and runner shut down cleanly on Ctrl-C

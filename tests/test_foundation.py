@@ -151,22 +151,24 @@ def test_params_yaml_holds_every_key_with_the_model_default(section):
     assert load_section(model, section, ROOT / "params.yaml") == model()
 
 
-def test_readme_parameter_table_is_the_one_the_configs_generate():
-    # The configs' field descriptions are the one source of the README's table; a config edited without regenerating
-    # the table (python scripts/params_table.py) leaves the README describing keys, defaults or bounds that are gone.
+def test_configuration_page_holds_exactly_the_parameter_table_the_configs_generate():
+    # The configs' field descriptions are the one source of docs/configuration.md's table; a config edited without
+    # regenerating the table (python scripts/params_table.py --write) leaves the page describing keys, defaults or
+    # bounds that are gone, or missing new ones.
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("params_table", ROOT / "scripts" / "params_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     generated = module.table().splitlines()
-    readme = (ROOT / "README.md").read_text().splitlines()
-    assert generated[0] in readme, "README has no parameter table: paste the output of scripts/params_table.py"
-    start = readme.index(generated[0])
-    shown = readme[start:start + len(generated) + 1]
-    stale = "README's parameter table is stale: regenerate it with scripts/params_table.py"
-    assert shown[:len(generated)] == generated, stale
-    assert len(shown) == len(generated) or not shown[-1].startswith("|"), "README's parameter table has extra rows"
+    shown = module.table_in((ROOT / "docs" / "configuration.md").read_text())
+    assert shown, "docs/configuration.md has no parameter table: run python scripts/params_table.py --write"
+    stale = [row for row in shown if row not in generated]
+    missing = [row for row in generated if row not in shown]
+    fix = "regenerate it with python scripts/params_table.py --write"
+    assert not stale, f"docs/configuration.md has rows the configs no longer generate ({fix}): {stale[:3]}"
+    assert not missing, f"docs/configuration.md lacks rows the configs generate ({fix}): {missing[:3]}"
+    assert shown == generated, f"docs/configuration.md's parameter table is out of order ({fix})"
 
 
 def _lookup(data: dict, dotted: str) -> bool:

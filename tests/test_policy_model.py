@@ -154,7 +154,7 @@ def test_too_small_vocabulary_is_refused():
 # -------------------------------------------------------------------------------------------------------------- model
 def test_builtin_default_size_and_seeded_init(tokenizer):
     model = build_policy(ModelConfig(), tokenizer)
-    assert 2.5e6 < n_parameters(model) < 4.5e6  # ../shared/FINDINGS.md: ~3M with a ~1k vocabulary
+    assert 2.5e6 < n_parameters(model) < 4.5e6  # the prototype's size: ~3M with a ~1k vocabulary
     assert model.config.tie_word_embeddings and model.config.vocab_size == len(tokenizer)
     state = torch.get_rng_state()
     a, b = build_policy(TINY, tokenizer), build_policy(TINY, tokenizer)

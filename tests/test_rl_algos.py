@@ -238,7 +238,7 @@ def _toy_policy_logp(seed: int = 0):
 
 
 def test_the_one_forward_on_policy_step_has_the_gradient_of_the_two_forward_step():
-    # pipeline.train.trainer._learn: with one epoch and one minibatch, π_old is the training forward's own detached
+    # pipeline.train.learner.learn: with one epoch and one minibatch, π_old is the training forward's own detached
     # log-probabilities instead of a separate no-grad forward's. Same values, so the same loss and gradient.
     adv = torch.tensor([[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [2.0, 0.0, 0.0], [0.3, 0.3, 0.3]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
@@ -259,7 +259,7 @@ def test_the_one_forward_on_policy_step_has_the_gradient_of_the_two_forward_step
 
 
 def test_rows_with_an_empty_loss_mask_change_neither_loss_nor_gradient():
-    # pipeline.train.trainer._learn drops zero-variance rows before the forward: they add 0 to the masked sum and 0 to
+    # pipeline.train.learner.learn drops zero-variance rows before the forward: they add 0 to the masked sum and 0 to
     # its token count, so the policy loss and its gradient are those of the kept rows alone.
     adv = torch.tensor([[0.5, 0.5, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [0.3, 0.3, 0.3]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])

@@ -19,8 +19,9 @@ from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import run_episode, summarize
 from pipeline.policy.config import ModelConfig, RolloutConfig
 from pipeline.policy.model import build_policy
-from pipeline.policy.rollout import (ModelPolicy, RolloutEngine, filtered_logprobs, sample_tokens, sequence_logprobs,
-                                     split_segments)
+from pipeline.policy.rollout import ModelPolicy, RolloutEngine
+from pipeline.policy.sampling import filtered_logprobs, sample_tokens
+from pipeline.policy.scoring import sequence_logprobs, split_segments
 from pipeline.policy.tokenizer import encode_context, train_tokenizer
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, seed=0)
@@ -278,9 +279,9 @@ def test_tool_threads_step_a_decode_steps_environments_side_by_side_and_change_n
     import threading
     import time
 
-    from pipeline.policy import rollout as rollout_mod
+    from pipeline.policy.episode_drivers import EnvEpisode
 
-    real, lock, live = rollout_mod._EnvEpisode.step, threading.Lock(), {"now": 0, "peak": 0}
+    real, lock, live = EnvEpisode.step, threading.Lock(), {"now": 0, "peak": 0}
 
     def slow_step(self, text):
         with lock:
@@ -291,7 +292,7 @@ def test_tool_threads_step_a_decode_steps_environments_side_by_side_and_change_n
             live["now"] -= 1
         return real(self, text)
 
-    monkeypatch.setattr(rollout_mod._EnvEpisode, "step", slow_step)
+    monkeypatch.setattr(EnvEpisode, "step", slow_step)
     out = {}
     for n in (0, 4):
         live["peak"] = 0

@@ -77,9 +77,9 @@ def _worker(project: Path, *args: str, env_extra: dict | None = None, ranks: int
     env = child_env({"PYTHONUNBUFFERED": "1", **(env_extra or {})})
     if ranks > 1:
         from pipeline.train.main import launcher_command
-        from pipeline.train.distributed import _free_port
+        from pipeline.train.distributed import free_port
 
-        cmd = launcher_command("params.yaml", ranks, _free_port(), list(args))
+        cmd = launcher_command("params.yaml", ranks, free_port(), list(args))
     else:
         cmd = [sys.executable, "-m", "pipeline.train.worker", "--params", "params.yaml", *args]
     return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=900)
@@ -322,6 +322,48 @@ def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_projec
     assert all(h["sys/idle_s"] >= 0 for h in result["history"])
 
 
+def test_ppo_with_kl_turn_credit_reward_norm_and_adaptive_entropy_trains_in_the_loop(in_project, monkeypatch):
+    """The off-by-default capabilities of the design document, switched on together inside a real run of the loop:
+    PPO (value loss, explained variance), KL to the adapted reference (0 at the first update, where the policy is
+    the reference; above 0 once it moved), per-turn credit (its metric), reward normalisation (the second update's
+    scores are no longer the raw returns) and the adaptive entropy coefficient (λ rises while the entropy is below
+    the target)."""
+    from pipeline.train import advantages
+    from pipeline.train.worker import run_worker
+
+    seen = []
+    real = advantages.episode_scores
+
+    def spy(records, state):
+        scores = real(records, state)
+        seen.append((torch.tensor([r["return"] for r in records], dtype=torch.float32), scores))
+        return scores
+
+    monkeypatch.setattr(advantages, "episode_scores", spy)
+    params = _params_with("params-capabilities.yaml", algorithm="ppo", kl_coef=0.1, turn_credit="true", gamma=0.9,
+                          reward_norm_window=8, entropy_coef=0.01, entropy_target=50.0)
+    h = run_worker(params, ckpt="ckpt-capabilities", out="models/policy-capabilities", stop_after=2)["history"]
+    assert len(h) == 2 and all(np.isfinite(x["losses/grad_norm"]) for x in h)
+    assert all("losses/value_loss" in x and "losses/explained_variance" in x for x in h)
+    assert h[0]["losses/kl_ref"] == pytest.approx(0.0, abs=1e-4) and h[1]["losses/kl_ref"] > 1e-6
+    assert all(x["turn_credit/turns_per_episode"] >= 1 for x in h)
+    assert torch.equal(*seen[0]) and not torch.allclose(*seen[1])  # normalised from the second update on
+    assert 0.01 < h[0]["policy/entropy_coef"] < h[1]["policy/entropy_coef"] <= 0.1
+
+
+def test_grpo_with_turn_credit_trains_in_the_loop(in_project):
+    """`algorithm: grpo` with per-turn credit inside a real run: the group baseline at turn level logs its spread
+    and the learner takes finite steps on advantages that vary."""
+    from pipeline.train.worker import run_worker
+
+    params = _params_with("params-grpo.yaml", algorithm="grpo", turn_credit="true", gamma=0.9)
+    h = run_worker(params, ckpt="ckpt-grpo", out="models/policy-grpo", stop_after=2)["history"]
+    assert len(h) == 2 and all(np.isfinite(x["losses/grad_norm"]) for x in h)
+    assert all("turn_credit/adv_spread_within_episode" in x for x in h)
+    assert any(x["policy/advantage_var"] > 0 for x in h)
+    assert "losses/value_loss" not in h[0]  # no value head
+
+
 def test_the_test_comparison_reports_tool_calls_per_solved_task_per_level():
     """The overall tool calls per solved task mix levels: a policy that solves more 4-call level-4 tasks raises it
     even when every level's solved tasks take no more calls, so `deltas` reports each level too."""
@@ -369,7 +411,7 @@ def test_seen_wording_headroom_counts_the_seen_tasks_sft_failed():
 
 
 def test_the_test_evaluation_splits_each_level_by_wording(in_project):
-    """`_evaluate` on a split with held-out-wording tasks reports each level's seen-wording figures, which the
+    """`evaluate_greedy` on a split with held-out-wording tasks reports each level's seen-wording figures, which the
     headroom reads: the tiny random policy solves nothing, so a level's headroom is its seen share."""
     import dataclasses
 
@@ -380,7 +422,7 @@ def test_the_test_evaluation_splits_each_level_by_wording(in_project):
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.train.distributed import Dist
-    from pipeline.train.trainer import _evaluate
+    from pipeline.train.validation import evaluate_greedy
     from pipeline.train.worker import seen_wording_headroom
 
     tasks = load_tasks("data/tasks/test.jsonl")
@@ -388,40 +430,15 @@ def test_the_test_evaluation_splits_each_level_by_wording(in_project):
     model, tok, _ = load_policy("models/adapted")
     engine = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
                            load_section(RolloutConfig, "rollout"))
-    summary = _evaluate(engine, tasks, Dist(), seed=20_000)
+    summary = evaluate_greedy(engine, tasks, Dist(), seed=20_000)
     seen = summary["per_level_template_seen"]
     assert sum(s["n"] for s in seen.values()) == summary["template_seen"]["n"] == len(tasks) - 2
     head = seen_wording_headroom(summary)
     assert summary["overall"]["success_rate"] == 0 and head["overall"] == pytest.approx(6 / 8)
     for lv, stats in summary["per_level"].items():
         assert head[f"level_{lv}"] == pytest.approx(seen.get(lv, {"n": 0})["n"] / stats["n"])
-    plain = _evaluate(engine, [t for t in tasks if t.template_seen], Dist(), seed=20_000)
+    plain = evaluate_greedy(engine, [t for t in tasks if t.template_seen], Dist(), seed=20_000)
     assert "per_level_template_seen" not in plain and seen_wording_headroom(plain) is None
-
-
-def test_efficiency_weight_rescores_episodes_from_their_reward_components():
-    """`train.efficiency_weight` changes the return RL optimises, not the environment's: with the environment's own
-    weights the recomputed score is the recorded return; a larger β charges a wasted call more in a solved episode
-    and leaves a failed one (shaping on_success) as it was."""
-    from pipeline.env.config import RewardWeights
-    from pipeline.env.reward import RewardComponents, composite
-    from pipeline.train.config import TrainConfig
-    from pipeline.train.trainer import episode_scores, make_sampler_state
-
-    env_w = RewardWeights()  # β 0.5, on_success
-    comps = [RewardComponents(1.0, 0.0, 0.0, 1.0),  # solved with the minimum calls
-             RewardComponents(1.0, -1 / 8, 0.0, 0.75),  # solved after one wasted call of 8 steps
-             RewardComponents(0.0, -3 / 8, 0.0, 0.5)]  # failed
-    records = [{"return": composite(c, env_w), "components": c.as_dict()} for c in comps]
-    state = make_sampler_state(TrainConfig())
-    same = episode_scores(records, state, env_w)
-    assert torch.allclose(same, episode_scores(records, state), atol=1e-6)
-    heavy = episode_scores(records, state, env_w.model_copy(update={"efficiency": 2.0}))
-    assert heavy[0] == pytest.approx(1.1) and heavy[1] == pytest.approx(1 - 2 / 8 + 0.075)
-    assert heavy[2] == same[2] == 0.0
-    assert (same[0] - same[1]).item() == pytest.approx(0.5 / 8 + 0.025) and (heavy[0] - heavy[1]).item() > 0.25
-    with pytest.raises(ValueError, match="efficiency_weight"):
-        TrainConfig(efficiency_weight=-1)
 
 
 def test_train_config_refuses_impossible_combinations():
@@ -436,24 +453,37 @@ def test_train_config_refuses_impossible_combinations():
         parse_section(TrainConfig, {"async_rollouts": True, "sync_every": 2, "max_staleness": 1}, "params.yaml:train")
     with pytest.raises(ConfigError, match="did you mean 'clip_eps'"):
         parse_section(TrainConfig, {"clip_epsilon": 0.1}, "params.yaml:train")
-    with pytest.raises(ConfigError, match="there is no behaviour cloning"):
-        parse_section(TrainConfig, {"bc_coef": 0.0, "bc_entity_augmentation": 0.5}, "params.yaml:train")
+    for pruned in ("bc_entity_augmentation", "rollout_entity_augmentation", "efficiency_weight"):
+        with pytest.raises(ConfigError, match=pruned):  # experiments that were measured and removed
+            parse_section(TrainConfig, {pruned: 0.5}, "params.yaml:train")
 
 
 def _sgd_learner(cfg, dist, with_value: bool):
     """The adapted policy (plus a value head for PPO) in a DeepSpeed engine with plain SGD at lr 1, so one step moves
     every weight by exactly minus its (clipped) gradient: steps of different code paths compare weight by weight."""
     from pipeline.policy.model import load_policy
-    from pipeline.train import trainer
+    from pipeline.train.actor import ActorCritic
     from pipeline.train.distributed import make_engine, resolve_ds_config
 
-    actor = trainer.ActorCritic(load_policy("models/adapted")[0], with_value=with_value)
+    actor = ActorCritic(load_policy("models/adapted")[0], with_value=with_value)
     actor.train()
     ds = resolve_ds_config(cfg.deepspeed_config, micro_batch=1, grad_accum=cfg.micro_batches, world_size=1,
                            max_grad_norm=cfg.max_grad_norm, device="cpu")
     ds["zero_allow_untested_optimizer"] = True  # SGD: the step is the (clipped) gradient itself, comparable
     opt = torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=1.0)
     return actor, make_engine(actor, opt, ds, dist)
+
+
+def _learn_step(cfg, engine, records: list[dict], tok, dist, demos: list | None = None) -> dict:
+    """One `pipeline.train.learner.learn` update of `engine` on `records`, in fp32 (exact sums; bf16 would differ by
+    padding), from a fresh sampling state."""
+    from pipeline.policy.tokenizer import PAD, marker_ids
+    from pipeline.train import learner
+    from pipeline.train.sampling import make_sampler_state
+
+    fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731
+    ctx = learner.Learner(cfg, engine, None, marker_ids(tok)[PAD], 1.0, dist, fp32, demos, np.random.default_rng(0))
+    return learner.learn(ctx, records, make_sampler_state(cfg), 0)
 
 
 @pytest.mark.parametrize("algorithm,loss_agg", [("rloo", "token-mean"), ("ppo", "token-mean"),
@@ -468,8 +498,8 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.train import trainer
+    from pipeline.train import core_algos as A
+    from pipeline.train import learner
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
 
@@ -491,25 +521,23 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
             "lr_warmup_steps": 0, "entropy_coef": 0.01, "entropy_target": None})
         patch = pytest.MonkeyPatch()
         if force_two_forwards:
-            patch.setattr(trainer, "one_forward", lambda cfg: False)
+            patch.setattr(learner, "one_forward", lambda cfg: False)
         if nan_chunk is not None:  # the policy loss of one chunk turns NaN (on this, the only rank)
-            calls, real = [], trainer.A.ppo_policy_loss
+            calls, real = [], A.ppo_policy_loss
 
             def poisoned(*args, **kwargs):
                 loss, mets = real(*args, **kwargs)
                 calls.append(1)
                 return (loss * float("nan") if len(calls) == nan_chunk + 1 else loss), mets
-            patch.setattr(trainer.A, "ppo_policy_loss", poisoned)
+            patch.setattr(A, "ppo_policy_loss", poisoned)
         torch.manual_seed(0)  # the same value head for every variant
         actor, engine = _sgd_learner(cfg, dist, with_value=algorithm == "ppo")
         before = {k: v.detach().clone() for k, v in actor.named_parameters()}
-        mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
-                              marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0), fp32, dist)
+        mets = _learn_step(cfg, engine, [dict(r) for r in records], tok, dist)
         patch.undo()
         assert mets["train/skipped_steps_nonfinite"] == (nan_chunk is not None)
         return {k: v.detach() - before[k] for k, v in actor.named_parameters()}
 
-    fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731 - exact sums; bf16 would differ by padding
     whole = step(1)
     assert sum(float(d.abs().sum()) for d in whole.values()) > 0
     variants = [step(3)] + ([step(1, force_two_forwards=True)] if algorithm != "ppo" else [])
@@ -545,9 +573,9 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     the per-turn advantages of the first turn are the episode-level ones; the learner takes a finite step with it
     and logs its metrics; records whose rewards do not match their actions are refused."""
     from pipeline.core.config import load_section
-    from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.train import core_algos as A
-    from pipeline.train import trainer
+    from pipeline.train.advantages import turn_rewards
+    from pipeline.train.batch import group_ids_of
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
 
@@ -559,10 +587,10 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     for i, r in enumerate(records):  # random weights never succeed: a reward on the last turn, varying in the group
         r["step_rewards"] = [0.0] * (len(r["step_rewards"]) - 1) + [float((i * 7) % 5) / 4]
         r["return"], r["group"] = r["step_rewards"][-1], i // 4
-    rewards, tmask = trainer.turn_rewards(records)
+    rewards, tmask = turn_rewards(records)
     assert tmask.sum(1).tolist() == [len(r["steps"]) for r in records]
-    adv, _ = A.turn_advantages(A.discounted_returns(rewards, 1.0), tmask, trainer.group_ids_of(records), "rloo")
-    episode_adv, _ = A.group_advantages(torch.tensor([r["return"] for r in records]), trainer.group_ids_of(records),
+    adv, _ = A.turn_advantages(A.discounted_returns(rewards, 1.0), tmask, group_ids_of(records), "rloo")
+    episode_adv, _ = A.group_advantages(torch.tensor([r["return"] for r in records]), group_ids_of(records),
                                         "rloo")
     assert torch.allclose(adv[:, 0], episode_adv)
     cfg = load_section(TrainConfig, "train").model_copy(update={
@@ -571,16 +599,14 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     torch.manual_seed(0)
     actor, engine = _sgd_learner(cfg, dist, with_value=algorithm == "ppo")
     before = {k: v.detach().clone() for k, v in actor.named_parameters()}
-    fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731
-    mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
-                          marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0), fp32, dist)
+    mets = _learn_step(cfg, engine, [dict(r) for r in records], tok, dist)
     assert mets["train/skipped_steps_nonfinite"] == 0 and mets["turn_credit/turns_per_episode"] >= 1
     assert np.isfinite(mets["losses/grad_norm"]) and mets["policy/advantage_var"] > 0
     assert sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters()) > 0
     broken = [dict(r) for r in records]
     broken[3]["step_rewards"] = broken[3]["step_rewards"] + [0.0]
     with pytest.raises(AgentRLError, match="step rewards for"):
-        trainer.turn_rewards(broken)
+        turn_rewards(broken)
 
 
 def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project, monkeypatch):
@@ -588,9 +614,7 @@ def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project,
     `_learn` with `algorithm: ppo`: GAE gets one reward per episode, on the last action of its last row, sees every
     row of the episode under one episode index, and the step is finite and moves the weights."""
     from pipeline.core.config import load_section
-    from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.train import core_algos as A
-    from pipeline.train import trainer
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
 
@@ -616,10 +640,8 @@ def test_ppo_pays_a_folded_episode_once_and_runs_gae_across_its_rows(in_project,
     torch.manual_seed(0)
     actor, engine = _sgd_learner(cfg, dist, with_value=True)
     before = {k: v.detach().clone() for k, v in actor.named_parameters()}
-    monkeypatch.setattr(trainer.A, "compute_gae_over_segments", spy)
-    mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
-                          marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
-                          lambda dtype, device: contextlib.nullcontext(), dist)
+    monkeypatch.setattr(A, "compute_gae_over_segments", spy)
+    mets = _learn_step(cfg, engine, [dict(r) for r in records], tok, dist)
     rewards, episode = seen["rewards"], seen["episode"]
     assert len(episode) == len(records) + 1 and int((episode == 0).sum()) == 2  # episode 0 is two rows
     # rewards: exactly one non-zero token per episode, on its last row's last action token, equal to the return
@@ -638,9 +660,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
     from pipeline.core.config import load_section
     from pipeline.env.core import load_tasks
-    from pipeline.adapt.sft import demo_examples, load_demos
-    from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.train import trainer
+    from pipeline.policy.demos import demo_examples, load_demos
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
 
@@ -657,9 +677,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
             "entropy_target": None, "bc_coef": bc_coef, "bc_batch": 4})
         actor, engine = _sgd_learner(cfg, dist, with_value=False)
         before = {k: v.detach().clone() for k, v in actor.named_parameters()}
-        mets = trainer._learn(cfg, engine, None, [dict(r) for r in records], trainer.make_sampler_state(cfg),
-                              marker_ids(tok)[PAD], 1.0, 0, 0, demos, np.random.default_rng(0),
-                              lambda dtype, device: contextlib.nullcontext(), dist)
+        mets = _learn_step(cfg, engine, [dict(r) for r in records], tok, dist, demos=demos)
         assert mets["rollout/zero_variance_group_share"] == 1.0 and mets["train/rows_forwarded"] == 1
         moved = sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters())
         return mets, moved
@@ -674,78 +692,19 @@ def test_rl_rollouts_and_the_learner_use_the_train_temperature_and_the_test_comp
     """`train.rollout_temperature` replaces `rollout.temperature` for what `train()` samples and learns from (one
     distribution, softmax(logits / T), on both sides of the importance ratio); the greedy SFT-against-RL comparison
     reads the `rollout` section as it is. null keeps `rollout.temperature`."""
-    from pipeline.train import trainer
-    from pipeline.train import worker
+    from pipeline.train import loop, worker
     seen = {}
 
     def fake_train(cfg, env_cfg, rollout_cfg, **kw):
         seen["train"] = rollout_cfg.temperature
         raise SystemExit("stop here")
 
-    monkeypatch.setattr(trainer, "train", fake_train)
+    monkeypatch.setattr(loop, "train", fake_train)
     for value, expected in (("0.5", 0.5), ("null", 1.0)):
         with pytest.raises(SystemExit, match="stop here"):
             worker.run_worker(_params_with("params-temp.yaml", rollout_temperature=value, bc_coef=0.0),
                               ckpt="ckpt-temp", out="models/policy-temp")
         assert seen["train"] == expected
-
-
-def test_behaviour_cloning_demonstrations_can_carry_fictitious_names(in_project):
-    """`train.bc_entity_augmentation`: each replayed demonstration, with that probability, has the entities its task
-    names replaced by fictitious ones (never a real name of any split) everywhere, question, calls and tool results
-    alike; 0 leaves them as written. (A name that only a tool result brings, such as the supplier a lookup returns,
-    stays real, as in SFT's `augment_names`.)"""
-    from pipeline.env.core import load_tasks
-    from pipeline.policy.model import load_policy
-    from pipeline.adapt.sft import NamePool, demo_examples, load_demos
-
-    _, tok, _ = load_policy("models/adapted")
-    tasks = load_tasks("data/tasks/train.jsonl")
-    questions, entities = {t.task_id: t.question for t in tasks}, {t.task_id: t.entities for t in tasks}
-    demos = [d for d in load_demos(Path("data/demos/train.jsonl")) if d["success"]]
-    ents = json.loads(Path("data/env/entities.json").read_text())
-    pool = NamePool.from_entities(ents)
-
-    def texts(prob: float) -> list[tuple[str, str]]:  # (task_id, decoded segment)
-        exs = demo_examples(tok, demos, questions, 6, entities=entities, pool=pool, augment_prob=prob,
-                            rng=np.random.default_rng(0))
-        task_of = {d["demo_id"]: d["task_id"] for d in demos}
-        return [(task_of[e.source], tok.decode(e.input_ids)) for e in exs]
-
-    def naming_own_entities(pairs) -> int:
-        return sum(any(n in text for n in entities[task]) for task, text in pairs)
-
-    plain, augmented = texts(0.0), texts(1.0)
-    assert naming_own_entities(plain) == len(plain)  # every segment names its task's entities ...
-    assert naming_own_entities(augmented) == 0  # ... and none once augmented
-    fake = {w for _, text in augmented for w in re.findall(r'"name": "([^"]+)"', text)}
-    assert fake and not fake & set(pool.kind_of)  # the calls name fictitious entities, never a real one
-    assert augmented == texts(1.0)  # drawn once, from the run's seed: the replay is a fixed list
-    with pytest.raises(AgentRLError, match="NamePool"):
-        demo_examples(tok, demos, questions, 6, augment_prob=0.5)
-
-
-def test_rename_options_are_drawn_from_the_episode_seed_and_spare_search_tasks(in_project):
-    """`train.rollout_entity_augmentation`: which episodes are renamed, and to what, depends only on the episode's
-    seed (a resumed run draws the same); a task with a search step is never renamed; new names are fictitious."""
-    from pipeline.env.core import load_tasks
-    from pipeline.adapt.sft import NamePool
-    from pipeline.train.trainer import rename_options
-
-    pool = NamePool.from_entities(json.loads(Path("data/env/entities.json").read_text()))
-    tasks = load_tasks("data/tasks/train.jsonl")
-    seeds = list(range(100, 100 + len(tasks)))
-    opts = rename_options(tasks, seeds, pool, 1.0)
-    assert opts == rename_options(tasks, seeds, pool, 1.0)
-    assert opts[1:] == rename_options(tasks[1:], seeds[1:], pool, 1.0)  # per episode, not per batch position
-    searching = [any(s.get("tool") == "search" for s in t.plan) for t in tasks]
-    assert any(searching) and not any(o for o, s in zip(opts, searching) if s)
-    renamed = [o["rename"] for o in opts if o]
-    assert renamed and all(set(m) <= set(t.entities) for t, o in zip(tasks, opts) if o for m in [o["rename"]])
-    assert not {n for m in renamed for n in m.values()} & set(pool.kind_of)
-    assert rename_options(tasks, seeds, pool, 0.0) == [None] * len(tasks)
-    half = rename_options(tasks, seeds, pool, 0.5)
-    assert 0 < sum(o is not None for o in half) < sum(o is not None for o in opts)
 
 
 def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episodes(in_project):
@@ -760,8 +719,8 @@ def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episo
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.adapt.sft import demo_segments, encode_segment
-    from pipeline.train import trainer
+    from pipeline.policy.demos import demo_segments, encode_segment
+    from pipeline.train.batch import collate_records
     model, tok, _ = load_policy("models/adapted")
     tasks = load_tasks("data/tasks/train.jsonl")
     tasks = [t for t in tasks if len(t.plan) >= 3][:4] + [t for t in tasks if len(t.plan) == 2][:1]
@@ -786,7 +745,7 @@ def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episo
                 assert len(rec["logprobs"]) == len(ids) and not any(rec["logprobs"])
                 assert sum(rec["step_rewards"]) == pytest.approx(rec["return"])
             assert folded == (len(tasks) - 1 if window == 1 else 0)  # window 1 folds every plan of 3+ steps
-            batch = trainer.collate_records(records, 0)
+            batch = collate_records(records, 0)
             assert batch.n_rows == sum(len(r["segments"]) for r in records)
             assert int(batch.mask.sum()) == sum(sum(r["action_mask"]) for r in records)
     finally:
@@ -804,9 +763,9 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
-    from pipeline.policy.rollout import RolloutEngine, sequence_logprobs
-    from pipeline.policy.tokenizer import PAD, marker_ids
-    from pipeline.train import trainer
+    from pipeline.policy.rollout import RolloutEngine
+    from pipeline.policy.scoring import sequence_logprobs
+    from pipeline.train.guidance import guide_failed_groups
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
 
@@ -820,7 +779,7 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     runtime = WorldRuntime(load_world("data/env"))
     model = load_policy("models/adapted")[0]
     engine = RolloutEngine(model, tok, runtime, load_section(EnvConfig, "env"), load_section(RolloutConfig, "rollout"))
-    guided, counts = trainer.guide_failed_groups(records, tasks, engine, version=5)
+    guided, counts = guide_failed_groups(records, tasks, engine, version=5)
     assert counts == {"groups": 3, "guided": 2, "expert_failed": 0}
     assert guided[:4] == records[:4] and guided[4:7] == records[4:7] and guided[8:11] == records[8:11]
     for i in (7, 11):
@@ -834,15 +793,13 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
         "entropy_target": None, "bc_coef": 0.0, "guide_failed_groups": True})
 
     def step(batch_records: list[dict]) -> tuple[dict, float, dict]:
-        actor, learner = _sgd_learner(cfg, dist, with_value=False)
+        actor, ds_engine = _sgd_learner(cfg, dist, with_value=False)
         before = {k: v.detach().clone() for k, v in actor.named_parameters()}
         lp = lambda: float(sequence_logprobs(actor.policy, guided[7]["token_ids"], guided[7]["action_mask"],  # noqa: E731
                                              segments=guided[7]["segments"]).sum())
         with torch.no_grad():
             lp0 = lp()
-        mets = trainer._learn(cfg, learner, None, [dict(r) for r in batch_records], trainer.make_sampler_state(cfg),
-                              marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
-                              lambda dtype, device: contextlib.nullcontext(), dist)
+        mets = _learn_step(cfg, ds_engine, [dict(r) for r in batch_records], tok, dist)
         moved = sum(float((v.detach() - before[k]).abs().sum()) for k, v in actor.named_parameters())
         with torch.no_grad():
             return mets, moved, {"before": lp0, "after": lp()}
@@ -852,7 +809,7 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
         r["return"] = 0.0
     mets, moved, _ = step(failed)
     assert mets["rollout/zero_variance_group_share"] == 1.0 and moved == 0.0
-    guided_failed, counts = trainer.guide_failed_groups(failed, tasks, engine, version=0)
+    guided_failed, counts = guide_failed_groups(failed, tasks, engine, version=0)
     assert counts["guided"] == 3
     mets, moved, lp = step(guided_failed)
     assert mets["rollout/zero_variance_group_share"] == 0.0 and moved > 0
@@ -861,9 +818,7 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     assert lp["after"] > lp["before"]  # the demonstrated actions became more likely
     # PPO reads a guided batch too: its separate π_old forward gives the demonstrations the same weight 1
     ppo = cfg.model_copy(update={"algorithm": "ppo"})
-    actor, learner = _sgd_learner(ppo, dist, with_value=True)
-    mets = trainer._learn(ppo, learner, None, [dict(r) for r in guided_failed], trainer.make_sampler_state(ppo),
-                          marker_ids(tok)[PAD], 1.0, 0, 0, None, np.random.default_rng(0),
-                          lambda dtype, device: contextlib.nullcontext(), dist)
+    actor, ds_engine = _sgd_learner(ppo, dist, with_value=True)
+    mets = _learn_step(ppo, ds_engine, [dict(r) for r in guided_failed], tok, dist)
     assert mets["offpolicy/is_weight_mean"] == pytest.approx(1.0, abs=1e-3) and np.isfinite(mets["losses/grad_norm"])
     runtime.close()

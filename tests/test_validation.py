@@ -1,4 +1,5 @@
-"""Tests of `pipeline.core.validation`: valid data passes; each kind of defect fails naming the expectation and the row.
+"""Tests of `pipeline.core.validation` and the shop world's suites (`pipeline.env.suites`): valid data passes; each
+kind of defect fails naming the expectation and the row.
 
 Records are built by hand (small, valid by construction); each defect test changes one field of one record and checks
 that the error message names the GX expectation and the offending id, and that the report's structured results agree.
@@ -17,12 +18,14 @@ from pipeline.core import validation
 from pipeline.core.validation import (
     DataValidationError,
     ValidationReport,
-    check_splits,
     flatten_records,
     register_suite,
     validate,
     validate_records,
 )
+from pipeline.env.suites import check_splits, register_suites
+
+register_suites()
 
 # GX expectation types, as reports name them
 UNIQUE = "expect_column_values_to_be_unique"
@@ -412,6 +415,21 @@ def test_unknown_suite_parameter_is_an_error():
         validate_records(make_corpus(), "corpus", "corpus", max_len=5)
     with pytest.raises(ValueError, match="unknown split"):
         validate_records(make_splits()["train"], "tasks", "train", split="dev")
+
+
+def test_the_shop_suites_register_once_and_the_machinery_knows_none(monkeypatch):
+    import subprocess
+    import sys
+
+    expected = {"tasks": "task_id", "demos": "demo_id", "products": "product_id", "suppliers": "supplier_id",
+                "corpus": "doc_id", "trajectories": "task_id", "evaluation": "task_id"}
+    monkeypatch.setattr(validation, "SUITES", {})
+    assert register_suites() == list(expected) == register_suites()  # a second call registers nothing twice
+    assert {name: spec.id_column for name, spec in validation.SUITES.items()} == expected
+    # the generic machinery, imported alone, registers nothing and imports nothing of the environment
+    code = "import sys, pipeline.core.validation as v; print(sorted(v.SUITES), 'pipeline.env' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "False"]
 
 
 def test_a_new_suite_registers_and_flattens(monkeypatch):

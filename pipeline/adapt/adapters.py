@@ -1,9 +1,9 @@
-"""Parameter-efficient adaptation of the policy: peft LoRA, or the seed's bottleneck adapter, or full fine-tuning.
+"""Parameter-efficient adaptation of the policy: peft LoRA, the design document's bottleneck adapter, or full fine-tuning.
 
 - **LoRA** (peft): W' = W + (α/r)·B·A on the chosen projections, B zero-initialised, the base frozen. After training,
   :func:`finalize` merges the update into the weights (``merge_and_unload``), so the adapted model is a plain
   transformers model of the base's class and every later phase (RL, DeepSpeed, quantisation) reads it like any other.
-- **Bottleneck** (seed section 3.3.2, Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP"): after each
+- **Bottleneck** (the design document, section 3.3.2; Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP"): after each
   decoder layer's MLP, h' = h + W₂·σ(W₁·h) with W₁: d→r, W₂: r→d, r ≪ d, W₂ zero-initialised so the adapted model starts
   as the base. The non-linearity σ makes it impossible to fold into the base weights, so the adapted model keeps the
   adapters: it is saved as :class:`LlamaBottleneckForCausalLM` (``model_type: llama_bottleneck``: a Llama whose MLPs
@@ -201,8 +201,8 @@ def apply_adapter(model: nn.Module, cfg) -> nn.Module:
             raise AgentRLError(f"adapter.lora_target_modules names modules the model lacks: {absent}; "
                                f"its linear layers are {sorted(_linear_names(model))}")
         # LoRA's A matrices are drawn from torch's global generator: seed it here, as the bottleneck is seeded, so
-        # the initial adapter does not depend on whatever the process drew before (session 26 found two adapt runs in
-        # one process ending with different weights through this).
+        # the initial adapter does not depend on whatever the process drew before (two adapt runs in one process
+        # ended with different weights without it).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             wrapped = get_peft_model(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,

@@ -1,11 +1,11 @@
-"""Capability evaluation of an adapted policy (seed 3.3.1) through the rollout engine, and the capability gate.
+"""Capability evaluation of an adapted policy (the design document, section 3.3.1) through the rollout engine, and the capability gate.
 
 What is measured, on one task split (validation by default), with the policy acting through
 :class:`pipeline.policy.rollout.RolloutEngine`:
 
 - **task success per level**, greedy (one episode per task) and sampled (``sampled_per_task`` episodes per task at the
   rollout section's temperature and top-p); sampled runs also give each level's *group hit rate*, the share of tasks
-  with at least one success among their samples (what group-baseline RL needs: ../shared/FINDINGS.md, point 1);
+  with at least one success among their samples (what group-baseline RL needs: a group without a success carries no signal);
 - **tool selection**: ``tool_first_acc``, the share of episodes whose first call uses the plan's first tool, and
   ``tool_step_agreement``, the share of plan steps i at which the episode's i-th call uses the plan's i-th tool (a
   missing call counts as a disagreement);
@@ -272,9 +272,9 @@ class CheckpointSelector:
     (unless the last check already did), loads the best weights into the model and returns the record that
     ``metrics/adapt.json`` keeps under ``sft.selection``.
 
-    Why: the SFT step budget decides two things at once (docs/history.md, session 23). Too few steps and the model
+    Why: the SFT step budget decides two things at once (docs/experiments.md). Too few steps and the model
     has not learnt the protocol; too many and it samples so narrowly that RL's groups have no reward spread. Adapt's
-    greedy validation success ranked six adapted models as their test success did (Spearman 0.94, session 21).
+    greedy validation success ranked six adapted models as their test success did (Spearman 0.94).
     """
 
     def __init__(self, model, tokenizer, runtime, tasks, env_cfg, rollout_cfg, sft_cfg, seed: int, log):

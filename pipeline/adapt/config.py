@@ -14,9 +14,9 @@ LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 
 class AdapterConfig(PhaseConfig):
-    """How the base is adapted: LoRA (peft), the seed's bottleneck adapter, or full fine-tuning (pipeline.adapt.adapters)."""
+    """How the base is adapted: LoRA (peft), the design document's bottleneck adapter, or full fine-tuning (pipeline.adapt.adapters)."""
 
-    kind: Literal["auto", "lora", "bottleneck", "none"] = Field("auto", description="'lora' (peft; merged into the weights after training), 'bottleneck' (h' = h + W2·σ(W1·h) after each decoder layer's MLP, r ≪ d; kept as adapter modules), 'none' (full fine-tuning), or 'auto': 'none' for model.base 'builtin' (a from-scratch model has no pre-trained features for a low-rank update to adapt: LoRA r=32 reached an SFT loss of 1.5 where full fine-tuning reached 0.4 in the same 300 steps), 'lora' for any pre-trained base.")
+    kind: Literal["auto", "lora", "bottleneck", "none"] = Field("auto", description="'lora' (peft, merged into the weights after training), 'bottleneck' (h' = h + W2·σ(W1·h) after each decoder layer's MLP, kept as modules), 'none' (full fine-tuning), or 'auto': 'none' for the built-in from-scratch base (no pre-trained features for a low-rank update to adapt), 'lora' for a pre-trained one.")
     lora_r: int = Field(32, ge=1, le=1024, description="LoRA rank r.")
     lora_alpha: float = Field(64.0, gt=0, description="LoRA scale α (the update is (α/r)·B·A).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
@@ -27,7 +27,7 @@ class AdapterConfig(PhaseConfig):
 
 
 class PretrainConfig(PhaseConfig):
-    """Continued pre-training on the environment's documents and training questions (seed 3.3.2.1); full parameters."""
+    """Continued pre-training on the environment's documents and training questions (the design document, section 3.3.2.1); full parameters."""
 
     steps: int = Field(1200, ge=0, description="Most optimizer steps; 0 skips continued pre-training. Fewer when `copy_target` is reached first.")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
@@ -36,34 +36,29 @@ class PretrainConfig(PhaseConfig):
     max_len: int = Field(128, ge=8, description="Longest pre-training sequence in tokens (longer texts are cut).")
     include_documents: bool = Field(False, description="Add the world's documents (data/env/corpus.jsonl: what `search` returns) to the pre-training text.")
     include_questions: bool = Field(False, description="Add the training tasks' questions to the documents (text the policy reads in every prompt; no actions or answers).")
-    copy_drills: int = Field(20000, ge=0, description="Synthetic texts that end in a JSON field copied from a quoted (fictitious) name earlier in the text (pipeline.adapt.sft.copy_drills): they form the copying circuit the policy needs for held-out names, which SFT alone forms only after about 1,000 steps. 0: none.")
-    word_drills: int = Field(10000, ge=0, description="Synthetic texts that copy an unquoted word of a sentence, next to a quoted name, into a JSON field (pipeline.adapt.sft.word_drills): the skill of writing the field a question asks for. Measured on the default, seed 0: with 10,000 of them next to the 20,000 name drills, greedy/sampled validation success went from 0.38/0.26, 0.69/0.37, 0.88/0.39, 0.69/0.20 to 0.82/0.76, 0.99/0.88, 0.94/0.65, 0.80/0.61 on levels 1-4, and the name-copy circuit formed as before (exact copy 0.72 at step 700). 0: none.")
-    number_drills: int = Field(0, ge=0, description="Synthetic texts that end in a JSON field copying numbers from tool observations (pipeline.adapt.sft.number_drills). 0 by default: measured with 10,000 of them next to the name drills, 400 steps ended with name-copy accuracy 0.02-0.09 instead of 0.6-0.7 and SFT never learned to copy (seeds 1 and 2).")
-    copy_target: float | None = Field(0.8, gt=0, le=1, description="Stop pre-training once the exact-copy accuracy on held-out name drills (pipeline.adapt.sft.copy_accuracy, checked every `check_every` steps) reaches this; null: always run `steps`. Why: whether SFT learns to copy held-out names decided every default run (after 400 steps, accuracy 0.67-0.69 went on to success, 0.54-0.59 to 0 success on every level), and how many steps the circuit takes to form depends on the seed.")
+    copy_drills: int = Field(20000, ge=0, description="Synthetic texts that end in a JSON field copied from a quoted fictitious name (pipeline.adapt.drills.copy_drills): they form the copying circuit held-out names need, which SFT alone forms late. 0: none.")
+    word_drills: int = Field(10000, ge=0, description="Synthetic texts that copy an unquoted word of a sentence into a JSON field (pipeline.adapt.drills.word_drills): the skill of writing the field a question asks for. 0: none.")
+    copy_target: float | None = Field(0.8, gt=0, le=1, description="Stop pre-training once the exact-copy accuracy on held-out name drills (checked every `check_every` steps) reaches this: whether SFT learns to copy held-out names decided every default run; null: always run `steps`.")
     check_every: int = Field(100, ge=1, description="Steps between copy-accuracy checks (`copy_target`).")
-    subprocess: bool = Field(True, description="Run pre-training in a child process (pipeline.core.isolation.run_in_child) that hands back the weights, the batch generator's state and the logged metrics: the same weights as in this process, and the heap the eager loop leaves behind goes back to the OS when the child ends instead of lying under SFT. false: in this process.")
+    subprocess: bool = Field(True, description="Run pre-training in a child process that hands back the weights, generator states and logged metrics (the same weights), so the heap its loop leaves behind goes back to the OS before SFT; false: in this process.")
 
 
 class SFTConfig(PhaseConfig):
     """Supervised fine-tuning on the demonstrations: loss on the action tokens only."""
 
-    steps: int = Field(1500, ge=1, description="Optimizer steps. 1,500 since session 25: with 1,000 every validation curve of `select_every` was still climbing at the last step (seed 0: greedy mean 0.75 at step 1,000, 0.84 at 1,500), and test success after SFT and after RL rose on both draws measured (seed 0 0.637 -> 0.745 and 0.730 -> 0.792; seed 2 0.403 -> 0.550 and 0.415 -> 0.578; README Status). Fewer steps: lower `select_from` too, or set `select_every: 0`.")
+    steps: int = Field(1500, ge=1, description="Optimizer steps (1,500: at 1,000 every validation curve was still climbing). Fewer steps: lower `select_from` too, or set `select_every: 0`.")
     batch_size: int = Field(32, ge=1, description="Sequences (demonstration segments) per step.")
-    micro_batches: int = Field(1, ge=1, le=64, description="Chunks each batch is forwarded in (rows of similar length, "
-                               "each padded to its own longest); their gradients accumulate into one step, the same "
-                               "step up to bf16 rounding, with the activation memory of one chunk. 1 on the default "
-                               "(bit-identical to the unchunked loop): runs whose rounding differed came out weaker "
-                               "in session 5 (README, adapt section).")
-    compile: bool = Field(True, description="torch.compile the training forward (Inductor, dynamic shapes; needs a C++ compiler, as these machines have): 1.46x faster than eager on the default, compilation included (session 9; docs/defaults.md); the first steps pay about 30 s on a cold cache (/tmp/torchinductor_*). The compiled loop runs under torch.use_deterministic_algorithms (without it two runs of the same SFT diverged from the first steps). Pre-training stays eager: its 128-token rows gained nothing. false: eager PyTorch.")
+    micro_batches: int = Field(1, ge=1, le=64, description="Chunks each batch is forwarded in, their gradients accumulated into one step (the same step up to bf16 rounding, the activation memory of one chunk); 1 is bit-identical to the unchunked loop.")
+    compile: bool = Field(True, description="torch.compile the training forward (Inductor, dynamic shapes; needs a C++ compiler; about 1.5x faster than eager on the default), under deterministic algorithms so runs reproduce; false: eager PyTorch.")
     lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on matrices (not on biases and norms).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     max_len: int = Field(1024, ge=16, description="Longest training segment in tokens; a longer one is cut at the end (counted in metrics as sft/truncated_examples).")
-    entity_augmentation: float = Field(1.0, ge=0, le=1, description="Chance that a drawn demonstration has its entity names replaced by fictitious ones (built from training names' words, never a real entity), everywhere in its text: forces copying names from the question and tool results instead of memorising the few hundred training names (pipeline.adapt.sft.augment_names).")
+    entity_augmentation: float = Field(1.0, ge=0, le=1, description="Chance that a drawn demonstration has its entity names replaced by fictitious ones (pipeline.policy.demos.augment_names): the policy learns to copy names from the question and tool results instead of memorising training names.")
     log_every: int = Field(10, ge=1, description="Log the loss curve every this many steps.")
-    select_every: int = Field(100, ge=0, description="Checkpoint selection on validation: every this many steps from `select_from` on, and after the last step, the model plays one greedy and one sampled episode on each of the first `select_tasks` tasks of the evaluation split (pipeline.adapt.capability.checkpoint_figures); the checkpoint with the best score (`select_mode`) is the one adapt evaluates, gates and publishes, the earliest on a tie. 0: off, the model after `steps` is kept.")
-    select_from: int = Field(1000, ge=1, description="First step at which a checkpoint is scored (`select_every`). 1,000: in session 24's 1,500-step runs (seeds 0 and 2) the best checks were the last ones, at steps 1,400-1,500, so earlier checks (about 22 s each on 2 cores) would only cost time.")
+    select_every: int = Field(100, ge=0, description="Checkpoint selection: every this many steps from `select_from` on, and after the last, score the model on the first `select_tasks` evaluation tasks and keep the best (`select_mode`; earliest on a tie); 0: off, the last weights are kept.")
+    select_from: int = Field(1000, ge=1, description="First step at which a checkpoint is scored (`select_every`): the default's best checks came at its last steps, so earlier checks would only cost time.")
     select_tasks: int = Field(200, ge=1, description="Tasks of the evaluation split (the first this many) each selection check plays.")
     select_mode: Literal["greedy", "sampled"] = Field("greedy", description="Score of a checkpoint: the mean over levels of its greedy (or sampled, at rollout.temperature) success on the selection tasks.")
     select_patience: int = Field(3, ge=0, description="Stop SFT after this many selection checks in a row without a better score (the learning-rate schedule still spans `steps`); 0: train all `steps`.")
@@ -77,7 +72,7 @@ class SFTConfig(PhaseConfig):
 
 
 class CapabilityConfig(PhaseConfig):
-    """Capability evaluation after adaptation (seed 3.3.1), through the rollout engine."""
+    """Capability evaluation after adaptation (the design document, section 3.3.1), through the rollout engine."""
 
     split: Literal["validation", "test"] = Field("validation", description="Task split evaluated (validation: the test split stays untouched until the final evaluation phase).")
     max_tasks: int | None = Field(None, ge=1, description="Evaluate only the first this many tasks of the split (null: all).")
@@ -98,7 +93,7 @@ class GateConfig(PhaseConfig):
             "eval/greedy/tool_first_acc": 0.8,
             "eval/greedy/param_acc": 0.45,
         },
-        description="Minimum value of capability metrics, by metric key (pipeline.adapt.capability.metric_keys lists them; an unknown key is an error before training starts). The defaults are a regression floor at about 60 % of what the default adapt measured in session 2, far above a random policy (about 0): they catch a broken recipe or seed, not a small regression. Level 4 has no minimum: a pre-training seed whose copy circuit forms late solves it only rarely, and a floor there would stop such a run before RL could lift it (docs/defaults.md).",
+        description="Minimum value of capability metrics by key (pipeline.adapt.capability.metric_keys; an unknown key is an error before training): a regression floor at about 60 % of the default's figures; level 4 has none.",
     )
 
 

@@ -11,9 +11,9 @@ Steps (each a library call; this module only does I/O and wiring):
    refused); any other local model directory or cached hub id is loaded with its own tokenizer plus the protocol markers;
 3. continued pre-training (``adapt.pretrain``, full parameters, every token in the loss) on copy drills (short texts
    that end in a JSON copy of a quoted fictitious name: the skill held-out entities need, which SFT alone forms only
-   after a slow phase change; :func:`pipeline.adapt.sft.copy_drills`), optionally with the world's documents and the
+   after a slow phase change; :mod:`pipeline.adapt.drills`), optionally with the world's documents and the
    training questions; no demonstrations; by default in a child process (``adapt.pretrain.subprocess``,
-   :func:`pretrain_in_child`), so that the heap the loop leaves behind is returned when the child exits;
+   :mod:`pipeline.adapt.pretrain`), so that the heap the loop leaves behind is returned when the child exits;
 4. SFT (``adapt.sft``) with the adapter (``adapt.adapter``: LoRA merged afterwards, bottleneck kept, full fine-tuning;
    ``auto`` is full fine-tuning for the built-in from-scratch base and LoRA for a pre-trained one), loss on action
    tokens only, entity names replaced by fictitious ones in a share of the demonstrations; the loss curve goes to
@@ -35,7 +35,6 @@ DeepSpeed (SFT of the default model takes minutes on two cores; the RL phase own
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
@@ -46,9 +45,8 @@ import torch
 
 from pipeline.core.config import load_section
 from pipeline.env.config import LEVELS, EnvConfig
-from pipeline.env.tasks import FIELD_WORDS, UNIT_WORDS
 from pipeline.core.errors import AgentRLError
-from pipeline.core.isolation import run_in_child, tree_peak_mib
+from pipeline.core.isolation import tree_peak_mib
 from pipeline.policy.config import ModelConfig, RolloutConfig
 from pipeline.adapt.config import AdaptConfig
 
@@ -61,8 +59,8 @@ EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artef
 
 def load_inputs(data_dir: Path, split: str) -> dict:
     """Training tasks, evaluation tasks and demonstrations, each validated against its schema."""
-    from pipeline.policy.episodes import load_task_file
-    from pipeline.adapt.sft import load_demos
+    from pipeline.env.tasks import load_task_file
+    from pipeline.policy.demos import load_demos
 
     train_path = data_dir / "tasks" / "train.jsonl"
     eval_path = data_dir / "tasks" / f"{split}.jsonl"
@@ -141,9 +139,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.adapt import adapters
-    from pipeline.adapt import capability
-    from pipeline.adapt import sft
+    from pipeline.adapt import adapters, batching, capability, pretrain, sft
+    from pipeline.policy.demos import NamePool
     from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
                                        resolve_dtype, save_policy)
 
@@ -174,34 +171,21 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
 
-    pool = sft.NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
+    pool = NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
 
     # continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is off)
     pre_summary = None
     if cfg.pretrain.steps > 0:
         t = time.perf_counter()
         questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
-        if cfg.pretrain.subprocess:
-            out = run_in_child("adapt: continued pre-training (adapt.pretrain.subprocess: false runs it in this "
-                               "process)", pretrain_in_child, model, tokenizer, cfg, model_cfg,
-                               data_dir, pool, questions, rng, torch.get_num_threads(),
-                               torch.get_rng_state())
-            model.load_state_dict(torch.load(io.BytesIO(out["state"]), weights_only=True))
-            for p in model.parameters():
-                p.requires_grad_(True)
-            rng.bit_generator.state = out["rng"]
-            torch.set_rng_state(out["torch_rng"])
-            for metrics, step in out["logged"]:
-                log(metrics, step=step)
-            pre_summary = out["summary"]
-        else:
-            pre_summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng, log)
+        pre_summary = pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng,
+                                                    log)
         seconds["pretrain"] = time.perf_counter() - t
         peak_mib["pretrain"] = round(tree_peak_mib(), 1)
 
     # SFT with the adapter
     t = time.perf_counter()
-    sampler = sft.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
+    sampler = batching.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
                               env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool)
     examples = [e for exs in sampler.plain for e in exs]
     kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
@@ -211,7 +195,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
     def sft_log(step: int, m: dict) -> None:
         curve.append([step, round(m["loss"], 5)])
-        _progress("sft", step, cfg.sft.steps, m, cfg.sft.log_every, log)
+        pretrain.progress("sft", step, cfg.sft.steps, m, cfg.sft.log_every, log)
 
     selector = None
     if cfg.sft.select_every:
@@ -219,8 +203,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                       inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
                                       cfg.eval.seed, log)
     try:
-        res = sft.train_lm(trainable_model, sft.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
-                                                             tokenizer.pad_token_id),
+        res = sft.train_lm(trainable_model, batching.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
+                                                                  tokenizer.pad_token_id),
                            cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
                            grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
                            micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
@@ -246,9 +230,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     t = time.perf_counter()
     # The SFT loop leaves its C heap fragmented, up to `sft.TRIM_HEADROOM_MIB` above its live size, and the
     # evaluation's rollouts (about 900 MiB in a fresh process) land on top of it; return the free pages first
-    # (release_free_memory says why the heap grows; nothing numerical changes). It did not bring adapt under 4 GiB in
-    # pipeline run 14: `peak_rss_mib` was 3,764 after SFT and 4,267 after evaluation, so most of the resident size
-    # at that point is not free heap; what holds it is open (README, Status).
+    # (release_free_memory says why the heap grows; nothing numerical changes).
     release_free_memory()
     runtime = WorldRuntime(world)
     try:
@@ -297,85 +279,6 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if run is not None:
         run.log_artifact(str(metrics_path))
     return metrics
-
-
-def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
-             questions: list[str] | None, rng: np.random.Generator, log) -> dict:
-    """Continued pre-training of `model` in place (step 3 of the module docstring); returns its summary for
-    ``metrics/adapt.json``. `rng` draws the batches (SFT goes on drawing from it); `log(metrics, step=...)` records
-    the progress and the copy-accuracy checks."""
-    from pipeline.adapt import sft
-    from pipeline.policy.model import autocast_context
-
-    autocast = lambda: autocast_context(model_cfg)  # noqa: E731
-    texts = sft.pretraining_texts(data_dir, [{"question": q} for q in questions] if questions is not None else None,
-                                  documents=cfg.pretrain.include_documents)
-    n_domain = len(texts)
-    texts += sft.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
-    words = sft.drill_words(pool, extra=sorted(FIELD_WORDS.values()) + sorted(UNIT_WORDS.values()))
-    texts += sft.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
-    texts += sft.number_drills(cfg.pretrain.number_drills, np.random.default_rng([cfg.seed, 3]))
-    pre_ex = sft.text_examples(tokenizer, texts, cfg.pretrain.max_len)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    probe = sft.copy_drills(pool, 200, np.random.default_rng([cfg.seed, 9]))
-    copy_curve: list[list[float]] = []
-
-    def copied_enough(step: int) -> bool:
-        acc = sft.copy_accuracy(model, tokenizer, probe[:100], autocast)
-        copy_curve.append([step, acc])
-        log({"pretrain/copy_accuracy_check": acc}, step=step)
-        print(f"adapt: pretrain step {step}: exact-copy accuracy {acc:.2f} (target {cfg.pretrain.copy_target})",
-              flush=True)
-        return acc >= cfg.pretrain.copy_target
-
-    res = sft.train_lm(model, sft.batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
-                       cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
-                       autocast=autocast, log=lambda s, m: _progress("pretrain", s, cfg.pretrain.steps, m,
-                                                                     cfg.sft.log_every, log),
-                       log_every=cfg.sft.log_every,
-                       stop=copied_enough if cfg.pretrain.copy_target is not None else None,
-                       stop_every=cfg.pretrain.check_every)
-    number_probe = sft.number_drills(200, np.random.default_rng([cfg.seed, 10]))
-    word_probe = sft.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
-    summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
-               "drills": len(texts) - n_domain, "word_drills": cfg.pretrain.word_drills,
-               "copy_accuracy": sft.copy_accuracy(model, tokenizer, probe, autocast),
-               "number_copy_accuracy": sft.copy_accuracy(model, tokenizer, number_probe, autocast),
-               "word_copy_accuracy": sft.copy_accuracy(model, tokenizer, word_probe, autocast),
-               "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
-    log({"pretrain/copy_accuracy": summary["copy_accuracy"],
-         "pretrain/number_copy_accuracy": summary["number_copy_accuracy"],
-         "pretrain/word_copy_accuracy": summary["word_copy_accuracy"]})
-    return summary
-
-
-def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
-                      questions: list[str] | None, rng: np.random.Generator, threads: int,
-                      torch_rng: torch.Tensor) -> dict:
-    """:func:`pretrain` as run by :func:`pipeline.core.isolation.run_in_child`: returns what the parent needs to go on as
-    if it had trained in place: the weights (``torch.save`` bytes), the summary, the states of `rng` and of torch's
-    generator after training, and the logged metrics (MLflow's run lives in the parent, which logs them).
-
-    `threads` and `torch_rng` are the parent's torch thread count and generator state, set here first: a spawned
-    interpreter starts with one thread per core (a matmul split over another number of threads sums in another order,
-    so the weights would differ in their last bits) and with torch's default seed."""
-    torch.set_num_threads(threads)
-    torch.set_rng_state(torch_rng)
-    logged: list[tuple[dict, int | None]] = []
-    summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng,
-                       lambda metrics, step=None: logged.append((metrics, step)))
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    return {"state": buf.getvalue(), "summary": summary, "rng": rng.bit_generator.state,
-            "torch_rng": torch.get_rng_state(), "logged": logged}
-
-
-def _progress(name: str, step: int, steps: int, m: dict, every: int, log) -> None:
-    """Log a training step's metrics to MLflow, and print a progress line every 10 logs (the stage's progress display)."""
-    log({f"{name}/{k}": v for k, v in m.items()}, step=step)
-    if step % (10 * every) == 0 or step == steps:
-        print(f"adapt: {name} step {step}/{steps} loss {m['loss']:.3f}", flush=True)
 
 
 def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:

@@ -14,11 +14,11 @@ class DemoConfig(PhaseConfig):
 
     level_coverage: dict[int, float] = Field(
         default_factory=lambda: {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.03},
-        description="Share of training tasks of each level that get a demonstration. Level 4 is scarce on purpose (0.03: about 25 demonstrations): its steps are all taught on level 2 (`search_lookup` and `lookup_calc`), so SFT solves it now and then by composing them and RL has room above (../shared/FINDINGS.md: the hard level must be solved in a few percent of samples). Measured on the default, seed 0: validation greedy/sampled level 4 0.20/0.08 with 0.03, 0.00/0.00 with 0 (the policy never started with `search`).",
+        description="Share of training tasks of each level that get a demonstration. Level 4 is scarce on purpose: its steps are all taught on level 2, so SFT solves it now and then and RL has room above.",
     )
     family_coverage: dict[str, float] = Field(
         default_factory=dict,
-        description="Share of training tasks of a task family that get a demonstration, in place of its level's `level_coverage` (e.g. {update: 0.1} keeps level 3's other family, `two_lookup`, fully covered); a family not named here follows its level. One draw per task either way, so an empty mapping builds the same bytes as before the key existed.",
+        description="Share of training tasks of a task family that get a demonstration, in place of its level's `level_coverage` (e.g. {update: 0.1}); an empty mapping builds the same data as level coverage alone.",
     )
     redundant_call_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration repeats one of its calls.")
     wrong_order_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration first tries a step out of order (a failing call), then recovers.")

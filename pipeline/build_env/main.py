@@ -76,11 +76,15 @@ def _table(db: Path, table: str) -> list[dict]:
 
 def validate_outputs(stage: Path) -> list:
     """Run every suite on what was written to `stage` (read back from disk); returns one report per dataset."""
-    from pipeline.core.validation import check_splits, validate_records
+    from pipeline.core.jsonl import read_jsonl
+    from pipeline.core.validation import validate_records
+    from pipeline.env.suites import check_splits, register_suites
+
+    register_suites()
 
     db = stage / "env" / "world.sqlite"
     products, suppliers = _table(db, "products"), _table(db, "suppliers")
-    read = lambda p: [json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+    read = lambda p: read_jsonl(p, allow_empty=True)  # noqa: E731  (an empty file is the suite's failure to report)
     records = {s: read(stage / "tasks" / f"{s}.jsonl") for s in SPLITS}
     return [
         validate_records(products, "products", "data/env/world.sqlite:products",
@@ -122,7 +126,7 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
         raise AgentRLError(f"build_env: {exc}") from None
     runtime = WorldRuntime(world)
     data_dir.mkdir(parents=True, exist_ok=True)
-    stage = data_dir / f".staging-build_env"
+    stage = data_dir / ".staging-build_env"
     if stage.exists():
         shutil.rmtree(stage)
     try:

@@ -4,14 +4,14 @@
   hidden-state features (mean-pooled last hidden state of any Hugging Face causal LM);
 - :mod:`pipeline.check_drift.checks`: per-feature tests (chi-square, Kolmogorov-Smirnov, Bonferroni/Holm), the kernel
   two-sample (MMD) test on hidden states, fresh reference samples and documented drifted samples, false-alarm rate;
-- :mod:`pipeline.check_drift.consistency`: train/serve consistency of prompts, token ids and hidden states (seed 5.3.1);
-- :mod:`pipeline.check_drift.suites`: Great Expectations suites "trajectories" and "evaluation" (registered on import);
+- :mod:`pipeline.check_drift.consistency`: train/serve consistency of prompts, token ids and hidden states (the design
+  document, section 5.3.1);
 - :mod:`pipeline.check_drift.config`: :class:`DriftConfig`, the `check_drift` section of params.yaml.
 
-The phase entry point is :func:`pipeline.check_drift.main.main` (``agentrl check-drift``).
+The phase entry point is :func:`pipeline.check_drift.main.main` (``agentrl check-drift``). The Great Expectations
+suites of episode data it applies ("trajectories") live with the environment, in :mod:`pipeline.env.episode_suites`.
 """
 
-from pipeline.check_drift import suites  # noqa: F401  (registers the GX suites "trajectories" and "evaluation")
 from pipeline.check_drift.checks import (DRIFT_KINDS, DriftReport, FeatureTest, MMDResult, Sample, compare_features,
                                    false_alarm_rate, make_drifted_tasks, make_reference_sample, mmd_test, state_drift,
                                    task_drift, trajectory_drift)

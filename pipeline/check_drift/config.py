@@ -66,8 +66,7 @@ class DriftConfig(PhaseConfig):
     min_expected_count: float = Field(
         5.0, gt=0,
         description="Chi-square: categories whose expected count is below this in either sample are pooled into one "
-                    "'(other)' category (Cochran's rule; the chi-square approximation is poor below 5); a pool still "
-                    "below it joins the smallest category; fewer than two categories left skips the test.")
+                    "'(other)' category (Cochran's rule); fewer than two categories left skips the test.")
     min_samples: int = Field(
         20, ge=2,
         description="A feature with fewer non-missing values than this on either side is skipped, not tested.")
@@ -83,16 +82,9 @@ class DriftConfig(PhaseConfig):
                     "'small'); 0 disables the floor.")
     trajectory_outcomes: Literal["report", "test"] = Field(
         "report",
-        description="The behaviour check's outcome features (success, return, correctness: the ones only the "
-                    "verifier's answer key gives). 'report': tested and written under trajectory_drift.outcomes as "
-                    "their own family, but they do not fail the check, which then gates on what the policy does "
-                    "(tool sequences, calls, failures, lengths). 'test': they join the gated family. Why 'report' "
-                    "is the default: the reference episodes are the policy's own training tasks, so any policy that "
-                    "fits its training set scores higher there than on new tasks, and an outcome test fires on that "
-                    "generalisation gap rather than on drift (default run 4: success 0.98 on training tasks against "
-                    "0.90 on the validation split failed the gate for a policy better than the champion); production "
-                    "logs rarely carry outcomes; and performance on held-out data is gated by deploy's "
-                    "vs-champion test.")
+        description="The behaviour check's outcome features (success, return, correctness): 'report' tests and "
+                    "records them without failing the check (on the policy's own training tasks they measure the "
+                    "generalisation gap, which deploy's vs-champion test gates), 'test' gates on them too.")
     skip_features: list[str] = Field(
         default_factory=list,
         description="Features left out of the per-feature checks (names from pipeline.check_drift.features.TASK_FEATURES "
@@ -151,9 +143,9 @@ class DriftConfig(PhaseConfig):
         description="Tasks per fresh sample in the calibration (capped by the size of the current data).")
     max_false_alarm_rate: float = Field(
         0.2, ge=0, le=1,
-        description="The calibration check fails when the measured false-alarm rate exceeds this: the task check "
-                    "would then fire on data without drift, and its verdict cannot be trusted. Bonferroni at "
-                    "alpha=0.01 gives an expected rate <= 0.01; 0.2 leaves room for 20-repeat noise.")
+        description="The calibration check fails when the task check's measured false-alarm rate on data without "
+                    "drift exceeds this (Bonferroni at alpha 0.01 expects ≤ 0.01; 0.2 leaves room for 20-repeat "
+                    "noise).")
     fail_on_drift: bool = Field(
         False,
         description="Exit with an error (after writing metrics/drift.json) when any check fails. Off by default: the "

@@ -1,4 +1,5 @@
-"""Train/serve consistency (seed 5.3.1): the training path and the serving path must see the same state.
+"""Train/serve consistency (the design document, section 5.3.1): the training path and the serving path must see the
+same state.
 
 For a probe set of raw observations (a question, the history of (action, observation) pairs, the history window and
 the tool signatures), :func:`check_consistency` runs both paths and compares, stage by stage:

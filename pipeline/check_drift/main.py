@@ -56,7 +56,7 @@ DEMOS = Path("data/demos/train.jsonl")
 def load_tasks(path: str | Path) -> tuple[list[dict], list[str]]:
     """Task records from a JSONL file or from every *.jsonl in a folder, each file checked with the "tasks" suite;
     returns (records, files read). Missing, empty or schema-breaking files raise AgentRLError naming the file."""
-    from pipeline.policy.episodes import load_task_file
+    from pipeline.env.tasks import load_task_file
 
     path = Path(path)
     if path.is_dir():
@@ -84,21 +84,13 @@ def current_source(cfg: DriftConfig) -> Path:
 
 def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, suite: str | None = "trajectories") -> list[dict]:
     """Episode records from a JSONL file, checked with `suite` (None: not checked, e.g. demonstrations)."""
+    from pipeline.core.jsonl import read_jsonl
     from pipeline.core.validation import DataValidationError, validate_records
+    from pipeline.env.suites import register_suites
 
-    path = Path(path)
-    if not path.is_file():
-        raise AgentRLError(f"{path}: {what} not found")
-    records = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise AgentRLError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-    if not records:
-        raise AgentRLError(f"{path}: no {what} in file")
+    records = read_jsonl(path, what)  # AgentRLError naming the file (and the line) when missing, empty or not JSON
     if suite is not None:
+        register_suites()
         try:
             validate_records(records, suite, dataset=str(path), env_cfg=env_cfg).raise_if_failed()
         except DataValidationError as exc:
@@ -167,7 +159,9 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
     from pipeline.check_drift.consistency import check_consistency, probes_from_episodes, resolve_callable
     from pipeline.check_drift.features import observation_contexts, unknown_entities
     from pipeline.core.validation import validate_records
+    from pipeline.env.suites import register_suites
 
+    register_suites()
     seconds: dict[str, float] = {}
     checks: dict[str, dict] = {}
     rng = np.random.default_rng([cfg.seed, 10])

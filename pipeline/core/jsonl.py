@@ -21,6 +21,12 @@ def iter_jsonl(path: str | Path, what: str = "records", *, hint: str = "") -> It
     `what` names the data in messages ("task file", "demonstrations"); `hint` is appended to the not-found message
     (for example the command that writes the file).
     """
+    for _, rec in iter_numbered_jsonl(path, what, hint=hint):
+        yield rec
+
+
+def iter_numbered_jsonl(path: str | Path, what: str = "records", *, hint: str = "") -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for every non-blank line of `path`, for callers whose own messages name the line."""
     path = Path(path)
     if not path.is_file():
         raise AgentRLError(f"{path}: {what} not found" + (f"; {hint}" if hint else ""))
@@ -34,7 +40,7 @@ def iter_jsonl(path: str | Path, what: str = "records", *, hint: str = "") -> It
                 raise AgentRLError(f"{path}:{i}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(rec, dict):
                 raise AgentRLError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
-            yield rec
+            yield i, rec
 
 
 def read_jsonl(path: str | Path, what: str = "records", *, hint: str = "", allow_empty: bool = False) -> list[dict]:
@@ -45,4 +51,4 @@ def read_jsonl(path: str | Path, what: str = "records", *, hint: str = "", allow
     return records
 
 
-__all__ = ["iter_jsonl", "read_jsonl"]
+__all__ = ["iter_jsonl", "iter_numbered_jsonl", "read_jsonl"]

@@ -9,7 +9,7 @@ Where runs go:
 - the tracking URI is ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<repo>/mlflow.db``;
 - every run lands in the experiment ``agentrl``; when this module creates that experiment in a SQLite store, its
   artifact location is the ``mlartifacts/`` folder next to the database (``<repo>/mlartifacts`` by default): MLflow's
-  own default is a folder relative to the process's cwd, which scatters artefacts (shared/STACK.md);
+  own default is a folder relative to the process's cwd, which scatters artefacts;
 - when ``AGENTRL_PARENT_RUN_ID`` is set (the Prefect flow sets it for the stages it launches), the phase run is a
   nested child of that run;
 - when ``AGENTRL_TRACKING=off``, nowhere: :meth:`Tracker.run` yields a :class:`NullRun`, MLflow is not imported and no
@@ -215,6 +215,18 @@ class Tracker:
 
     def client(self) -> Any:
         return mlflow_client(self.tracking_uri)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        """Tag an existing run (one this tracker did not open, e.g. a flow's parent run); nested keys as in
+        :meth:`RunHandle.set_tags`."""
+        RunHandle(self.client(), run_id, "").set_tags(tags)
+
+    def child_runs(self, parent_run_id: str) -> list[tuple[str, dict[str, str]]]:
+        """(run id, tags) of every run nested directly under `parent_run_id`, in its experiment."""
+        client = self.client()
+        exp_id = client.get_run(parent_run_id).info.experiment_id
+        runs = client.search_runs([exp_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+        return [(r.info.run_id, dict(r.data.tags)) for r in runs]
 
     def experiment_id(self, client: Any) -> str:
         """The id of the tracker's experiment, created (or restored from deletion) on first use."""

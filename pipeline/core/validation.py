@@ -1,15 +1,17 @@
-"""Data validation with Great Expectations: named suites, a generic `validate`, and cross-split checks.
+"""Data validation with Great Expectations: a registry of named suites, a generic `validate`, and expectation kits.
 
 Every dataset a phase writes is checked before the next phase reads it. A *suite* is a named function that returns a
 list of GX expectations (see :data:`SUITES` and :func:`register_suite`); :func:`validate` runs one against a DataFrame
 and returns a :class:`ValidationReport`; :func:`validate_records` first flattens JSON-like records into a frame (nested
 lists and dicts become JSON strings, and each suite derives the structural columns it checks, such as `plan_len` or
 `is_update`, so that row-level rules like "len(plan) == min_calls" are ordinary GX expectations whose failures name
-their rows). :func:`check_splits` adds the cross-split rules a single-batch suite cannot see (unique ids across splits,
-held-out entities and templates); they are GX expectations too, with the training set as their `value_set`.
+their rows). :func:`run_expectations` runs expectations on a frame the caller built itself (cross-dataset rules).
 
 Failures name their rows: every frame carries `_row` (the record's position in its source) and the suite's id column,
 passed to GX as `unexpected_index_column_names`, so a report reads "row 3 (task_id='train-000003')".
+
+This module knows no dataset: the suites of the shop world's data (tasks, demonstrations, world tables, corpus,
+episodes) live with that data in :mod:`pipeline.env.suites`, which registers them here.
 
 Cost (measured on a quiet 2-core machine): `import great_expectations` takes about 2 s, so it is imported inside the
 functions that run GX, never at module import. Each call builds its own ephemeral context (about 3 ms + 20 ms for the
@@ -25,19 +27,12 @@ frames).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
-
-from pipeline.env.config import LEVELS, SPLITS
-
-from pipeline.env.expert import FLAWS  # noqa: E402
-from pipeline.env.tasks import FAMILIES  # noqa: E402
-from pipeline.env.tools import TOOL_NAMES as TOOLS  # noqa: E402
 
 ROW = "_row"  # the record's position in its source (file line, table row); added to every validated frame
 SPLIT = "_split"  # the split a record was read from, in cross-split frames
@@ -203,60 +198,13 @@ def flatten_records(records: Iterable[Mapping], suite: str) -> pd.DataFrame:
     return pd.DataFrame(out, index=raw.index)
 
 
-def check_splits(splits: Mapping[str, list[dict]]) -> ValidationReport:
-    """Cross-split rules of the task splits (each split's own suite is :func:`validate_records` with "tasks").
+def run_expectations(df: pd.DataFrame, expectations: list, index_columns: list[str], *, name: str) -> list[dict]:
+    """Run `expectations` on a frame the caller built (e.g. rows of several datasets, for rules across them).
 
-    - `task_id` is unique across all splits;
-    - every entity of a validation/test task is absent from the training tasks' entities (held-out entities);
-    - every test task with `template_seen == False` has a `template_id` that no training task has;
-    - every train/validation task has `template_seen == True`.
-    The held-out rules are GX `expect_column_values_to_not_be_in_set` with the training values as `value_set`.
-    Malformed fields (non-list entities and the like) are skipped here: the per-split suite reports them.
+    One result dict per expectation, in order (see :class:`ValidationReport`); `index_columns` name the offending
+    rows in the results.
     """
-    unknown = sorted(set(splits) - set(SPLITS))
-    if unknown or "train" not in splits:
-        raise ValueError(f"splits must include 'train' and only name {list(SPLITS)}; got {sorted(splits)}")
-    import great_expectations.expectations as gxe
-    from great_expectations.expectations.row_conditions import Column
-
-    task_rows, entity_rows = [], []
-    for split, records in splits.items():
-        for i, r in enumerate(records):
-            tid = r.get("task_id")
-            task_rows.append((split, i, tid, r.get("template_id"), r.get("template_seen")))
-            ents = r.get("entities")
-            if split != "train" and isinstance(ents, list):
-                entity_rows += [(split, i, tid, e) for e in ents if isinstance(e, str)]
-    tasks = pd.DataFrame(task_rows, columns=[SPLIT, ROW, "task_id", "template_id", "template_seen"], dtype=object)
-    entities = pd.DataFrame(entity_rows, columns=[SPLIT, ROW, "task_id", "entity"], dtype=object)
-
-    train = splits["train"]
-    train_entities = sorted(
-        {e for r in train if isinstance(r.get("entities"), list) for e in r["entities"] if isinstance(e, str)}
-    )
-    train_templates = sorted({r["template_id"] for r in train if isinstance(r.get("template_id"), str)})
-
-    index_columns = [SPLIT, ROW, "task_id"]
-    task_checks = [
-        gxe.ExpectColumnValuesToBeUnique(column="task_id"),
-        gxe.ExpectColumnValuesToBeInSet(
-            column="template_seen", value_set=[True], row_condition=Column(SPLIT) != "test"
-        ),
-    ]
-    if "test" in splits:
-        task_checks.append(
-            gxe.ExpectColumnValuesToNotBeInSet(
-                column="template_id",
-                value_set=train_templates,
-                # a GX condition object, not a Python comparison: `is False` would not build one
-                row_condition=(Column(SPLIT) == "test") & (Column("template_seen") == False),  # noqa: E712
-            )
-        )
-    results = _run_gx(tasks, task_checks, index_columns, name="splits")
-    if len(entities):
-        entity_checks = [gxe.ExpectColumnValuesToNotBeInSet(column="entity", value_set=train_entities)]
-        results += _run_gx(entities, entity_checks, index_columns, name="split_entities")
-    return ValidationReport("splits", "splits", len(tasks), results)
+    return _run_gx(df, expectations, index_columns, name=name)
 
 
 # ---------------------------------------------------------------------------------------------------- GX plumbing
@@ -394,7 +342,7 @@ def _describe_row(row: dict) -> str:
     return f"{where} ({rest})" if rest else where
 
 
-# ------------------------------------------------------------------------------------------- flattening helpers
+# ------------------------------------------------------------------------------- helpers for derived columns
 
 
 # One encoder for all calls: `json.dumps` with non-default options builds a new encoder per value (a third of the
@@ -406,18 +354,18 @@ def _json_if_nested(v: Any) -> Any:
     return _encode_json(v) if isinstance(v, (list, dict)) else v
 
 
-def _values(df: pd.DataFrame, col: str) -> list:
+def column_values(df: pd.DataFrame, col: str) -> list:
     """The column's values as Python objects (missing column or value -> None)."""
     if col not in df.columns:
         return [None] * len(df)
     return [None if (v is None or (isinstance(v, float) and np.isnan(v))) else v for v in df[col].tolist()]
 
 
-def _is_text(v: Any) -> bool:
+def is_text(v: Any) -> bool:
     return isinstance(v, str) and v.strip() != ""
 
 
-def _list_len(v: Any) -> int:
+def list_len(v: Any) -> int:
     """Length of a list, -1 for anything else (so `>= 1` rejects a missing or non-list field too)."""
     return len(v) if isinstance(v, list) else -1
 
@@ -425,199 +373,47 @@ def _list_len(v: Any) -> int:
 # ------------------------------------------------------------------------------------------------ expectation kits
 
 
-# The kits below leave out `expect_column_to_exist`: `_run_gx` adds one for each column an expectation names and the
-# frame lacks (instead of running that column's expectations), so a missing column is one clear failure.
+# Building blocks of suites (each returns a list of GX expectations; `gxe` is `great_expectations.expectations`,
+# passed in so that GX is imported only when a suite is built). They leave out `expect_column_to_exist`: `_run_gx`
+# adds one for each column an expectation names and the frame lacks (instead of running that column's expectations),
+# so a missing column is one clear failure.
 # GX spends about 7 ms per expectation whatever the row count, so the kits avoid redundant ones.
 
 
-def _present(gxe, col: str, types: list[str]) -> list:
+def present(gxe, col: str, types: list[str]) -> list:
     return [
         gxe.ExpectColumnValuesToNotBeNull(column=col),
         gxe.ExpectColumnValuesToBeInTypeList(column=col, type_list=types),
     ]
 
 
-def _text(gxe, col: str, *, max_len: int | None = None, unique: bool = False) -> list:
+def text(gxe, col: str, *, max_len: int | None = None, unique: bool = False) -> list:
     """A non-blank string (the regex also rejects ""), at most `max_len` characters."""
-    out = _present(gxe, col, STR_TYPES) + [gxe.ExpectColumnValuesToMatchRegex(column=col, regex=NON_BLANK)]
+    out = present(gxe, col, STR_TYPES) + [gxe.ExpectColumnValuesToMatchRegex(column=col, regex=NON_BLANK)]
     if max_len is not None:
         out.append(gxe.ExpectColumnValueLengthsToBeBetween(column=col, min_value=1, max_value=max_len))
     return out + ([gxe.ExpectColumnValuesToBeUnique(column=col)] if unique else [])
 
 
-def _number(gxe, col: str, lo: float | None, hi: float | None, *, types=INT_TYPES, unique: bool = False) -> list:
-    out = _present(gxe, col, types)
+def number(gxe, col: str, lo: float | None, hi: float | None, *, types=INT_TYPES, unique: bool = False) -> list:
+    out = present(gxe, col, types)
     if lo is not None or hi is not None:
         out.append(gxe.ExpectColumnValuesToBeBetween(column=col, min_value=lo, max_value=hi))
     return out + ([gxe.ExpectColumnValuesToBeUnique(column=col)] if unique else [])
 
 
-def _one_of(gxe, col: str, values: Collection, types: list[str] = STR_TYPES) -> list:
-    return _present(gxe, col, types) + [gxe.ExpectColumnValuesToBeInSet(column=col, value_set=list(values))]
+def one_of(gxe, col: str, values: Collection, types: list[str] = STR_TYPES) -> list:
+    return present(gxe, col, types) + [gxe.ExpectColumnValuesToBeInSet(column=col, value_set=list(values))]
 
 
-def _true(gxe, col: str) -> list:
+def all_true(gxe, col: str) -> list:
     """A derived boolean column that must be True on every row."""
     return [gxe.ExpectColumnValuesToBeInSet(column=col, value_set=[True])]
 
 
-def _non_empty_table(gxe) -> list:
+def non_empty_table(gxe) -> list:
     return [gxe.ExpectTableRowCountToBeBetween(min_value=1)]
 
 
-def _in_known(gxe, col: str, known: Collection[str] | None) -> list:
+def in_known(gxe, col: str, known: Collection[str] | None) -> list:
     return [] if known is None else [gxe.ExpectColumnValuesToBeInSet(column=col, value_set=sorted(known))]
-
-
-# ------------------------------------------------------------------------------------------------------- tasks
-
-_TOOL_LIST = re.compile(rf"^(?:{'|'.join(TOOLS)})(?:,(?:{'|'.join(TOOLS)}))*$").pattern  # comma-joined known tools
-
-
-def _derive_tasks(df: pd.DataFrame) -> dict[str, list]:
-    entities, plan, writes, family = (_values(df, c) for c in ("entities", "plan", "allowed_writes", "family"))
-
-    def tool(step: Any) -> str:
-        return step["tool"] if isinstance(step, dict) and isinstance(step.get("tool"), str) else "?"
-
-    return {
-        "n_entities": [_list_len(e) for e in entities],
-        "entities_are_names": [isinstance(e, list) and all(_is_text(x) for x in e) for e in entities],
-        "plan_len": [_list_len(p) for p in plan],
-        "plan_tools": [",".join(tool(s) for s in p) if isinstance(p, list) else "" for p in plan],
-        "plan_last_tool": [tool(p[-1]) if isinstance(p, list) and p else "" for p in plan],
-        "plan_steps_have_params": [
-            isinstance(p, list) and all(isinstance(step, dict) and isinstance(step.get("params"), dict) for step in p)
-            for p in plan
-        ],
-        "n_allowed_writes": [_list_len(w) for w in writes],
-        "allowed_writes_well_formed": [
-            isinstance(w, list)
-            and all(isinstance(x, dict) and all(_is_text(x.get(k)) for k in ("table", "name", "field")) for x in w)
-            for w in writes
-        ],
-        "is_update": [f == "update" for f in family],
-        "has_allowed_writes": [isinstance(w, list) and len(w) > 0 for w in writes],
-    }
-
-
-@register_suite("tasks", id_column="task_id", derive=_derive_tasks)
-def tasks_suite(split: str | None = None) -> list:
-    """Task records (data/tasks/{split}.jsonl); `split` pins the `split` column to the file's split."""
-    import great_expectations.expectations as gxe
-
-    if split is not None and split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; splits are {list(SPLITS)}")
-    return [
-        *_non_empty_table(gxe),
-        *_text(gxe, "task_id", unique=True),
-        *_one_of(gxe, "split", [split] if split else SPLITS),
-        *_one_of(gxe, "family", FAMILIES),
-        *_one_of(gxe, "level", LEVELS, INT_TYPES),
-        *_text(gxe, "template_id"),
-        *_present(gxe, "template_seen", BOOL_TYPES),
-        *_text(gxe, "question", max_len=400),
-        *_present(gxe, "entities", STR_TYPES),  # a JSON string after flattening
-        gxe.ExpectColumnValuesToBeBetween(column="n_entities", min_value=1),
-        *_true(gxe, "entities_are_names"),
-        *_present(gxe, "plan", STR_TYPES),
-        gxe.ExpectColumnValuesToMatchRegex(column="plan_tools", regex=_TOOL_LIST),
-        gxe.ExpectColumnValuesToBeInSet(column="plan_last_tool", value_set=["answer"]),
-        *_true(gxe, "plan_steps_have_params"),
-        gxe.ExpectColumnPairValuesToBeEqual(column_A="plan_len", column_B="min_calls"),
-        *_text(gxe, "answer"),
-        *_number(gxe, "min_calls", 2, 8),
-        *_present(gxe, "allowed_writes", STR_TYPES),
-        gxe.ExpectColumnValuesToBeBetween(column="n_allowed_writes", min_value=0),
-        *_true(gxe, "allowed_writes_well_formed"),
-        # allowed_writes is non-empty exactly for update tasks
-        gxe.ExpectColumnPairValuesToBeEqual(column_A="is_update", column_B="has_allowed_writes"),
-    ]
-
-
-# ------------------------------------------------------------------------------------------------------- demos
-
-
-def _derive_demos(df: pd.DataFrame) -> dict[str, list]:
-    steps = _values(df, "steps")
-
-    def well_formed(step: Any) -> bool:
-        return isinstance(step, dict) and all(isinstance(step.get(k), str) for k in ("action", "observation"))
-
-    return {
-        "n_steps": [_list_len(s) for s in steps],
-        "steps_well_formed": [isinstance(s, list) and all(well_formed(x) for x in s) for s in steps],
-    }
-
-
-@register_suite("demos", id_column="demo_id", derive=_derive_demos)
-def demos_suite(task_ids: Collection[str] | None = None) -> list:
-    """Demonstrations (data/demos/train.jsonl); `task_ids`, when given, are the tasks a demo may refer to."""
-    import great_expectations.expectations as gxe
-
-    return [
-        *_non_empty_table(gxe),
-        *_text(gxe, "demo_id", unique=True),
-        *_text(gxe, "task_id"),
-        *_in_known(gxe, "task_id", task_ids),
-        *_one_of(gxe, "level", LEVELS, INT_TYPES),
-        *_one_of(gxe, "family", FAMILIES),
-        *_one_of(gxe, "flaw", FLAWS),
-        *_present(gxe, "steps", STR_TYPES),
-        gxe.ExpectColumnValuesToBeBetween(column="n_steps", min_value=1, max_value=16),
-        *_true(gxe, "steps_well_formed"),
-        *_present(gxe, "success", BOOL_TYPES),
-        *_number(gxe, "return", -5, 5, types=FLOAT_TYPES),
-        *_number(gxe, "n_calls", 1, None),
-        gxe.ExpectColumnPairValuesToBeEqual(column_A="n_calls", column_B="n_steps"),
-    ]
-
-
-# ------------------------------------------------------------------------------------------------- environment
-
-
-@register_suite("products", id_column="product_id")
-def products_suite(categories: Collection[str] | None = None, supplier_names: Collection[str] | None = None) -> list:
-    """Rows of the `products` table; `categories` and `supplier_names`, when given, are the allowed values."""
-    import great_expectations.expectations as gxe
-
-    category = _one_of(gxe, "category", categories) if categories is not None else _text(gxe, "category")
-    return [
-        *_non_empty_table(gxe),
-        *_number(gxe, "product_id", None, None, unique=True),
-        *_text(gxe, "name", unique=True),
-        *category,
-        *_text(gxe, "supplier"),
-        *_in_known(gxe, "supplier", supplier_names),
-        *_number(gxe, "price", 1, 999),
-        *_number(gxe, "stock", 0, 500),
-        *_number(gxe, "weight_kg", 0.1, 50, types=FLOAT_TYPES),
-    ]
-
-
-@register_suite("suppliers", id_column="supplier_id")
-def suppliers_suite(product_names: Collection[str] | None = None) -> list:
-    """Rows of the `suppliers` table; `product_names`, when given, are the names a flagship may take."""
-    import great_expectations.expectations as gxe
-
-    return [
-        *_non_empty_table(gxe),
-        *_number(gxe, "supplier_id", None, None, unique=True),
-        *_text(gxe, "name", unique=True),
-        *_text(gxe, "city"),
-        *_text(gxe, "flagship"),
-        *_in_known(gxe, "flagship", product_names),
-    ]
-
-
-@register_suite("corpus", id_column="doc_id")
-def corpus_suite() -> list:
-    """Documents of data/env/corpus.jsonl."""
-    import great_expectations.expectations as gxe
-
-    return [
-        *_non_empty_table(gxe),
-        *_text(gxe, "doc_id", unique=True),
-        *_text(gxe, "title"),
-        *_text(gxe, "text", max_len=1000),
-    ]

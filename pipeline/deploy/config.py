@@ -23,14 +23,13 @@ class QuantizationConfig(PhaseConfig):
 
     linear: Literal["dynamic", "weight_only"] = Field(
         "dynamic",
-        description="int8 scheme of every nn.Linear: 'dynamic' (torch.ao quantize_dynamic: int8 weights, activations "
-                    "quantised per batch at run time, int8 matmuls) or 'weight_only' (int8 weights with one scale per "
-                    "output row, dequantised to the activation dtype in each forward: smaller, not faster).")
+        description="int8 scheme of every nn.Linear: 'dynamic' (int8 weights, activations quantised per batch, int8 "
+                    "matmuls) or 'weight_only' (int8 weights with one scale per row, dequantised in each forward: "
+                    "smaller, not faster).")
     embeddings: bool = Field(
         True,
-        description="Also store the token embedding as int8 with one scale per row (dequantised per looked-up row). "
-                    "The built-in model is small and ties its embedding to the output projection, so the embedding is "
-                    "a large share of its size: without this int8 stays near a third of fp32.")
+        description="Also store the token embedding as int8 with one scale per row: the built-in model ties it to the "
+                    "output projection, so without this int8 stays near a third of fp32's size.")
 
 
 class DeployGateConfig(PhaseConfig):

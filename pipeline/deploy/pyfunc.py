@@ -272,7 +272,7 @@ def save_pyfunc(path: str | Path, policy_dir: str | Path, world_dir: str | Path,
             path=str(path), python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
             artifacts={"policy": str(staged / "policy"), "world": str(staged / "world"),
                        "serving": str(staged / SERVING_JSON)},
-            pip_requirements=pip_requirements(),  # given: inferring them spawns a subprocess (5-7 s, STACK.md)
+            pip_requirements=pip_requirements(),  # given: inferring them spawns a subprocess (5-7 s)
         )
     return path
 

@@ -4,7 +4,7 @@
 - ``bf16``: every weight cast to bfloat16 (half the bytes); the rollout engine then keeps its KV cache in bf16.
 - ``int8``: every ``nn.Linear`` (the output projection included) as int8, by ``QuantizationConfig.linear``:
   ``dynamic`` is ``torch.ao.quantization.quantize_dynamic`` (int8 weights, activations quantised per batch, int8
-  matmuls; shared/STACK.md measured it 2.5x faster on a 16M Llama here), ``weight_only`` keeps one scale per output
+  matmuls; measured 2.5x faster than fp32 on a 16M Llama on CPU), ``weight_only`` keeps one scale per output
   row and dequantises in each forward (:class:`WeightOnlyInt8Linear`). With ``embeddings`` the token embedding is also
   int8 with a scale per row (:class:`Int8Embedding`): the built-in model ties a 1k x 256 embedding to its output
   projection, a quarter of its weights, and a tied fp32 embedding alone would keep int8 near 0.32 of fp32.
@@ -14,7 +14,7 @@ weights and scales): what a deployment would ship for that variant. Quantisation
 (scale = max|w| / 127), deterministic, and made from the fp32 weights at load time, so one registered artefact (the
 Hugging Face folder) serves every precision.
 
-Deliberately left out: static (calibrated) activation quantisation and int4; torchao (shared/STACK.md: slower than
+Deliberately left out: static (calibrated) activation quantisation and int4; torchao (measured slower than
 ``quantize_dynamic`` here, and it prints GPU-extension warnings on every transformers import).
 """
 
@@ -108,7 +108,7 @@ def make_variant(model, precision: str, qcfg: QuantizationConfig | None = None):
         variant.set_input_embeddings(Int8Embedding(variant.get_input_embeddings()))
     if qcfg.linear == "dynamic":
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated in favour of torchao (shared/STACK.md)
+            warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated in favour of torchao (module docstring)
             # one scale per output row, like the weight-only path (per-tensor is the default; coarser for no gain)
             spec = {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}
             variant = torch.ao.quantization.quantize_dynamic(variant, spec, dtype=torch.qint8, inplace=True)

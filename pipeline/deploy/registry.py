@@ -92,6 +92,22 @@ class ModelRegistry:
             raise AgentRLError(f"registered model {self.name!r} does not exist in {self.tracking_uri} (run `agentrl "
                                f"deploy` first)")
 
+    def find_alias(self, alias: str):
+        """The model version (MLflow's ``ModelVersion``) `alias` points to; None when the model or the alias does not
+        exist. Any other failure (a store that did not answer) is raised, so that a caller can retry it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(self.name, alias)
+        except MlflowException as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
+                return None
+            raise
+
+    def run_tags(self, run_id: str) -> dict[str, str]:
+        """The tags of the tracking run `run_id` (e.g. the run that registered a version)."""
+        return dict(self.client.get_run(run_id).data.tags)
+
     def alias_version(self, alias: str) -> str | None:
         """The version `alias` points to, or None when the alias (or the model) does not exist."""
         from mlflow.exceptions import MlflowException

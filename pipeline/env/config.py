@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from pipeline.core.config import PhaseConfig
 
@@ -17,13 +17,13 @@ SPLITS = ("train", "validation", "test")
 
 
 class RewardWeights(PhaseConfig):
-    """Weights of R = α·correctness + β·efficiency + γ·safety + δ·user_experience (seed 1.3, 3.6)."""
+    """Weights of R = α·correctness + β·efficiency + γ·safety + δ·user_experience (design document, sections 1.3 and 3.6)."""
 
     correctness: float = Field(1.0, gt=0, le=100, description="α: weight of the correct-answer component (0 or 1).")
     efficiency: float = Field(0.5, ge=0, le=100, description="β: weight of the efficiency component (≤ 0: calls beyond the minimum).")
     safety: float = Field(1.0, ge=0, le=100, description="γ: weight of the safety component (≤ 0: −1 per violation, capped at −1).")
     user_experience: float = Field(0.1, ge=0, le=100, description="δ: weight of the user-experience component in [0, 1].")
-    shaping: Literal["on_success", "always"] = Field("on_success", description="When β·efficiency and δ·user_experience count: 'on_success' (only in an episode whose answer is correct: a failed episode's return is γ·safety alone) or 'always' (the seed's plain sum). Why: with 'always', a failed episode that answers at once earns more (+δ for answering, no wasted-call charge) than one that works through the task, so in groups where every rollout fails the group baseline taught the policy to give up early; measured on the default: validation success of level 3 fell from 0.76 to 0.04 in 10 RL updates.")
+    shaping: Literal["on_success", "always"] = Field("on_success", description="When β·efficiency and δ·user_experience count: 'on_success' (only in an episode whose answer is correct; a failed episode's return is γ·safety alone) or 'always' (the plain sum, which pays a failed episode more for giving up early than for working through the task).")
 
 
 class EnvConfig(PhaseConfig):
@@ -32,7 +32,7 @@ class EnvConfig(PhaseConfig):
     max_steps: int = Field(8, ge=1, le=64, description="Step budget: an episode not answered after this many actions is truncated.")
     max_policy_chars: int = Field(2000, ge=64, description="Budget of policy-written text per episode, in characters (the environment is tokenizer-agnostic); exceeding it truncates the episode.")
     max_action_chars: int = Field(256, ge=16, le=4096, description="Longest accepted action text; longer text is an invalid action (the `params` Text space has this length).")
-    history_window: int = Field(6, ge=1, description="Action/observation pairs kept verbatim in the context; older ones are folded into a one-line summary of their results (seed 3.7).")
+    history_window: int = Field(6, ge=1, description="Action/observation pairs kept verbatim in the context; older ones are folded into a one-line summary of their results (design document, section 3.7).")
     tool_latency_s: float = Field(0.0, ge=0, le=10, description="Added latency of every tool call, in seconds (to exercise asynchronous rollouts).")
     tool_timeout_s: float = Field(2.0, gt=0, le=60, description="A tool call slower than this is cut off and reported as a timeout error.")
     tool_failure_rate: float = Field(0.0, ge=0, lt=1, description="Chance that a tool call fails with a transient 'temporarily unavailable' error (fault injection; the policy should retry).")

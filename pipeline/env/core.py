@@ -18,9 +18,6 @@ another episode or onto disk. The reward is paid per step as the change of the c
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
 import sqlite3
 import time
 from pathlib import Path
@@ -35,7 +32,7 @@ from pipeline.env.config import EnvConfig
 from pipeline.env.prompt import render_context
 from pipeline.env.protocol import (CHARSET, InvalidAction, ParsedAction, format_action, format_observation,
                                    parse_action, parse_dict_action, sanitize)
-from pipeline.env.tasks import Task, answers_match, generate_tasks, read_task_records, run_plan
+from pipeline.env.tasks import Task, answers_match, generate_tasks, load_task_file, run_plan
 from pipeline.env.tools import SafetyViolation, SearchIndex, ToolContext, ToolError, default_tools, signature
 from pipeline.env.verifier import (ANSWER, FAILED, INVALID_ACTION, INVALID_PARAMS, OK, SAFETY_VIOLATION, TIMEOUT,
                                    TOOL_ERROR, verify)
@@ -87,8 +84,10 @@ def default_world(seed: int = 0) -> World:
 
 
 def load_tasks(source: str | Path | list) -> list[Task]:
+    """Tasks from a task file (read by :func:`~pipeline.env.tasks.load_task_file` without the GX suite: the phase
+    that hands the environment a file checks it at its boundary) or from a list of tasks or task dicts."""
     if isinstance(source, (str, Path)):
-        return [Task.from_dict(r) for r in read_task_records(Path(source))]
+        return load_task_file(source, validate=False)
     return [t if isinstance(t, Task) else Task.from_dict(t) for t in source]
 
 
@@ -143,10 +142,8 @@ class ToolTasksEnv(gym.Env):
         if self._conn is not None:
             self._conn.close()
         self._conn = self.runtime.episode_db()
-        renamed = bool(options.get("rename")) and self._rename(dict(options["rename"]))
-        if self.config.randomize_values:
+        if self.config.randomize_values:  # the stored answer no longer applies: solve on this copy
             self._redraw_values()
-        if self.config.randomize_values or renamed:  # the stored answer no longer applies: solve on this copy
             self._truth = self.runtime.solve(self._task.plan, self._task.allowed_writes, self._conn)
         else:
             self._truth = self._task.answer
@@ -237,38 +234,6 @@ class ToolTasksEnv(gym.Env):
             if not pool:
                 raise ValueError(f"no task of level {options['level']!r}")
         return pool[int(self.np_random.integers(len(pool)))]
-
-    def _rename(self, mapping: dict[str, str]) -> bool:
-        """Reset option ``rename`` ({product name the task names: new name}): this episode's private database copy and
-        the task (question, plan, writes it allows) call those products by the new names, and the ground truth is
-        solved again on that copy. RL uses it to play training tasks with fictitious names, as SFT does
-        (``train.rollout_entity_augmentation``), so no answer path can go through a memorised training name.
-
-        Refused, with the reason, for a product the task does not name or the world lacks, for a new name that is
-        already taken, and for a task that searches the corpus (its documents name the real products)."""
-        task = self._task
-        if any(step.get("tool") == "search" for step in task.plan):
-            raise ValueError(f"rename: task {task.task_id} searches the corpus, whose documents name the real "
-                             f"products; only tasks without a search step can be renamed")
-        for old, new in mapping.items():
-            if old not in task.entities:
-                raise ValueError(f"rename: {old!r} is not an entity of task {task.task_id} ({task.entities})")
-            if not self._conn.execute("SELECT 1 FROM products WHERE name = ?", (old,)).fetchone():
-                raise ValueError(f"rename: {old!r} is not a product of this world")
-            if self._conn.execute("SELECT 1 FROM products WHERE name = ?", (new,)).fetchone() or \
-                    list(mapping.values()).count(new) > 1:
-                raise ValueError(f"rename: the new name {new!r} is already taken")
-        if not mapping:
-            return False
-        for old, new in mapping.items():
-            self._conn.execute("UPDATE products SET name = ? WHERE name = ?", (new, old))
-        pattern = re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
-        sub = lambda text: pattern.sub(lambda m: mapping[m.group(0)], text)  # noqa: E731
-        self._task = dataclasses.replace(
-            task, question=sub(task.question), plan=json.loads(sub(json.dumps(task.plan))),
-            allowed_writes=json.loads(sub(json.dumps(task.allowed_writes))),
-            entities=[mapping.get(e, e) for e in task.entities])
-        return True
 
     def _redraw_values(self) -> None:
         """Redraw the numeric attributes of the products the task names (the only rows its answer depends on)."""

@@ -12,8 +12,8 @@ flaw injected per demonstration, each drawn with the probability in `build_env.d
   (costs efficiency and user experience);
 - ``wrong_value``: the answer copies a wrong value (the demonstration fails);
 - partial coverage: only the share `level_coverage[level]` of training tasks of a level gets a demonstration at all,
-  so the hard levels are scarce but present (../shared/FINDINGS.md: scarce-but-present hard demonstrations gave RL
-  its large gains; noise everywhere did not).
+  so the hard levels are scarce but present (scarce-but-present hard demonstrations gave RL its large gains; noise
+  everywhere did not).
 """
 
 from __future__ import annotations

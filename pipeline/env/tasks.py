@@ -26,8 +26,8 @@ the original five (0-4), so the test split is the same whatever `train_wordings`
 
 Entity names are written in double quotes everywhere a policy reads them (questions, documents), exactly as they
 appear inside a JSON call: the token before a name is then the same in the question and in the call, which is what
-lets a small model learn to copy names it never saw in training (../shared/FINDINGS.md, pitfalls). Entities are partitioned by
-`pipeline.env.world`, so validation and test tasks name only products and suppliers that no training task names.
+lets a small model learn to copy names it never saw in training. Entities are partitioned by `pipeline.env.world`,
+so validation and test tasks name only products and suppliers that no training task names.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.core.errors import AgentRLError
+from pipeline.core.jsonl import iter_numbered_jsonl
 from pipeline.env.world import World
 
 FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_lookup", "update", "search_lookup_calc")
@@ -321,29 +323,43 @@ def write_tasks(tasks: list[Task], path: Path) -> None:
     path.write_text("".join(json.dumps(t.to_dict(), sort_keys=True) + "\n" for t in tasks))
 
 
-class TaskFileError(ValueError):
-    """A task file that cannot be used; the message names the file, the line and what is wrong."""
+class TaskFileError(AgentRLError, ValueError):
+    """A task file that cannot be used; the message names the file, the line (or the rows) and what is wrong.
+
+    A user-facing error (:class:`AgentRLError`) and a ValueError, as a malformed world or config is.
+    """
 
 
-def read_task_records(path: Path) -> list[dict]:
-    """Read JSON Lines; malformed JSON or non-object lines raise TaskFileError naming the line."""
+def load_task_file(path: str | Path, *, validate: bool = True) -> list[Task]:
+    """The one reader of task files (JSON Lines, one task per line): every phase reads its tasks through it.
+
+    A missing or empty file, a line that is not a JSON object and a record without every :class:`Task` key raise
+    :class:`TaskFileError` naming the file and the line. With `validate` (the default, at every phase's boundary) the
+    records must also pass the Great Expectations suite "tasks" before any :class:`Task` is built; without it (the
+    environment handed a file a phase already checked) nothing but the JSON and the keys is checked, and Great
+    Expectations is not imported.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise TaskFileError(f"{path}: task file not found")
     records = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskFileError(f"{path}:{i}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(rec, dict):
-            raise TaskFileError(f"{path}:{i}: expected a JSON object, got {type(rec).__name__}")
-        missing = [k for k in Task.__dataclass_fields__ if k not in rec]
-        if missing:
-            raise TaskFileError(f"{path}:{i}: missing keys {missing}")
-        records.append(rec)
+    try:
+        for i, rec in iter_numbered_jsonl(path, "task file"):
+            missing = [k for k in Task.__dataclass_fields__ if k not in rec]
+            if missing:
+                raise TaskFileError(f"{path}:{i}: missing keys {missing}")
+            records.append(rec)
+    except TaskFileError:
+        raise
+    except AgentRLError as exc:
+        raise TaskFileError(str(exc)) from None
     if not records:
         raise TaskFileError(f"{path}: no tasks in file")
-    return records
+    if validate:
+        from pipeline.core.validation import DataValidationError, validate_records
+        from pipeline.env.suites import register_suites
+
+        register_suites()
+        try:
+            validate_records(records, suite="tasks", dataset=str(path)).raise_if_failed()
+        except DataValidationError as exc:
+            raise TaskFileError(str(exc)) from None
+    return [Task.from_dict(r) for r in records]

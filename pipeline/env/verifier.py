@@ -1,8 +1,9 @@
-"""The rule verifier (seed 3.1): tool-usage order, parameter validity and safety constraints of one episode.
+"""The rule verifier (the design document, section 3.1): tool-usage order, parameter validity and safety constraints
+of one episode.
 
 It reads the episode's call log (what the environment recorded per step) and the task's plan. It judges the process,
-not the answer: correctness is the reward's job. Deliberately left out: the seed's *model* verifier (a learned judge of
-process soundness and style); the rule verifier is the only verifier here.
+not the answer: correctness is the reward's job. Deliberately left out: the design document's *model* verifier (a
+learned judge of process soundness and style); the rule verifier is the only verifier here.
 """
 
 from __future__ import annotations

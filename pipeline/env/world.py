@@ -17,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.core.errors import AgentRLError
+from pipeline.core.jsonl import read_jsonl
+
 ADJECTIVES = (
     "Blue", "Red", "Green", "Silver", "Golden", "Quiet", "Rapid", "Compact", "Smart", "Classic", "Bright", "Solid",
     "Tiny", "Grand", "Swift", "Urban", "Rustic", "Modern", "Polar", "Sunny", "Misty", "Amber", "Coral", "Ivory",
@@ -199,6 +202,9 @@ def load_world(data_dir: Path) -> World:
         raise ValueError(f"{needed[0]}: not a valid world database ({exc})") from None
     finally:
         conn.close()
-    corpus = [json.loads(line) for line in needed[1].read_text().splitlines() if line.strip()]
+    try:
+        corpus = read_jsonl(needed[1], "document corpus", allow_empty=True)
+    except AgentRLError as exc:  # a corrupt corpus: the ValueError this function promises
+        raise ValueError(str(exc)) from None
     ents = json.loads(needed[2].read_text())
     return World(products, suppliers, corpus, ents["products"], ents["suppliers"])

@@ -1,5 +1,5 @@
 """Phase `evaluate`: the SFT policy (``models/adapted``) and the RL policy (``models/policy``) on the train (a subset),
-validation and test splits, with the overfitting checks of seed 5.2.1 (see :mod:`pipeline.evaluate.report`).
+validation and test splits, with the overfitting checks of design document 5.2.1 (see :mod:`pipeline.evaluate.report`).
 
 Reads the `evaluate`, `env` and `rollout` sections. Steps:
 
@@ -57,7 +57,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def load_inputs(cfg: EvaluateConfig) -> tuple[dict, dict, object]:
     """(policies {name: (model, tokenizer)}, tasks {split: [Task]}, world); every problem is an AgentRLError."""
     from pipeline.env.world import load_world
-    from pipeline.policy.episodes import load_task_file
+    from pipeline.env.tasks import load_task_file
     from pipeline.policy.model import load_policy
 
     policies = {}
@@ -110,8 +110,10 @@ def play(policies: dict, chosen: dict, diversity_tasks: list, runtime, env_cfg: 
 
 def validate_episodes(greedy: dict, sampled: dict, env_cfg: EnvConfig) -> dict:
     """Every record set through the GX suite "evaluation"; the first failure is an AgentRLError (nothing is written)."""
-    import pipeline.check_drift.suites  # noqa: F401  (registers the "evaluation" suite)
     from pipeline.core.validation import DataValidationError, validate_records
+    from pipeline.env.suites import register_suites
+
+    register_suites()
 
     summary = {}
     sets = [(f"{p}/{s}", recs) for p, splits in greedy.items() for s, recs in splits.items()]

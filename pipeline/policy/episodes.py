@@ -5,8 +5,9 @@
 produces the same episode records from its batched rollout engine and reuses `summarize`.
 
 Entry point: ``agentrl eval --policy expert|random|MODEL_DIR --tasks FILE --out FILE.json`` (a model directory is
-evaluated greedily through the batched rollout engine, with the `rollout` section's settings). The task file is checked against
-the task schema (Great Expectations suite ``tasks``) before any episode runs.
+evaluated greedily through the batched rollout engine, with the `rollout` section's settings). The task file is read by
+:func:`pipeline.env.tasks.load_task_file`, so it is checked against the task schema (Great Expectations suite
+``tasks``) before any episode runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pipeline.core.config import load_section
 from pipeline.env.config import EnvConfig
 from pipeline.env.core import ToolTasksEnv, WorldRuntime
 from pipeline.env.expert import ExpertPolicy, RandomPolicy
-from pipeline.env.tasks import Task, TaskFileError, read_task_records
+from pipeline.env.tasks import Task, load_task_file
 from pipeline.env.world import load_world
 from pipeline.core.errors import AgentRLError
 
@@ -105,21 +106,6 @@ def evaluate(policy_name: str, tasks: list[Task], runtime: WorldRuntime, env_cfg
     finally:
         env.close()
     return summarize(records), records
-
-
-def load_task_file(path: str | Path) -> list[Task]:
-    """Read and validate a task file; a file that breaks the schema raises AgentRLError before anything runs."""
-    from pipeline.core.validation import DataValidationError, validate_records
-
-    try:
-        records = read_task_records(Path(path))
-    except TaskFileError as exc:
-        raise AgentRLError(str(exc)) from None
-    try:
-        validate_records(records, suite="tasks", dataset=str(path)).raise_if_failed()
-    except DataValidationError as exc:
-        raise AgentRLError(str(exc)) from None
-    return [Task.from_dict(r) for r in records]
 
 
 def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", seed: int = 0,

@@ -1,8 +1,8 @@
 """The policy model: build the built-in small Llama or load a local Hugging Face model; save and load policies.
 
 - :func:`build_policy` builds ``LlamaForCausalLM`` from :class:`ModelConfig` (d_model 256, 4 layers, 4 heads, SwiGLU
-  672, tied embeddings: about 3M parameters with the ~1k-token vocabulary, the size ../shared/FINDINGS.md trained on
-  this CPU), or loads ``cfg.base`` with ``local_files_only=True`` (nothing is downloaded) and sizes its embeddings to
+  672, tied embeddings: about 3M parameters with the ~1k-token vocabulary, the prototype's size
+  on this CPU), or loads ``cfg.base`` with ``local_files_only=True`` (nothing is downloaded) and sizes its embeddings to
   the tokenizer.
 - :func:`save_policy` writes ``save_pretrained`` weights and tokenizer plus ``policy.json`` (config, data version,
   git commit, step, anything the caller adds) into a temporary sibling folder, then swaps it in with renames: a failed
@@ -49,7 +49,7 @@ def release_free_memory() -> bool:
     batch the freed blocks rarely fit the next request, and the resident size grows although the live tensors do not:
     300 SFT steps of the default grew a process from 0.7 to 4.2 GiB, while a trim brings it back to 1.4 GiB. A trim
     is not free: the pages it returns are faulted in again by the next steps. Measured on 200 SFT steps of the default
-    (session 7, alternated runs): never trimming, peak 3.9-4.1 GiB at 9.2-10.0k tokens/s; trimming every 10 steps,
+    (alternated runs): never trimming, peak 3.9-4.1 GiB at 9.2-10.0k tokens/s; trimming every 10 steps,
     3.4 GiB at 8.4k; every 5, 3.1 GiB at 8.0-8.1k; :class:`HeapTrimmer` with 1 GiB of headroom (the SFT loop's
     choice, :data:`pipeline.adapt.sft.TRIM_HEADROOM_MIB`), 2.8 GiB at 7.6k; with 0.5 GiB, 2.5 GiB at 7.0k. So the
     bound costs 10-20 % of SFT throughput, which the default pays to stay under the 4 GiB memory goal. A fixed low
@@ -131,7 +131,7 @@ def dtype_notice(dtype: str, device: str | torch.device = "cpu") -> str | None:
     """The line a phase prints when ``dtype: auto`` falls back to fp32 on `device`, else None.
 
     bf16 and fp32 runs of the same params give other weights and figures, and fp32 on a CPU takes about 4x as long
-    (session 15: adapt 3,213 s on an AVX2-only CPU against 834 s on an AVX512-BF16 one). The README's "Same figures
+    (adapt 3,213 s on an AVX2-only CPU against 834 s on an AVX512-BF16 one). The README's "Same figures
     where, and where not" says which kind of machine the committed figures come from. Said once per phase so that
     nobody compares runs of the two kinds unaware."""
     if dtype != "auto" or resolve_dtype(dtype, device) != torch.float32:

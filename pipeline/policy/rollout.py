@@ -28,21 +28,14 @@ How it works (``RolloutEngine._loop``):
   rest of the time.
 - **Continuous batching.** `batch_size` slots; when an episode ends, the next task takes its slot through the same
   chunk path. Once a quarter of the slots are idle and no task waits, the idle rows are dropped (one copy).
-- **The cache** (:class:`SlotCache`) is a ``transformers`` ``Cache`` whose layers keep preallocated ``[batch, heads,
-  capacity, head_dim]`` buffers and a used column range ``[start, end)``: a decode step writes one column (no
-  ``torch.cat`` of the whole cache per step, which ``DynamicLayer`` does: 3.5x slower at 800 tokens, batch 64);
-  columns that no row needs any more are released by moving ``start``. Each row's current segment is always its
-  *last* ``lens[row]`` columns, so the attention mask and the position ids follow from one length per row (left
-  padding, correct positions), and no compaction of the sequence dimension is ever needed. The mask is passed as a
-  ready 4-D mask (boolean for ``sdpa``, additive for ``eager``); every query may see itself, so padding never makes
-  NaN (masked columns are always finite: a zero softmax weight times NaN is still NaN).
+- **The cache** (:mod:`pipeline.policy.kv_cache`): preallocated per-slot buffers in which each row's current segment
+  is always its last ``lens[row]`` columns, so the masks and position ids follow from one length per row.
 - **transformers 5.24 API**: the forward takes ``cache=`` (``past_key_values`` is deprecated) and returns ``.cache``;
   ``logits_to_keep=1`` keeps the output projection to the last position.
 - **dtype**: ``fp32`` runs everything in fp32. ``bf16`` (and ``auto`` where the CPU supports bf16) runs the chunk
   prefills under bf16 autocast -- compute-bound, 2.3x faster -- but keeps single-token decode steps in fp32, which
   bench/rollout.py measured faster here: one-query attention is memory-bound and this CPU's bf16 SDPA kernel is slower
-  than its fp32 one (the prototype's "bf16 slowed decoding", ../shared/FINDINGS.md). The KV cache is stored in the
-  model's dtype.
+  than its fp32 one. The KV cache is stored in the model's dtype.
 
 What an episode record holds (the :func:`pipeline.policy.episodes.run_episode` fields, so ``summarize`` works unchanged,
 plus): ``token_ids`` (the whole episode as the model saw it, prompt included), ``logprobs`` (same length),
@@ -53,15 +46,10 @@ step, the change of R, so they sum to ``return``; per-turn credit reads them) an
 
 Decisions:
 
-- **Recorded log-probabilities are those of the distribution actually sampled from**: ``log_softmax(logits / T)``,
-  restricted to the top-p nucleus and renormalised (:func:`filtered_logprobs`, shared with
-  :func:`sequence_logprobs`). Greedy decoding records the model's own ``log_softmax(logits)`` (T = 1, no top-p) of the
-  argmax token, for diagnostics (a point mass would record 0 everywhere). In fp32 they equal a fp32 forward's to
-  ~1e-6; bf16 rollouts (bf16 prefills) move them by ~1e-2, so RL that needs exact old log-probabilities recomputes
-  them (:func:`sequence_logprobs`) or rolls out in fp32.
-- **Sampling** is inverse-CDF with one pre-drawn uniform per sampled token from a ``torch.Generator`` seeded with the
-  episode's seed: an episode's randomness depends only on its own seed, not on its batch neighbours or its slot, and
-  the same seeds give the same episodes on CPU.
+- **Recorded log-probabilities and sampling** (:mod:`pipeline.policy.sampling`): the log-probabilities of the
+  distribution actually sampled from (temperature, top-p); inverse-CDF sampling with one uniform per sampled token from
+  a generator seeded with the episode's seed, so an episode depends only on its own seed, not on its batch neighbours
+  or its slot.
 - **The token stream keeps what the policy wrote.** The environment strips whitespace around an action and replaces
   non-printable characters; the engine's token stream keeps the sampled tokens as they are (the policy conditions on its
   own output, and the recorded log-probabilities stay those of the stream). For a policy that writes the protocol, the
@@ -72,7 +60,8 @@ Decisions:
   re-encodes ``obs["context"]`` and starts a new *segment*: the record's ``segments`` gets the offset where the new
   prompt (mask 0) begins; the previous segment ends with the sampled action, without its observation (which lives
   in the new context). A segment is a self-contained sequence: recompute log-probabilities per segment
-  (:func:`sequence_logprobs` with ``segments=``, or :func:`split_segments`). The same happens when a segment would
+  (:func:`pipeline.policy.scoring.sequence_logprobs` with ``segments=``, or
+  :func:`~pipeline.policy.scoring.split_segments`). The same happens when a segment would
   outgrow the model's ``max_position_embeddings`` (and a context longer than that keeps its last tokens after
   ``<bos>``).
 - An action ends at ``</call>`` or ``<eos>`` (both sampled and recorded) or after ``max_new_tokens``; its decoded
@@ -92,338 +81,26 @@ from __future__ import annotations
 import math
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import DynamicCache
 
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime
-from pipeline.env.protocol import InvalidAction, parse_action
-from pipeline.env.tasks import Task
 from pipeline.core.errors import AgentRLError
+from pipeline.env.config import EnvConfig
+from pipeline.env.core import WorldRuntime
+from pipeline.env.tasks import Task
 from pipeline.policy.config import RolloutConfig
+from pipeline.policy.episode_drivers import EnvEpisode, OneAction, TokenStream
+from pipeline.policy.kv_cache import SharedPrefix, SlotCache, attention_impl, finish_mask, n_cache_layers
 from pipeline.policy.model import autocast_context, release_free_memory
+from pipeline.policy.sampling import sample_tokens
 from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_context, encode_continuation, marker_ids
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 DROP_IDLE_FRACTION = 0.25  # drop finished rows once this share of slots is idle (and no task waits)
 CHUNK_ATTENTION_BUDGET = 1 << 22  # query-key pairs per row-batch of a chunk prefill (bounds its peak memory)
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix (<bos> alone, unrelated prompts) is not worth a forward
 
 
-# ========================================================================================================= sampling
-def filtered_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
-    """Log-probabilities of the sampling distribution, shape of `logits` (..., vocab), float32.
-
-    ``log_softmax(logits / temperature)``; with ``top_p < 1`` only the nucleus (the smallest set of most probable
-    tokens whose mass reaches `top_p`) keeps finite values, renormalised; the rest are ``-inf``."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if top_p >= 1.0:
-        return logp
-    sorted_lp, order = logp.sort(dim=-1, descending=True)
-    p = sorted_lp.exp()
-    drop_sorted = (p.cumsum(-1) - p) >= top_p  # mass before this token already reaches top_p
-    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    logp = logp.masked_fill(drop, float("-inf"))
-    return logp - torch.logsumexp(logp, dim=-1, keepdim=True)
-
-
-def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float,
-                  greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of `logits` (n, vocab) by inverse CDF with `uniforms` (n,) in [0, 1).
-
-    Returns (tokens (n,), log-probabilities (n,)) -- see the module docstring for what the log-probabilities are."""
-    if greedy:
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        tok = logp.argmax(dim=-1)
-        return tok, logp.gather(-1, tok[:, None])[:, 0]
-    logp = filtered_logprobs(logits, temperature, top_p)
-    cdf = logp.double().exp().cumsum(dim=-1)
-    target = uniforms.double()[:, None] * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
-    lp = logp.gather(-1, tok[:, None])[:, 0]
-    bad = ~torch.isfinite(lp)  # only reachable by rounding at the very end of the CDF
-    if bool(bad.any()):
-        tok[bad] = logp[bad].argmax(dim=-1)
-        lp[bad] = logp[bad].gather(-1, tok[bad][:, None])[:, 0]
-    return tok, lp
-
-
-# ============================================================================================================ masks
-def attention_impl(model) -> str:
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl not in SUPPORTED_ATTENTION:
-        raise AgentRLError(f"the rollout engine supports attn_implementation {SUPPORTED_ATTENTION}, the model uses "
-                           f"{impl!r}; load it with attn_implementation='sdpa'")
-    return impl
-
-
-def _finish_mask(allowed: torch.Tensor, impl: str) -> torch.Tensor:
-    """A boolean 'may attend' mask (B, 1, Q, K) in the form the attention implementation expects."""
-    if impl == "sdpa":
-        return allowed
-    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-
-
-def prefill_mask(valid: torch.Tensor, impl: str = "sdpa") -> torch.Tensor:
-    """Causal 4-D mask (B, 1, T, T) for a padded batch whose real tokens are `valid` (B, T, bool); a query always sees
-    itself (padding rows stay finite)."""
-    T = valid.shape[1]
-    idx = torch.arange(T)
-    causal = idx[None, :] <= idx[:, None]
-    allowed = (causal[None] & valid[:, None, :]) | torch.eye(T, dtype=torch.bool)[None]
-    return _finish_mask(allowed[:, None], impl)
-
-
-def positions_from_valid(valid: torch.Tensor) -> torch.Tensor:
-    """Position ids that count only real tokens (left or right padding alike)."""
-    return (valid.long().cumsum(-1) - 1).clamp_(min=0)
-
-
-# ============================================================================================================ cache
-class SlotLayer(CacheLayerMixin):
-    """One layer of :class:`SlotCache`: preallocated ``[batch, heads, capacity, head_dim]`` key/value buffers and the
-    used column range ``[s, e)``. Columns left of ``s`` are zeros or stale finite values (a masked column must never
-    hold NaN: softmax weight 0 times NaN is NaN); columns right of ``e`` are written before any view covers them."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-    LEFT_SLACK = 64  # free columns kept left of the used range, so a row growing by a chunk rarely forces a copy
-
-    def __init__(self, batch_size: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.batch_size, self.dtype = batch_size, dtype
-        self.kbuf: torch.Tensor | None = None
-        self.vbuf: torch.Tensor | None = None
-        self.s = self.e = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        H, Dk, Dv = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
-        self.kbuf = key_states.new_zeros(self.batch_size, H, 0, Dk, dtype=self.dtype or key_states.dtype)
-        self.vbuf = value_states.new_zeros(self.batch_size, H, 0, Dv, dtype=self.dtype or value_states.dtype)
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def _views(self) -> None:
-        self.keys = self.kbuf[:, :, self.s:self.e]
-        self.values = self.vbuf[:, :, self.s:self.e]
-
-    def _realloc(self, left: int, right: int, rows: torch.Tensor | None = None) -> None:
-        """Move the used range (of `rows`, default all) into a fresh buffer: `left` zeroed columns, the used range,
-        `right` unwritten columns."""
-        L = self.e - self.s
-        k_old, v_old = self.kbuf[:, :, self.s:self.e], self.vbuf[:, :, self.s:self.e]
-        if rows is not None:
-            k_old, v_old = k_old[rows], v_old[rows]
-        B, H = k_old.shape[:2]
-        new_k = self.kbuf.new_empty(B, H, left + L + right, self.kbuf.shape[3])
-        new_v = self.vbuf.new_empty(B, H, left + L + right, self.vbuf.shape[3])
-        new_k[:, :, :left] = 0
-        new_v[:, :, :left] = 0
-        new_k[:, :, left:left + L] = k_old
-        new_v[:, :, left:left + L] = v_old
-        self.kbuf, self.vbuf, self.s, self.e = new_k, new_v, left, left + L
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[-2]
-        if self.e + q > self.kbuf.shape[2]:
-            L = self.e - self.s
-            self._realloc(min(self.s, self.LEFT_SLACK), max(L // 2, 64) + q)  # x1.5: amortised O(1)/column
-        self.kbuf[:, :, self.e:self.e + q] = key_states
-        self.vbuf[:, :, self.e:self.e + q] = value_states
-        self.e += q
-        self._views()
-        return self.keys, self.values
-
-    def ensure_length(self, n: int) -> None:
-        """Make the used range at least `n` columns long by extending it to the left (no row's mask admits the new
-        columns)."""
-        need = n - (self.e - self.s)
-        if need <= 0:
-            return
-        if self.s < need:
-            self._realloc(need + self.LEFT_SLACK, max(64, (self.e - self.s) // 2))
-        self.s -= need
-        self._views()
-
-    def release_left(self, n: int) -> None:
-        self.s += n
-        self._views()
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows `indices`: copies only the used range (plus room to grow)."""
-        if self.is_initialized:
-            self._realloc(min(self.s, self.LEFT_SLACK), max(self.kbuf.shape[2] - self.e, 16), rows=indices)
-            self._views()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.e - self.s + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.e - self.s
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class SlotCache(Cache):
-    """The rollout engine's KV cache: a ``transformers`` ``Cache`` of :class:`SlotLayer`, one row per slot, in which
-    each row's current segment is always its last ``lens[row]`` columns (see the module docstring)."""
-
-    def __init__(self, num_layers: int, batch_size: int, dtype: torch.dtype | None = None):
-        super().__init__(layers=[SlotLayer(batch_size, dtype) for _ in range(num_layers)])
-
-    @property
-    def length(self) -> int:
-        layer = self.layers[0]
-        return layer.e - layer.s
-
-    def history(self, rows: torch.Tensor, n: int) -> DynamicCache:
-        """A copy of the last `n` columns of `rows`, as a fresh cache to extend them in a side forward."""
-        cache = DynamicCache()
-        for i, layer in enumerate(self.layers):
-            cache.update(layer.kbuf[rows, :, layer.e - n:layer.e], layer.vbuf[rows, :, layer.e - n:layer.e], i)
-        return cache
-
-    def place(self, row: int, side: Cache, i: int, hist_end: int, kept: int, new_from: int, new: int) -> None:
-        """Make `row`'s last columns: `kept` columns of side-cache row `i` ending at `hist_end` (its history), then
-        its `new` columns starting at `new_from` (the chunk just computed). Grows to the left if needed."""
-        for layer, src in zip(self.layers, side.layers):
-            if not layer.is_initialized:
-                layer.lazy_initialization(src.keys, src.values)
-            layer.ensure_length(kept + new)
-            e = layer.e
-            for buf, sbuf in ((layer.kbuf, src.keys), (layer.vbuf, src.values)):
-                if kept:
-                    buf[row, :, e - new - kept:e - new] = sbuf[i, :, hist_end - kept:hist_end]
-                buf[row, :, e - new:e] = sbuf[i, :, new_from:new_from + new]
-            layer._views()
-
-    def release_left(self, n: int) -> None:
-        if n > 0:
-            for layer in self.layers:
-                layer.release_left(n)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.batch_select_indices(indices)
-
-
-class SharedPrefix:
-    """The keys and values of the token prefix that one engine call's first prompts share (module docstring, "Shared
-    prompt prefix"): ``ids`` and a one-row ``DynamicCache`` holding their columns, positions 0..len(ids)-1."""
-
-    def __init__(self, ids: list[int], cache: DynamicCache):
-        self.ids, self.cache = ids, cache
-
-    def covers(self, ids: list[int]) -> int:
-        """How many leading tokens of the fresh prompt `ids` the prefix's columns stand for: their common token-id
-        prefix, short of the prompt's last token (its logits sample the first action token, so it must be
-        prefilled). Keys and values at position j depend only on tokens 0..j, so any leading part of the prefix is
-        as valid as the whole."""
-        n, limit = 0, min(len(self.ids), len(ids) - 1)
-        while n < limit and self.ids[n] == ids[n]:
-            n += 1
-        return n
-
-    def history(self, hist: list[int]) -> DynamicCache:
-        """A side-forward history of ``len(hist)`` rows laid out as :meth:`SlotCache.history` lays out a row's: row
-        i's last ``hist[i]`` columns are the prefix's first ``hist[i]``; the columns left of them are zeros (masked,
-        finite)."""
-        H = max(hist)
-        side = DynamicCache()
-        for li, layer in enumerate(self.cache.layers):
-            kv = []
-            for src in (layer.keys, layer.values):
-                dst = src.new_zeros(len(hist), src.shape[1], H, src.shape[3])
-                for i, h in enumerate(hist):
-                    dst[i, :, H - h:] = src[0, :, :h]
-                kv.append(dst)
-            side.update(kv[0], kv[1], li)
-        return side
-
-
-def n_cache_layers(model) -> int:
-    cfg = model.config.get_text_config(decoder=True)
-    return cfg.num_hidden_layers
-
-
-# ========================================================================================================= episodes
-@dataclass
-class _Stream:
-    """Tokens of one episode as the model saw them."""
-
-    token_ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    action_mask: list = field(default_factory=list)
-    segments: list = field(default_factory=list)
-
-    def known(self, ids: list[int]) -> None:
-        self.token_ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.action_mask += [0] * len(ids)
-
-
-class _EnvEpisode:
-    """Drives one ToolTasksEnv episode for the engine (the same record fields as `evaluation.run_episode`)."""
-
-    def __init__(self, runtime: WorldRuntime, env_cfg: EnvConfig, task: Task, seed: int, options: dict | None = None):
-        self.task, self.seed = task, seed
-        self.env = ToolTasksEnv(world=runtime, tasks=[task], config=env_cfg)
-        obs, info = self.env.reset(seed=seed, options={**(options or {}), "task": task})
-        self.context = obs["context"]
-        self.obs, self.last_info = obs, info  # what a scripted policy acts on (RolloutEngine.demonstrate)
-        self.tool_names, self.max_chars = runtime.tool_names, env_cfg.max_action_chars
-        self.steps: list[dict] = []
-        self.actions: list[dict] = []
-        self.rewards: list[float] = []
-
-    def step(self, text: str) -> tuple[bool, str, bool, str]:
-        """Returns (done, observation text, folded, new context)."""
-        obs, reward, terminated, truncated, info = self.env.step(text)
-        self.obs, self.last_info = obs, info
-        self.rewards.append(float(reward))
-        self.steps.append({"action": info["action_text"], "observation": info["observation_text"]})
-        parsed = parse_action(text, self.tool_names, self.max_chars)
-        self.actions.append({"tool": None, "params": None, "error": parsed.reason} if isinstance(parsed, InvalidAction)
-                            else {"tool": parsed.name, "params": parsed.params})
-        done = terminated or truncated
-        if done:
-            self.info, self.truncated = info, truncated
-            self.env.close()
-        return done, info["observation_text"], bool(info["context_folded"]), obs["context"]
-
-    def record(self) -> dict:
-        task, info = self.task, self.info
-        return {
-            "task_id": task.task_id, "level": task.level, "family": task.family, "template_seen": task.template_seen,
-            "success": bool(info["is_success"]), "return": float(info["return"]), "truncated": bool(self.truncated),
-            "components": dict(info["reward_components"]), "n_calls": info["n_calls"],
-            "n_violations": info["n_violations"], "n_failed": info["n_failed"], "verifier": info["verifier"],
-            "answer": info["answer"], "ground_truth": info["ground_truth"], "steps": self.steps, "calls": info["calls"],
-            "actions": self.actions, "step_rewards": self.rewards, "seed": self.seed,
-        }
-
-
-class _OneAction:
-    """A 'episode' of one action from a given context (RolloutEngine.complete)."""
-
-    def __init__(self, context: str, seed: int):
-        self.context, self.seed, self.text = context, seed, None
-
-    def step(self, text: str) -> tuple[bool, str, bool, str]:
-        self.text = text
-        return True, "", False, self.context
-
-    def record(self) -> dict:
-        return {"context": self.context, "text": self.text, "seed": self.seed}
-
-
-# =========================================================================================================== engine
 class RolloutEngine:
     """Batched multi-turn rollouts of a causal LM policy in `agentrl/ToolTasks-v0` (see the module docstring).
 
@@ -458,7 +135,7 @@ class RolloutEngine:
         """Play one episode per (task, seed); returns the episode records in the order of `tasks`.
 
         `greedy` None means ``cfg.greedy``. `options`, one per episode, are extra reset options of the environment
-        (e.g. ``rename``, :meth:`pipeline.env.core.ToolTasksEnv._rename`). The same tasks, seeds and options give the
+        (see :meth:`pipeline.env.core.ToolTasksEnv.reset`). The same tasks, seeds and options give the
         same records."""
         if self.runtime is None:
             raise AgentRLError("RolloutEngine.run needs a WorldRuntime (pass runtime=...)")
@@ -468,7 +145,7 @@ class RolloutEngine:
             raise AgentRLError(f"run() got {len(tasks)} tasks but {len(options)} options; give one (or None) per "
                                f"episode")
         options = options or [None] * len(tasks)
-        makers = [lambda t=t, s=s, o=o: _EnvEpisode(self.runtime, self.env_cfg, t, int(s), o)
+        makers = [lambda t=t, s=s, o=o: EnvEpisode(self.runtime, self.env_cfg, t, int(s), o)
                   for t, s, o in zip(tasks, seeds, options)]
         max_turns = self.env_cfg.max_steps
         records = self._generate(makers, [int(s) for s in seeds], self.cfg.greedy if greedy is None else greedy,
@@ -495,7 +172,7 @@ class RolloutEngine:
                                f"options; give one of each per episode")
         records = []
         for task, seed, opt in zip(tasks, seeds, options):
-            ep, policy, s = _EnvEpisode(self.runtime, self.env_cfg, task, int(seed), opt), make_policy(), _Stream()
+            ep, policy, s = EnvEpisode(self.runtime, self.env_cfg, task, int(seed), opt), make_policy(), TokenStream()
             policy.reset(task)
             s.segments.append(0)
             s.known(self._prompt_ids(ep.context))
@@ -524,7 +201,7 @@ class RolloutEngine:
         """One action per context (batched): records with ``text`` (the decoded action), ``token_ids``, ``logprobs``,
         ``action_mask``. For single-turn capability checks and :class:`ModelPolicy`."""
         seeds = list(range(len(contexts))) if seeds is None else [int(s) for s in seeds]
-        makers = [lambda c=c, s=s: _OneAction(c, s) for c, s in zip(contexts, seeds)]
+        makers = [lambda c=c, s=s: OneAction(c, s) for c, s in zip(contexts, seeds)]
         return self._generate(makers, seeds, self.cfg.greedy if greedy is None else greedy, 1)
 
     # ---------------------------------------------------------------------------------------------------- internals
@@ -620,7 +297,7 @@ class RolloutEngine:
         rows_t = torch.tensor(rows, device=device)
         side = DynamicCache() if H == 0 else prefix.history(hist) if from_prefix else cache.history(rows_t, H)
         # one fresh prompt needs no mask: plain causal attention (sdpa's is_causal fast path)
-        mask = None if k == 1 and H == 0 else _finish_mask(allowed[:, None], self.impl).to(device)
+        mask = None if k == 1 and H == 0 else finish_mask(allowed[:, None], self.impl).to(device)
         logits = self._forward(inp.to(device), mask, pos.to(device), side, prefill=True)
         for i, (b, h, c) in enumerate(zip(rows, hist, sizes)):
             cache.place(b, side, i, H, h, H + C - c, c)
@@ -645,7 +322,7 @@ class RolloutEngine:
         act: list[list[int]] = [[] for _ in range(B)]
         pending: dict[int, tuple[bool, list[int]]] = {}  # row -> (new segment?, known tokens to append)
         episodes: dict[int, object] = {}
-        streams: dict[int, _Stream] = {}
+        streams: dict[int, TokenStream] = {}
         uniforms: dict[int, list[float]] = {}
         generators: dict[int, torch.Generator] = {}
         n_sampled: dict[int, int] = {}
@@ -656,7 +333,7 @@ class RolloutEngine:
         def start(b: int) -> None:
             e = waiting.popleft()
             ep = makers[e]()
-            episodes[e], streams[e], n_sampled[e] = ep, _Stream(), 0
+            episodes[e], streams[e], n_sampled[e] = ep, TokenStream(), 0
             generators[e] = torch.Generator().manual_seed(seeds[e])
             uniforms[e] = torch.rand(n_uniforms, generator=generators[e], dtype=torch.float64).tolist()
             ids = self._prompt_ids(ep.context)
@@ -754,7 +431,7 @@ class RolloutEngine:
             lens_t = torch.tensor(lens, dtype=torch.long)
             allowed = (torch.arange(L + 1)[None, :] >= (L - lens_t)[:, None])[:, None, None, :]
             logits = self._forward(torch.tensor(next_tok, dtype=torch.long)[:, None].to(device),
-                                   _finish_mask(allowed, self.impl).to(device), lens_t[:, None].to(device), cache)
+                                   finish_mask(allowed, self.impl).to(device), lens_t[:, None].to(device), cache)
             st["forwards"] += 1
             st["cache_columns"] += (L + 1) * len(slot_ep)
             for b in live:
@@ -776,55 +453,7 @@ class RolloutEngine:
         return out  # type: ignore[return-value]
 
 
-# ============================================================================================ recomputation for RL
-def split_segments(token_ids: list[int], values: list, segments: list[int] | None) -> list[list]:
-    """Cut a per-token list of an episode into its segments (see the module docstring)."""
-    starts = list(segments or [0]) + [len(token_ids)]
-    return [values[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
-
-def sequence_logprobs(model, token_ids, action_mask, temperature: float = 1.0, top_p: float = 1.0,
-                      segments: list[int] | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Recompute the sampling log-probabilities of a rollout with one forward pass (differentiable).
-
-    `token_ids`, `action_mask`: one episode (lists or 1-D tensors; `segments` its segment starts, each segment its own
-    row of the batch) or a batch (B, T) with `attention_mask` (B, T) marking real tokens (left or right padding).
-    Returns float32 log-probabilities shaped like `token_ids`: at position t, log p(token_t | tokens before t in its
-    segment) under :func:`filtered_logprobs` (temperature, top_p); 0 where `action_mask` is 0. With temperature 1 and
-    top_p 1 (and the same dtype) they equal the ``logprobs`` the engine recorded. Autocast is up to the caller."""
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(token_ids, dtype=torch.long)
-    amask = torch.as_tensor(action_mask, dtype=torch.long)
-    if ids.dim() == 1:
-        starts = list(segments or [0]) + [len(ids)]
-        pieces = [(a, b) for a, b in zip(starts[:-1], starts[1:]) if b > a]
-        T = max(b - a for a, b in pieces)
-        batch = torch.full((len(pieces), T), 0, dtype=torch.long)
-        valid = torch.zeros(len(pieces), T, dtype=torch.bool)
-        for i, (a, b) in enumerate(pieces):
-            batch[i, : b - a] = ids[a:b]
-            valid[i, : b - a] = True
-        lp = _batch_logprobs(model, batch.to(device), valid.to(device), temperature, top_p)
-        flat = torch.cat([lp[i, : b - a] for i, (a, b) in enumerate(pieces)])
-        return torch.where(amask.to(flat.device).bool(), flat, torch.zeros_like(flat))
-    if ids.dim() != 2:
-        raise ValueError(f"token_ids must be 1-D (one episode) or 2-D (a batch), got shape {tuple(ids.shape)}")
-    valid = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    lp = _batch_logprobs(model, ids.to(device), valid.to(device), temperature, top_p)
-    return torch.where(amask.to(lp.device).bool(), lp, torch.zeros_like(lp))
-
-
-def _batch_logprobs(model, ids: torch.Tensor, valid: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    impl = attention_impl(model)
-    logits = model(input_ids=ids, attention_mask=prefill_mask(valid.cpu(), impl).to(ids.device),
-                   position_ids=positions_from_valid(valid), use_cache=False).logits
-    logp = filtered_logprobs(logits[:, :-1], temperature, top_p)
-    picked = logp.gather(-1, ids[:, 1:, None])[..., 0]
-    picked = torch.where(valid[:, 1:], picked, torch.zeros_like(picked))
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
-
-
-# ====================================================================================================== one episode
 class ModelPolicy:
     """The language-model policy behind the ``reset(task)`` / ``act(obs, info) -> text`` interface of
     :func:`pipeline.policy.episodes.run_episode` (serving, single episodes). Each turn it encodes ``obs["context"]`` -- the

@@ -1,6 +1,6 @@
 """The policy's tokenizer: byte-level BPE trained locally on the environment's training text.
 
-Decisions (../shared/FINDINGS.md, "Pitfalls"):
+Decisions (the prototype's pitfalls):
 
 - **Byte-level BPE** over the full byte alphabet, so *any* text encodes (hostile unicode, control characters, emoji
   go through their UTF-8 bytes); no unknown token exists. Lone surrogates, which UTF-8 cannot represent, are replaced
@@ -32,12 +32,11 @@ Decisions (../shared/FINDINGS.md, "Pitfalls"):
 Measured on the default data (build_env defaults): training takes under a second and saturates at 884 tokens with
 ``vocab_size=1024`` (merges run out); a demonstration is ~164 tokens (prompt ~93, an action ~18).
 
-Deliberately left out: a chat template (the environment's context *is* the prompt, seed 3.3) and any text normalisation.
+Deliberately left out: a chat template (the environment's context *is* the prompt, the design document's section 3.3) and any text normalisation.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -48,6 +47,7 @@ from pipeline.env.prompt import render_header
 from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 from pipeline.env.tools import default_tools, signature
 from pipeline.core.errors import AgentRLError
+from pipeline.core.jsonl import iter_jsonl
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 MARKERS = (CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE)
@@ -143,18 +143,6 @@ def encode_turns(tokenizer, context: str, steps: Iterable[tuple[str, str]]) -> t
     return ids, mask
 
 
-def _jsonl(path: Path) -> Iterator[dict]:
-    if not path.is_file():
-        raise AgentRLError(f"{path}: not found (run `agentrl build-env` first)")
-    with path.open() as fh:
-        for i, line in enumerate(fh, start=1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise AgentRLError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-
-
 def corpus_texts(data_dir: str | Path = "data") -> Iterator[str]:
     """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``),
     the prompt header of every training question (``tasks/train.jsonl``; the header is in every policy input, so its
@@ -162,10 +150,11 @@ def corpus_texts(data_dir: str | Path = "data") -> Iterator[str]:
     observations (``demos/train.jsonl``). Validation and test files are never read."""
     data_dir = Path(data_dir)
     signatures = [signature(t) for t in default_tools()]
-    for doc in _jsonl(data_dir / "env" / "corpus.jsonl"):
+    hint = "run `agentrl build-env` first"
+    for doc in iter_jsonl(data_dir / "env" / "corpus.jsonl", "document corpus", hint=hint):
         yield f"{doc.get('title', '')}\n{doc.get('text', '')}"
-    for task in _jsonl(data_dir / "tasks" / "train.jsonl"):
+    for task in iter_jsonl(data_dir / "tasks" / "train.jsonl", "training tasks", hint=hint):
         yield render_header(task["question"], signatures)
-    for demo in _jsonl(data_dir / "demos" / "train.jsonl"):
+    for demo in iter_jsonl(data_dir / "demos" / "train.jsonl", "demonstrations", hint=hint):
         for step in demo["steps"]:
             yield step["action"] + step["observation"]

@@ -1,4 +1,4 @@
-"""The RL maths as pure functions of tensors (seed sections 2, 3.4, 3.5).
+"""The RL maths as pure functions of tensors (design document, sections 2, 3.4, 3.5).
 
 Shapes: token-level tensors are ``(batch, seq)``, where `batch` counts episodes and `seq` their (padded) token
 positions; `mask` is the rollout's action mask, 1 exactly on tokens the policy sampled and 0 on prompt, tool-output
@@ -12,13 +12,14 @@ References: PPO clipped surrogate and value clipping (Schulman et al. 2017; clea
 2016), computed over action tokens only, skipping observation tokens as verl does for multi-turn rollouts; GRPO group
 baseline (Shao et al. 2024) and RLOO leave-one-out baseline (Ahmadian et al. 2024); approximate KL ``k3``
 (Schulman, "Approximating KL divergence", 2020); truncated importance sampling ``w = min(c, π_train/π_sample)``
-(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (seed 1.4, 2.3); weight-space ensembling
-of the RL policy with its start (WiSE-FT, Wortsman et al. 2022).
+(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (design document 1.4, 2.3); weight-space
+ensembling of the RL policy with its start (WiSE-FT, Wortsman et al. 2022).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
 
@@ -95,7 +96,7 @@ def turn_ids(mask: torch.Tensor) -> torch.Tensor:
 
 def turn_token_rewards(turn_rewards: torch.Tensor, episode: torch.Tensor, turn: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-    """Each turn's reward on the last action token of that turn (per-turn credit for GAE, seed 2.2).
+    """Each turn's reward on the last action token of that turn (per-turn credit for GAE, design document 2.2).
 
     Args: turn_rewards (episodes, turns) r_{e,t}; episode (rows,) the episode of each row; turn (rows, seq) the turn
     index of each token (:func:`turn_ids` of the whole episode, so a turn keeps its index in a later row); mask
@@ -113,7 +114,7 @@ def turn_token_rewards(turn_rewards: torch.Tensor, episode: torch.Tensor, turn: 
 def turn_advantages(turn_returns: torch.Tensor, turn_mask: torch.Tensor, group_ids: torch.Tensor,
                     estimator: str = "grpo", scale_by_std: bool = True,
                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Critic-free advantages per turn (per-turn credit with a group baseline, seed 2.2).
+    """Critic-free advantages per turn (per-turn credit with a group baseline, design document 2.2).
 
     Args: turn_returns (episodes, turns) G_{e,t} = Σ_{t'≥t} γ^(t'−t) r_{e,t'} (:func:`discounted_returns`), padded
     after each episode's last turn; turn_mask (episodes, turns) 1 on real turns; group_ids (episodes,).
@@ -161,7 +162,7 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 def last_rows(episode: torch.Tensor) -> torch.Tensor:
     """Whether each row is the last of its episode (an episode's token segments are rows in order, see
-    ``trainer.collate_records``). (rows,) long -> (rows,) bool.
+    ``batch.collate_records``). (rows,) long -> (rows,) bool.
 
     >>> last_rows(torch.tensor([0, 0, 1, 2, 2, 2])).tolist()
     [False, True, True, False, False, True]
@@ -232,7 +233,7 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: s
 
 
 def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """R_t = Σ_{t'≥t} γ^(t'−t) r_t' along the last dimension (per-turn credit, seed 2.2)."""
+    """R_t = Σ_{t'≥t} γ^(t'−t) r_t' along the last dimension (per-turn credit, design document 2.2)."""
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[..., 0])
     for t in reversed(range(rewards.shape[-1])):
@@ -299,6 +300,19 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical over the last dimension: (..., vocab) -> (...)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(token_t | tokens_<t) of softmax(logits / temperature) at every position t ≥ 1 (position 0 gets 0):
+    logits (B, T, V), ids (B, T) -> (B, T), float32."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return F.pad(lp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) of the distribution that predicted each position t ≥ 1 (position 0
+    gets 0): (B, T, V) -> (B, T), float32."""
+    return F.pad(entropy_from_logits(logits[:, :-1] / temperature), (1, 0))
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -7,7 +7,7 @@ runs with NCCL, and with a hostfile (``deepspeed --hostfile hosts ...``) across 
 
 Precision: where the accelerator is a GPU with bf16, the engine runs in bf16 (``"bf16": {"enabled": "auto"}`` in the
 config files resolves to that). On the CPU the engine keeps fp32 master weights and the forward runs under
-``torch.autocast("cpu", bfloat16)`` when the CPU supports it (STACK.md: about 2× faster here), which the config's
+``torch.autocast("cpu", bfloat16)`` when the CPU supports it (about 2× faster on the CPUs measured), which the config's
 "auto" resolves to: DeepSpeed's bf16 optimizer is not used on CPU.
 """
 
@@ -53,7 +53,7 @@ class Dist:
     def close(self) -> None:
         """End of a multi-rank run: wait for every rank, then tear the process group down together. Without it a rank
         that finished early (rank 1 while rank 0 still writes metrics) exited with SIGABRT in the group's teardown
-        (one clean-clone CI run of session 4, `tests/test_train.py::test_two_deepspeed_ranks_train_and_report`). A
+        (seen in a clean-clone CI run of `tests/test_train.py::test_two_deepspeed_ranks_train_and_report`). A
         group of one (tests that call the worker in-process) is left as it is, so a later call in the same process
         reuses it."""
         if self.world_size > 1:
@@ -74,7 +74,7 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -89,7 +89,7 @@ def init_dist() -> Dist:
 
     if "WORLD_SIZE" not in os.environ:  # one process started directly (tests, `--num-ranks 1`)
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(_free_port())})
+                           "MASTER_PORT": str(free_port())})
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=None)
     rank, world = dist.get_rank(), dist.get_world_size()

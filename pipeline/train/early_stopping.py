@@ -1,8 +1,8 @@
-"""Early stopping on a validation metric, with patience (seed 5.2.2, item 3).
+"""Early stopping on a validation metric, with patience (design document, section 5.2.2, item 3).
 
-The trainer evaluates the policy greedily on the validation split every `eval_every` updates and feeds the chosen
+The training loop evaluates the policy greedily on the validation split every `eval_every` updates and feeds the chosen
 metric to :meth:`EarlyStopping.update`, which answers with a :class:`Decision`: whether this evaluation is a new best
-(the trainer then saves the policy as the stage's output, so the best checkpoint, not the last, is what the stage
+(the loop then saves the policy as the stage's output, so the best checkpoint, not the last, is what the stage
 produces), and whether to stop, with the reason in words.
 
 Rules, all in one place:

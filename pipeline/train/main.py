@@ -1,4 +1,4 @@
-"""Phase 3, `train`: DeepSpeed-distributed RL from the adapted policy (see :mod:`pipeline.train.trainer`).
+"""Phase 3, `train`: DeepSpeed-distributed RL from the adapted policy (see :mod:`pipeline.train.loop`).
 
 `main` launches ``train.num_ranks`` processes with the ``deepspeed`` launcher (each one
 :mod:`pipeline.train.worker`), or runs the single rank in this process when `num_ranks` is 1. Outputs:
@@ -40,7 +40,8 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
 
     from pipeline.policy.model import dtype_notice
 
-    # the learner's autocast is 'auto' (pipeline.train.trainer), on the ranks' device (pipeline.train.distributed.init_dist)
+    # the learner's autocast is 'auto' (pipeline.train.learner), on the ranks' device
+    # (pipeline.train.distributed.init_dist)
     if (notice := dtype_notice("auto", "cuda" if torch.cuda.is_available() else "cpu")) is not None:
         print(f"train: {notice}", flush=True)
     extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
@@ -49,11 +50,11 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
 
         run_worker(params_path, stop_after=stop_after)
         return
-    from pipeline.train.distributed import _free_port, child_env
+    from pipeline.train.distributed import free_port, child_env
     from pipeline.train.incoming import read_incoming
 
     read_incoming(cfg.incoming_tasks)  # AgentRLError naming the file, before any rank starts
-    cmd = launcher_command(params_path, cfg.num_ranks, _free_port(), extra)
+    cmd = launcher_command(params_path, cfg.num_ranks, free_port(), extra)
     # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
     # display); keep the last lines of everything for the error message
     tail: collections.deque[str] = collections.deque(maxlen=25)

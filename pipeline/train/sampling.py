@@ -1,19 +1,26 @@
-"""Sampling state of the RL phase (seed 2.1, 2.2, 3.2, 3.4): reward normalisation, adaptive entropy coefficient,
-curriculum with success-following level weights, and count-based goal sampling.
+"""What the RL phase samples and the state that drives it (design document, sections 2.1, 2.2, 3.2, 3.4): reward
+normalisation, adaptive entropy coefficient, curriculum with success-following level weights, count-based goal
+sampling, and :func:`plan_update`, which draws an update's tasks from them (:class:`SamplerState` bundles them for
+checkpoints).
 
 Each is a small class with explicit state, `state_dict()`/`load_state_dict()` so checkpoints restore it exactly,
-and no hidden randomness: callers pass a `numpy.random.Generator`.
+and no hidden randomness: callers pass a `numpy.random.Generator`. Playing the episodes is the rollout engine's job.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.core.errors import AgentRLError
+from pipeline.env.tasks import Task
+from pipeline.train.config import TrainConfig
+
 
 class RewardNormalizer:
-    """R' = (R − μ)/σ over the last `window` episode returns (seed 2.2, dynamic reward reshaping)."""
+    """R' = (R − μ)/σ over the last `window` episode returns (design document 2.2, dynamic reward reshaping)."""
 
     def __init__(self, window: int, eps: float = 1e-6):
         if window < 2:
@@ -45,7 +52,7 @@ class RewardNormalizer:
 
 class AdaptiveEntropyCoef:
     """λ of L = L_RL − λ·H(π): rises (×`rate`) while entropy is below `target`, decays back towards `init` above it,
-    kept within [`min_coef`, `max_coef`] (seed 2.1: λ in 0.01–0.1; 4.2: a dynamic entropy coefficient)."""
+    kept within [`min_coef`, `max_coef`] (design document 2.1: λ in 0.01–0.1; 4.2: a dynamic entropy coefficient)."""
 
     def __init__(self, init: float, target: float, rate: float = 1.5, min_coef: float = 0.0, max_coef: float = 0.1):
         self.value, self.init, self.target, self.rate = init, init, target, rate
@@ -69,7 +76,7 @@ class AdaptiveEntropyCoef:
 class Curriculum:
     """Difficulty levels unlocked in order: the next level opens when recent success on the highest open level
     passes `threshold`. Among open levels, weights follow recent failure, max(`floor`, 1 − success), so rollouts go
-    where the policy still fails (../shared/FINDINGS.md: this made RL take off in 3 runs of 3)."""
+    where the policy still fails (this is what made RL take off, in 3 runs of 3)."""
 
     def __init__(self, levels: list[int], start_level: int, threshold: float, floor: float = 0.1, window: int = 64):
         if start_level not in levels:
@@ -123,7 +130,8 @@ class Curriculum:
 
 
 class GoalSampler:
-    """p(g) ∝ 1/(count(g) + 1) over the tasks of a level (seed 3.2: goal sampling towards rarely tried goals)."""
+    """p(g) ∝ 1/(count(g) + 1) over the tasks of a level (design document 3.2: goal sampling towards rarely tried
+    goals)."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
@@ -145,3 +153,55 @@ class GoalSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = dict(state["counts"])
+
+
+@dataclass
+class SamplerState:
+    """Everything the task sampling depends on; checkpointed with the engine."""
+
+    curriculum: Curriculum
+    goals: GoalSampler
+    normalizer: RewardNormalizer | None
+    entropy: AdaptiveEntropyCoef
+    rng: np.random.Generator
+
+    def state_dict(self) -> dict:
+        return {"curriculum": self.curriculum.state_dict(), "goals": self.goals.state_dict(),
+                "normalizer": self.normalizer.state_dict() if self.normalizer else None,
+                "entropy": self.entropy.state_dict(), "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.curriculum.load_state_dict(s["curriculum"])
+        self.goals.load_state_dict(s["goals"])
+        if self.normalizer is not None and s["normalizer"] is not None:
+            self.normalizer.load_state_dict(s["normalizer"])
+        self.entropy.load_state_dict(s["entropy"])
+        self.rng.bit_generator.state = s["rng"]
+
+
+def make_sampler_state(cfg: TrainConfig) -> SamplerState:
+    return SamplerState(
+        curriculum=Curriculum([1, 2, 3, 4], cfg.curriculum_start_level, cfg.curriculum_threshold,
+                              cfg.level_weight_floor, cfg.level_success_window),
+        goals=GoalSampler(),
+        normalizer=RewardNormalizer(cfg.reward_norm_window) if cfg.reward_norm_window else None,
+        entropy=AdaptiveEntropyCoef(cfg.entropy_coef, cfg.entropy_target or 0.0, max_coef=cfg.entropy_coef_max),
+        rng=np.random.default_rng([cfg.seed, 7]),
+    )
+
+
+def plan_update(state: SamplerState, tasks_by_level: dict[int, list[Task]], cfg: TrainConfig) -> list[Task]:
+    """The update's tasks (same on every rank, since the state is): stratified levels, goal-sampled tasks."""
+    levels = state.curriculum.sample_levels(cfg.tasks_per_update, state.rng)
+    chosen = []
+    for lv in levels:
+        pool = tasks_by_level.get(lv) or []
+        if not pool:
+            raise AgentRLError(f"no training task of level {lv}; the curriculum cannot sample it")
+        ids = [t.task_id for t in pool]
+        if cfg.goal_sampling:
+            tid = state.goals.sample(ids, 1, state.rng)[0]
+        else:
+            tid = ids[int(state.rng.integers(len(ids)))]
+        chosen.append(next(t for t in pool if t.task_id == tid))
+    return chosen

@@ -40,12 +40,12 @@ def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, 
     """Greedy test-split metrics of each policy (same tasks, same seeds), per level."""
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
-    from pipeline.train.trainer import _evaluate
+    from pipeline.train.validation import evaluate_greedy
 
     out = {}
     for name, path in policy_dirs.items():
         model, tok, _ = load_policy(path)
-        out[name] = _evaluate(RolloutEngine(model, tok, runtime, env_cfg, rollout_cfg), tasks, dist, seed=20_000)
+        out[name] = evaluate_greedy(RolloutEngine(model, tok, runtime, env_cfg, rollout_cfg), tasks, dist, seed=20_000)
     return out
 
 
@@ -76,10 +76,10 @@ def seen_wording_headroom(sft: dict) -> dict | None:
     """The most RL can add to the SFT policy's test success by solving the seen-wording tasks that SFT fails, per
     level (``level_<lv>``) and overall: the share of each level's test tasks that are in a training wording and not
     solved by SFT. RL trains on the training wordings only, so a gain above this needs the policy to carry what it
-    learns over to the held-out wording (about 18 % of the test split, issue 2's template hold-out), which no
-    training signal reaches. Read it beside ``delta_rl_minus_sft``: issue 4's targets (+40 points on the hardest
-    level, +20 overall) are out of reach from a start whose headroom is below them. None for a split without
-    held-out wordings (no ``per_level_template_seen``, see :func:`pipeline.train.trainer._evaluate`)."""
+    learns over to the held-out wording (about 18 % of the test split: each task family's fifth wording is held out
+    of training), which no training signal reaches. Read it beside ``delta_rl_minus_sft``: a target gain above the
+    headroom is out of reach from that start. None for a split without held-out wordings (no
+    ``per_level_template_seen``, see :func:`pipeline.train.validation.evaluate_greedy`)."""
     seen = sft.get("per_level_template_seen")
     if seen is None:
         return None
@@ -98,10 +98,11 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                curve_path: str = "metrics/train_curve.csv", data_dir: str = "data", stop_after: int | None = None,
                before_learn=None) -> dict:
     """Train one rank (see the module docstring); `stop_after` and `before_learn` are passed to
-    :func:`pipeline.train.trainer.train` (tests stop or kill a run midway with them). Returns the trainer's result."""
+    :func:`pipeline.train.loop.train` as :class:`pipeline.train.loop.Hooks` (tests stop or kill a run midway with
+    them). Returns the loop's result."""
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.distributed import init_dist
-    from pipeline.train.trainer import train
+    from pipeline.train.loop import Hooks, train
     from pipeline.core.tracking import NullTracker, Tracker
 
     env_cfg = load_section(EnvConfig, "env", params_path)
@@ -120,23 +121,15 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
     incoming = load_incoming(cfg.incoming_tasks, train_tasks=train_tasks, test_tasks=test_tasks, runtime=runtime)
     if dist.is_main:
         print(incoming.describe(), flush=True)
-    demos, pool = None, None
-    if cfg.bc_entity_augmentation > 0 or cfg.rollout_entity_augmentation > 0:
-        from pipeline.adapt.sft import NamePool
-
-        pool = NamePool.from_entities(json.loads((data / "env" / "entities.json").read_text()))
+    demos = None
     if cfg.bc_coef > 0:
-        import numpy as np
-
         from pipeline.policy.model import load_policy
-        from pipeline.adapt.sft import demo_examples, load_demos
+        from pipeline.policy.demos import demo_examples, load_demos
 
         _, tok, _ = load_policy(adapted)
         questions = {t.task_id: t.question for t in train_tasks}
         demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
-                              questions, env_cfg.history_window, entities={t.task_id: t.entities for t in train_tasks},
-                              pool=pool, augment_prob=cfg.bc_entity_augmentation,
-                              rng=np.random.default_rng([cfg.seed, 13]))
+                              questions, env_cfg.history_window)
     ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
     tracker = Tracker() if dist.is_main else NullTracker()
     t0 = time.perf_counter()
@@ -149,8 +142,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                           else rollout_cfg.model_copy(update={"temperature": cfg.rollout_temperature}))
         result = train(cfg, env_cfg, rl_rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks + incoming.tasks,
                        val_tasks=val_tasks, runtime=runtime, out_dir=Path(out), ckpt_dir=ckpt_dir, dist=dist,
-                       run=run, demo_examples=demos, stop_after=stop_after, before_learn=before_learn,
-                       name_pool=pool)
+                       run=run, demo_examples=demos, hooks=Hooks(stop_after=stop_after, before_learn=before_learn))
         result["incoming"] = incoming.summary
         if not result["completed"]:
             dist.close()
@@ -203,7 +195,7 @@ def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_d
     checkpoints, and a run with other params, another adapted model, other incoming tasks (`incoming_digest`,
     :attr:`pipeline.train.incoming.IncomingTasks.digest`), another DeepSpeed config file or other code
     (:func:`source_digest`) starts fresh instead of resuming a stranger. Without the code in the key, a `dvc repro`
-    after a change to the trainer would resume the finished run of the old code and train nothing."""
+    after a change to the training code would resume the finished run of the old code and train nothing."""
     import hashlib
 
     meta = Path(adapted) / "policy.json"

@@ -1,8 +1,7 @@
 """Great Expectations suites for episode data: "trajectories" (rollouts, with tokens) and "evaluation" (evaluation
-episodes), registered with :func:`pipeline.core.validation.register_suite` when this module is imported
-(``import pipeline.check_drift`` does it).
+episodes); :func:`pipeline.env.suites.register_suites` registers them with the generic registry.
 
-Both check the rules the issue names, row by row, each as an ordinary GX expectation on a column derived from the
+Both check these rules row by row, each as an ordinary GX expectation on a column derived from the
 record (the ``validation`` module's convention), so a failure names its row and, through the derived column's value,
 what is wrong:
 
@@ -23,7 +22,7 @@ what is wrong:
   refuses a blank answer (the `answer` tool's schema), so a row that breaks this rule is a recording defect, not a
   policy that answered with nothing.
 
-Deliberately left out: the demonstrations' schema (suite "demos" in pipeline.core.validation) and cross-record rules.
+Deliberately left out: the demonstrations' schema (suite "demos" in pipeline.env.suites) and cross-record rules.
 """
 
 from __future__ import annotations
@@ -34,12 +33,12 @@ from typing import Any
 
 import pandas as pd
 
+from pipeline.core.validation import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, NON_BLANK, STR_TYPES
 from pipeline.env.config import LEVELS, EnvConfig, RewardWeights
 from pipeline.env.protocol import InvalidAction, parse_action, sanitize
 from pipeline.env.tasks import FAMILIES
 from pipeline.env.tools import TOOL_NAMES
 from pipeline.env.verifier import ANSWER, INVALID_ACTION, OUTCOMES
-from pipeline.core.validation import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, NON_BLANK, STR_TYPES, register_suite
 
 OK = "ok"  # value of a derived *_problem column for a record without the problem
 COMPONENT_RANGES = {"correctness": (0.0, 1.0), "efficiency": (-1.0, 0.0), "safety": (-1.0, 0.0),
@@ -153,7 +152,8 @@ def _column(df: pd.DataFrame, name: str) -> list:
     return [None if isinstance(v, float) and math.isnan(v) else v for v in df[name].tolist()]
 
 
-def _derive_episodes(df: pd.DataFrame) -> dict[str, list]:
+def derive_episodes(df: pd.DataFrame) -> dict[str, list]:
+    """The derived columns both episode suites check (one list per column, one value per record)."""
     steps, calls, comps, answers, success = (_column(df, c) for c in ("steps", "calls", "components", "answer",
                                                                       "success"))
     records = df.to_dict("records") if len(df) else []
@@ -219,7 +219,6 @@ def _episode_expectations(gxe, env_cfg: EnvConfig | None) -> list:
     ]
 
 
-@register_suite("trajectories", id_column="task_id", derive=_derive_episodes)
 def trajectories_suite(env_cfg: EnvConfig | None = None, require_tokens: bool = False) -> list:
     """Episode records of rollouts (pipeline.policy.rollout) or of run_episode; `env_cfg` (default EnvConfig())
     gives the reward weights and the step budget; `require_tokens` makes token_ids/action_mask mandatory."""
@@ -232,7 +231,6 @@ def trajectories_suite(env_cfg: EnvConfig | None = None, require_tokens: bool = 
     return out
 
 
-@register_suite("evaluation", id_column="task_id", derive=_derive_episodes)
 def evaluation_suite(env_cfg: EnvConfig | None = None) -> list:
     """Per-episode evaluation outputs (the records of pipeline.policy.episodes.run_episode / evaluate); `env_cfg` (default
     EnvConfig()) gives the reward weights and the step budget."""

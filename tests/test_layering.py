@@ -1,0 +1,135 @@
+"""The library's layering, read from the import statements of every module under pipeline/.
+
+Rules (each import anywhere in a file counts, inside functions too, relative imports resolved):
+
+- the library imports no orchestrator and nothing of the flows: no ``prefect``, no ``flows``;
+- MLflow is imported only by the tracking, registry and model-packaging modules (:data:`MLFLOW_MODULES`);
+- the packages form layers: ``core`` imports no other pipeline package, ``env`` only ``core``, ``policy`` only
+  ``core`` and ``env``; a phase package imports those three and never another phase. One exception is listed by
+  name (:data:`CONFIG_READS`): ``check_drift`` reads the ``build_env`` section through ``pipeline.build_env.config``,
+  because its fresh reference samples must be drawn with the settings the build drew the training tasks with.
+
+The checker is a plain function over a folder, so a test can also run it on a temporary tree that breaks each rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FORBIDDEN = ("prefect", "flows")
+MLFLOW_MODULES = frozenset({"core/tracking.py", "deploy/registry.py", "deploy/pyfunc.py", "deploy/pyfunc_entry.py"})
+SHARED = ("core", "env", "policy")
+PHASES = ("build_env", "adapt", "train", "evaluate", "check_drift", "deploy")
+ALLOWED = {"core": set(), "env": {"core"}, "policy": {"core", "env"}, **{p: set(SHARED) for p in PHASES}}
+# A phase that must read another phase's params section the way that phase does: (reader, "phase.config").
+CONFIG_READS = frozenset({("check_drift", "build_env.config")})  # a fresh reference sample uses the build's settings
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import in `source`, the module being `module` (relative imports resolved).
+
+    ``from a import b`` yields ``a.b`` as well as ``a``, so that ``from pipeline import train`` names the package.
+    """
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names if alias.name != "*"]
+    return out
+
+
+def layering_violations(pipeline_dir: Path) -> list[str]:
+    """Every import under `pipeline_dir` that breaks a rule of the module docstring, as "path:line: what"."""
+    problems = {}  # (file, line, rule) -> message: `from a import b` reports once, naming a.b
+    for path in sorted(pipeline_dir.rglob("*.py")):
+        rel = path.relative_to(pipeline_dir)
+        parts = list(rel.with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join(["pipeline", *(parts[:-1] if is_package else parts)])
+        own = rel.parts[0] if len(rel.parts) > 1 else None  # None: pipeline/__init__.py itself
+        where = f"pipeline/{rel.as_posix()}"
+        for line, name in imported_modules(path.read_text(encoding="utf-8"), module, is_package):
+            top = name.split(".")[0]
+            if top in FORBIDDEN:
+                key, what = top, f"imports {name} (the library imports no {top})"
+            elif top == "mlflow" and rel.as_posix() not in MLFLOW_MODULES:
+                key, what = top, f"imports {name} (MLflow only in {sorted(MLFLOW_MODULES)})"
+            elif top == "pipeline" and own is not None and name.count("."):
+                target = name.split(".")[1]
+                if target not in ALLOWED or target == own or target in ALLOWED.get(own, set()):
+                    continue
+                if (own, ".".join(name.split(".")[1:3])) in CONFIG_READS:
+                    continue
+                key, what = target, f"pipeline.{own} imports pipeline.{target} ({name})"
+            else:
+                continue
+            problems.setdefault((where, line, key), f"{where}:{line}: {what}")
+    return sorted(problems.values())
+
+
+def test_the_library_keeps_its_layers():
+    problems = layering_violations(ROOT / "pipeline")
+    assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in (ROOT / "pipeline").iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert packages == set(ALLOWED), f"packages without a layer rule: {sorted(packages - set(ALLOWED))}"
+
+
+def test_the_mlflow_modules_exist():
+    missing = [m for m in MLFLOW_MODULES if not (ROOT / "pipeline" / m).is_file()]
+    assert not missing, f"the MLflow allow-list names modules that are gone: {missing}"
+
+
+BAD_IMPORTS = {
+    "core/a.py": ("def f():\n    import prefect\n", "imports prefect"),
+    "core/b.py": ("from flows.cli import main\n", "imports flows.cli"),
+    "env/c.py": ("import flows.summary as s\n", "imports flows.summary"),
+    "env/d.py": ("import mlflow\n", "imports mlflow (MLflow only"),
+    "core/e.py": ("from pipeline.env import tasks\n", "pipeline.core imports pipeline.env"),
+    "env/f.py": ("from pipeline.policy.model import load_policy\n", "pipeline.env imports pipeline.policy"),
+    "policy/g.py": ("from pipeline import train\n", "pipeline.policy imports pipeline.train"),
+    "train/h.py": ("def f():\n    from pipeline.adapt.sft import x\n", "pipeline.train imports pipeline.adapt"),
+    "deploy/i.py": ("from ..evaluate import report\n", "pipeline.deploy imports pipeline.evaluate"),
+    "check_drift/j.py": ("from . import suites\nfrom ..env import tasks\nimport mlflow.pyfunc\n",
+                         "imports mlflow.pyfunc"),
+}
+
+
+@pytest.mark.parametrize("rel", sorted(BAD_IMPORTS))
+def test_the_checker_reports_an_added_import(tmp_path, rel):
+    source, expected = BAD_IMPORTS[rel]
+    for name in ("core", "env", "policy", "train", "deploy", "check_drift", "evaluate", "adapt"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    (tmp_path / rel).write_text(source)
+    problems = layering_violations(tmp_path)
+    assert len(problems) == 1 and expected in problems[0] and problems[0].startswith(f"pipeline/{rel}:"), problems
+
+
+def test_the_checker_accepts_allowed_imports(tmp_path):
+    files = {
+        "core/a.py": "import json\nfrom pipeline.core.errors import AgentRLError\nfrom . import errors\n",
+        "core/tracking.py": "def f():\n    import mlflow\n",
+        "env/b.py": "from pipeline.core.jsonl import read_jsonl\nfrom .tasks import Task\n",
+        "policy/c.py": "from pipeline.env.tasks import Task\nfrom pipeline.core import config\n",
+        "train/d.py": "from pipeline.policy import model\nfrom pipeline.train.config import TrainConfig\n",
+        "__init__.py": "import os\n",
+    }
+    for rel, source in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(source)
+    assert layering_violations(tmp_path) == []
