@@ -1,4 +1,5 @@
-"""The build_env phase: outputs, validation at the boundary, atomic publish, and bad input at the CLI."""
+"""The build_env phase: outputs, validation at the boundary, atomic publish, demonstration flaws, and bad input at
+the CLI."""
 
 from __future__ import annotations
 
@@ -227,3 +228,37 @@ def test_tracking_off_builds_without_mlflow_and_a_bad_switch_stops_first(tmp_pat
                          text=True, env=env)  # tracking on, MLflow not importable: a clear error, not a traceback
     assert out.returncode == 2 and "MLflow cannot be imported" in out.stderr and "AGENTRL_TRACKING=off" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_wrong_value_prob_makes_demonstrations_that_answer_a_wrong_value(built, tmp_path, monkeypatch):
+    """`build_env.demos.wrong_value_prob: 1.0` (set in params.yaml, run through the phase): every demonstration carries
+    the flaw `wrong_value`: it makes the expert's calls and then answers a wrong value (a number off by 1 to 19, a text
+    with a suffix), so it fails; the default (0) makes no such demonstration."""
+    from pipeline.build_env.main import main
+    from pipeline.env.protocol import parse_action
+    from pipeline.env.tasks import answers_match
+    from pipeline.env.tools import TOOL_NAMES
+
+    monkeypatch.setenv("AGENTRL_TRACKING", "off")
+    (tmp_path / "params.yaml").write_text(
+        "build_env:\n  n_products: 60\n  n_suppliers: 12\n  tasks_per_split: {train: 40, validation: 8, test: 8}\n"
+        "  demos:\n    level_coverage: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}\n    wrong_value_prob: 1.0\n")
+    metrics = main(str(tmp_path / "params.yaml"), str(tmp_path / "data"), str(tmp_path / "metrics.json"))
+    assert metrics["demos"]["per_flaw"] == {"wrong_value": 40} and metrics["demos"]["success_rate"] == 0.0
+    assert metrics["validation"]["expectations_failed"] == 0
+
+    tasks = {json.loads(line)["task_id"]: json.loads(line)
+             for line in (tmp_path / "data/tasks/train.jsonl").read_text().splitlines()}
+    demos = [json.loads(line) for line in (tmp_path / "data/demos/train.jsonl").read_text().splitlines()]
+    assert len(demos) == 40
+    for d in demos:
+        task = tasks[d["task_id"]]
+        calls = [parse_action(s["action"], TOOL_NAMES) for s in d["steps"]]
+        assert [c.name for c in calls] == [s["tool"] for s in task["plan"]]  # the expert's calls, nothing extra
+        given = calls[-1].params["value"]
+        assert not d["success"] and not answers_match(given, task["answer"]), (given, task["answer"])
+        try:
+            assert 1 <= abs(float(given) - float(task["answer"])) <= 19
+        except ValueError:
+            assert given == f"{task['answer']} Ltd"
+    assert "wrong_value" not in built[1]["demos"]["per_flaw"]  # the default: the switch off

@@ -1,6 +1,7 @@
 """The drift and state-representation checks: statistics with known answers, quiet on fresh reference samples and loud
 on the documented drifted samples (with the false-alarm rate printed), train/serve consistency down to one changed
-character, the GX episode suites, and the `check_drift` phase end to end (bad input refused, verdict file written).
+character, the GX episode suites, and the `check_drift` phase end to end (bad input refused, verdict file written,
+and each input or failure switch of its config turned on).
 
 Everything runs on a world of build_env's default size and a tiny randomly initialised Llama with a tokenizer trained
 here; no test takes more than a few seconds.
@@ -511,3 +512,109 @@ def test_phase_with_a_policy_runs_every_check(project, tiny_lm):
     assert c["consistency"]["status"] == "pass" and c["consistency"]["tokens_identical"]
     assert c["state_drift"]["status"] in ("pass", "fail") and c["state_drift"]["n_reference"] <= 40
     assert c["trajectory_drift"]["status"] in ("pass", "fail") and c["trajectory_drift"]["n_tests"] >= 5
+
+
+# ------------------------------------------------------------------------------------------- the phase's switches
+def _set_params(root: Path, **check_drift) -> None:
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["check_drift"].update(check_drift)
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def test_fail_on_drift_fails_the_phase_after_writing_the_verdict_and_passes_without_drift(project, world):
+    """`check_drift.fail_on_drift`: a failed check makes the phase a user error (AgentRLError: exit 2 at the CLI)
+    naming the failed checks, and metrics/drift.json still holds the full verdict; a verdict that passes does not."""
+    from pipeline.check_drift.main import main
+
+    _set_params(project, fail_on_drift=True, false_alarm_repeats=0)
+    assert main()["passed"]  # the validation split: no drift, no error
+    drifted = C.make_drifted_tasks(world, 150, "level_shift", seed=5, split="validation")
+    (project / "data" / "incoming").mkdir()
+    write_tasks([Task.from_dict(t) for t in drifted.tasks], project / "data" / "incoming" / "batch-001.jsonl")
+    with pytest.raises(AgentRLError, match=r"check_drift: checks failed: .*task_drift.* \(see metrics/drift.json\)"):
+        main()
+    verdict = _verdict(project)  # written before the phase failed: the verdict, not an error record
+    assert verdict["verdict"] == "fail" and verdict["passed"] is False and "task_drift" in verdict["failed_checks"]
+    assert "level" in verdict["checks"]["task_drift"]["drifted_features"]
+
+
+@pytest.fixture
+def expert_and_random_episodes(project, world):
+    """Expert episodes on 60 training tasks (the reference behaviour, written as the demonstrations file) and expert
+    and random episodes on 40 validation tasks (for current-episode files)."""
+    from pipeline.env.tasks import load_task_file
+
+    tasks = {s: load_task_file(project / "data" / "tasks" / f"{s}.jsonl") for s in ("train", "validation")}
+    runtime = WorldRuntime(world)
+    try:
+        _, reference = evaluate("expert", tasks["train"][:60], runtime, EnvConfig())
+        _, expert = evaluate("expert", tasks["validation"][:40], runtime, EnvConfig())
+        _, rand = evaluate("random", tasks["validation"][:40], runtime, EnvConfig())
+    finally:
+        runtime.close()
+    demos = project / "data" / "demos" / "train.jsonl"
+    demos.parent.mkdir(parents=True)
+    demos.write_text("".join(json.dumps(r) + "\n" for r in reference))
+    return expert, rand
+
+
+def _write_episodes(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_current_trajectories_are_read_from_the_file(project, expert_and_random_episodes):
+    """`check_drift.current_trajectories`: with no policy to roll out, the behaviour check compares the reference
+    episodes with the file's episodes (all of them), fires when the file holds other behaviour, and refuses a file
+    that breaks the "trajectories" suite."""
+    from pipeline.check_drift.main import main
+
+    expert, rand = expert_and_random_episodes
+    same = _write_episodes(project / "expert.jsonl", expert[:30])
+    other = _write_episodes(project / "random.jsonl", rand)
+    _set_params(project, current_trajectories=same, false_alarm_repeats=0)
+    verdict = main()
+    traj = verdict["checks"]["trajectory_drift"]
+    assert verdict["inputs"]["current_episodes"] == same and verdict["inputs"]["n_current_episodes"] == 30
+    assert verdict["inputs"]["n_reference_episodes"] == 60 and traj["reference"] == "data/demos/train.jsonl"
+    assert traj["status"] == "pass" and traj["current"] == same and traj["n_tests"] >= 2
+    tested = {k: f for k, f in traj["features"].items() if f["test"] != "skipped"}
+    assert "tool_sequence" in tested and {(f["n_reference"], f["n_current"]) for f in tested.values()} == {(60, 30)}
+
+    _set_params(project, current_trajectories=other)
+    traj = main()["checks"]["trajectory_drift"]
+    assert traj["status"] == "fail" and traj["current"] == other
+    assert {"tool_sequence", "n_failed"} & set(traj["drifted_features"]), traj["drifted_features"]
+
+    bad = copy.deepcopy(expert[:30])
+    bad[4]["return"] = 9.0
+    _set_params(project, current_trajectories=_write_episodes(project / "bad.jsonl", bad))
+    with pytest.raises(AgentRLError, match="bad.jsonl") as err:
+        main()
+    assert "return" in str(err.value) and _verdict(project)["verdict"] == "error"
+
+
+def test_current_world_dir_gives_the_current_tasks_entity_values(project, world):
+    """`check_drift.current_world_dir`: the current tasks' entity features are read from that world. Tasks on a copy of
+    the world with every price redrawn show price drift only when the check reads the copy; a missing world is
+    refused."""
+    from pipeline.check_drift.main import main
+
+    shifted = C.make_drifted_tasks(world, 150, "value_shift", seed=5, split="validation")
+    write_world(shifted.world, project / "data" / "env-current")
+    (project / "data" / "incoming").mkdir()
+    write_tasks([Task.from_dict(t) for t in shifted.tasks], project / "data" / "incoming" / "batch-001.jsonl")
+    _set_params(project, false_alarm_repeats=0)
+
+    price = lambda v: v["checks"]["task_drift"]["features"]["entity_price"]  # noqa: E731
+    same_world = main()
+    assert price(same_world)["test"] == "ks" and not price(same_world)["drifted"]  # reference prices, same entities
+    _set_params(project, current_world_dir="data/env-current")
+    other_world = main()
+    assert price(other_world)["drifted"] and "entity_price" in other_world["checks"]["task_drift"]["drifted_features"]
+    assert price(other_world)["n_current"] == price(same_world)["n_current"]  # the same entities, other values
+    assert other_world["inputs"]["unknown_current_entities"] == 0
+
+    _set_params(project, current_world_dir="data/no-such-world")
+    with pytest.raises(AgentRLError, match="no-such-world"):
+        main()
