@@ -158,6 +158,16 @@ def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from
         runtime.close()
 
 
+def test_flaw_chances_that_add_up_to_more_than_one_are_refused():
+    """A demonstration gets one flaw at most (the chances share one draw), so chances summing past 1 would silently
+    drop the later flaws: refused, naming the three keys."""
+    from pipeline.build_env.config import DemoConfig
+
+    assert DemoConfig(wrong_value_prob=0.5, wrong_order_prob=0.25, redundant_call_prob=0.25)
+    with pytest.raises(ValueError, match="wrong_value_prob \\+ wrong_order_prob \\+ redundant_call_prob must be at most 1"):
+        DemoConfig(wrong_value_prob=1.0)  # with the default 0.1 + 0.1
+
+
 def test_family_coverage_overrides_its_level_and_names_only_known_families(built):
     from pipeline.env.core import WorldRuntime, load_tasks
     from pipeline.env.tasks import FAMILY_LEVEL
@@ -242,7 +252,8 @@ def test_wrong_value_prob_makes_demonstrations_that_answer_a_wrong_value(built, 
     monkeypatch.setenv("AGENTRL_TRACKING", "off")
     (tmp_path / "params.yaml").write_text(
         "build_env:\n  n_products: 60\n  n_suppliers: 12\n  tasks_per_split: {train: 40, validation: 8, test: 8}\n"
-        "  demos:\n    level_coverage: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}\n    wrong_value_prob: 1.0\n")
+        "  demos:\n    level_coverage: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}\n    wrong_value_prob: 1.0\n"
+        "    wrong_order_prob: 0.0\n    redundant_call_prob: 0.0\n")
     metrics = main(str(tmp_path / "params.yaml"), str(tmp_path / "data"), str(tmp_path / "metrics.json"))
     assert metrics["demos"]["per_flaw"] == {"wrong_value": 40} and metrics["demos"]["success_rate"] == 0.0
     assert metrics["validation"]["expectations_failed"] == 0

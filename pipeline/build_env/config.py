@@ -22,7 +22,7 @@ class DemoConfig(PhaseConfig):
     )
     redundant_call_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration repeats one of its calls.")
     wrong_order_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration first tries a step out of order (a failing call), then recovers.")
-    wrong_value_prob: float = Field(0.0, ge=0, le=1, description="Chance that a demonstration copies a wrong intermediate value and answers wrongly.")
+    wrong_value_prob: float = Field(0.0, ge=0, le=1, description="Chance that a demonstration makes the planned calls, then answers a wrong value.")
 
     @model_validator(mode="after")
     def _check_levels(self) -> "DemoConfig":
@@ -41,6 +41,10 @@ class DemoConfig(PhaseConfig):
         out = {f: v for f, v in self.family_coverage.items() if not 0 <= v <= 1}
         if out:
             raise ValueError(f"family_coverage values must lie in [0, 1], got {out}")
+        flaws = self.wrong_value_prob + self.wrong_order_prob + self.redundant_call_prob
+        if flaws > 1 + 1e-9:  # one flaw per demonstration at most: the chances share one draw
+            raise ValueError(f"wrong_value_prob + wrong_order_prob + redundant_call_prob must be at most 1 (a "
+                             f"demonstration gets one flaw at most), got {flaws:g}")
         return self
 
 
