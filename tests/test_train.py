@@ -709,7 +709,7 @@ def test_rl_rollouts_and_the_learner_use_the_train_temperature_and_the_test_comp
 
 def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episodes(in_project):
     """`RolloutEngine.demonstrate`: the scripted expert's episodes, recorded as sampled ones are, are token for token
-    the SFT text of the same steps (:func:`pipeline.adapt.sft.encode_segment`, whose layout test_adapt checks
+    the SFT text of the same steps (:func:`pipeline.policy.demos.encode_segment`, whose layout test_adapt checks
     against the environment's contexts), segment by segment, also where a short history window folds the context;
     they solve their tasks, and the learner's collate reads them like sampled records."""
     from pipeline.core.config import load_section

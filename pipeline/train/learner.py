@@ -56,7 +56,7 @@ class Learner:
     temperature: float  # the rollouts' sampling temperature: the learner's log-probabilities are of softmax(z / T)
     dist: Any  # pipeline.train.distributed.Dist
     autocast_context: Callable  # (dtype, device) -> context manager, pipeline.policy.model.autocast_context
-    demo_examples: list | None = None  # behaviour-cloning demonstrations (pipeline.adapt.sft.Example)
+    demo_examples: list | None = None  # behaviour-cloning demonstrations (pipeline.policy.demos.Example)
     bc_rng: np.random.Generator | None = None  # which demonstrations behaviour cloning draws (one per rank)
 
 
