@@ -53,7 +53,7 @@ def main() -> None:
     from pipeline.env.config import EnvConfig
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
 
     params = ROOT / "params.yaml"

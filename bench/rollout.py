@@ -62,7 +62,7 @@ def setup_policy(n_episodes: int, policy: str):
     """A trained policy with its world (data/env) and the first validation tasks."""
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
     from pipeline.policy.model import load_policy
 
     model, tok, _ = load_policy(ROOT / policy)

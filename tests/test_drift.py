@@ -29,7 +29,8 @@ from pipeline.env import episode_suites as S
 from pipeline.env.config import EnvConfig
 from pipeline.env.core import WorldRuntime
 from pipeline.env.prompt import SYSTEM_TEMPLATE, render_context, render_header
-from pipeline.env.tasks import Task, write_tasks
+from pipeline.env.tasks import Task
+from pipeline.env.taskfile import write_tasks
 from pipeline.env.world import generate_world, write_world
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import evaluate
@@ -542,7 +543,7 @@ def test_fail_on_drift_fails_the_phase_after_writing_the_verdict_and_passes_with
 def expert_and_random_episodes(project, world):
     """Expert episodes on 60 training tasks (the reference behaviour, written as the demonstrations file) and expert
     and random episodes on 40 validation tasks (for current-episode files)."""
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
 
     tasks = {s: load_task_file(project / "data" / "tasks" / f"{s}.jsonl") for s in ("train", "validation")}
     runtime = WorldRuntime(world)

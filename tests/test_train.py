@@ -118,7 +118,8 @@ def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(i
 
     from pipeline.core.config import load_section
     from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.tasks import generate_tasks, write_tasks
+    from pipeline.env.tasks import generate_tasks
+    from pipeline.env.taskfile import write_tasks
     from pipeline.env.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig

@@ -59,7 +59,7 @@ EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artef
 
 def load_inputs(data_dir: Path, split: str) -> dict:
     """Training tasks, evaluation tasks and demonstrations, each validated against its schema."""
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
     from pipeline.policy.demos import load_demos
 
     train_path = data_dir / "tasks" / "train.jsonl"

@@ -29,7 +29,8 @@ from pipeline.env.config import SPLITS, EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.env.core import ToolTasksEnv, WorldRuntime
 from pipeline.env.expert import ExpertPolicy, demo_record, draw_flaw, dumps_demo
-from pipeline.env.tasks import Task, generate_tasks, write_tasks
+from pipeline.env.tasks import Task, generate_tasks
+from pipeline.env.taskfile import write_tasks
 from pipeline.env.world import World, generate_world, write_world
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import evaluate, run_episode

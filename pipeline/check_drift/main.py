@@ -56,7 +56,7 @@ DEMOS = Path("data/demos/train.jsonl")
 def load_tasks(path: str | Path) -> tuple[list[dict], list[str]]:
     """Task records from a JSONL file or from every *.jsonl in a folder, each file checked with the "tasks" suite;
     returns (records, files read). Missing, empty or schema-breaking files raise AgentRLError naming the file."""
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
 
     path = Path(path)
     if path.is_dir():

@@ -48,7 +48,7 @@ def _read_json(path: Path, what: str) -> dict:
 
 def load_inputs(cfg: DeployConfig, metrics_dir: Path) -> dict:
     """Every file the phase reads, checked before any work: a missing or unreadable one is an AgentRLError."""
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
 
     if not Path(cfg.policy).is_dir():
         raise AgentRLError(f"deploy: policy {cfg.policy} not found; run the train stage first (`agentrl train`)")
@@ -214,7 +214,7 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
     from pipeline.deploy.registry import ModelRegistry, champion_evaluator, promote
     from pipeline.env.core import WorldRuntime
     from pipeline.env.world import load_world
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
     from pipeline.core.tracking import Tracker
 

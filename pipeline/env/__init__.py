@@ -3,7 +3,8 @@
 - :mod:`pipeline.env.world`: the generated SQLite world and document corpus, with the entity split.
 - :mod:`pipeline.env.tools`: the tools (`lookup`, `calc`, `search`, `convert`, `update`, `answer`).
 - :mod:`pipeline.env.protocol`: the action text format and its parser.
-- :mod:`pipeline.env.tasks`: task families, levels, templates, plans and ground truth; the one task-file reader.
+- :mod:`pipeline.env.tasks`: task families, levels, templates, plans and ground truth.
+- :mod:`pipeline.env.taskfile`: the one writer and the one reader of task files (checked with the suite "tasks").
 - :mod:`pipeline.env.reward`, :mod:`pipeline.env.verifier`: the composite reward and the rule verifier.
 - :mod:`pipeline.env.prompt`: the one prompt every phase uses.
 - :mod:`pipeline.env.core`: the Gymnasium environment, registered as ``agentrl/ToolTasks-v0``.

@@ -32,7 +32,8 @@ from pipeline.env.config import EnvConfig
 from pipeline.env.prompt import render_context
 from pipeline.env.protocol import (CHARSET, InvalidAction, ParsedAction, format_action, format_observation,
                                    parse_action, parse_dict_action, sanitize)
-from pipeline.env.tasks import Task, answers_match, generate_tasks, load_task_file, run_plan
+from pipeline.env.tasks import Task, answers_match, generate_tasks, run_plan
+from pipeline.env.taskfile import load_task_file
 from pipeline.env.tools import SafetyViolation, SearchIndex, ToolContext, ToolError, default_tools, signature
 from pipeline.env.verifier import (ANSWER, FAILED, INVALID_ACTION, INVALID_PARAMS, OK, SAFETY_VIOLATION, TIMEOUT,
                                    TOOL_ERROR, verify)
@@ -84,7 +85,7 @@ def default_world(seed: int = 0) -> World:
 
 
 def load_tasks(source: str | Path | list) -> list[Task]:
-    """Tasks from a task file (read by :func:`~pipeline.env.tasks.load_task_file` without the GX suite: the phase
+    """Tasks from a task file (read by :func:`~pipeline.env.taskfile.load_task_file` without the GX suite: the phase
     that hands the environment a file checks it at its boundary) or from a list of tasks or task dicts."""
     if isinstance(source, (str, Path)):
         return load_task_file(source, validate=False)

@@ -32,16 +32,12 @@ so validation and test tasks name only products and suppliers that no training t
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from pipeline.core.errors import AgentRLError
-from pipeline.core.jsonl import iter_numbered_jsonl
 from pipeline.env.world import World
 
 FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_lookup", "update", "search_lookup_calc")
@@ -315,51 +311,3 @@ def answers_match(given: object, truth: str, tol: float = 0.01) -> bool:
         return abs(float(g) - float(t)) <= tol / 2 + 1e-9
     except ValueError:
         return g == t and g != ""
-
-
-# ----------------------------------------------------------------------------------------------------------------- IO
-def write_tasks(tasks: list[Task], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(t.to_dict(), sort_keys=True) + "\n" for t in tasks))
-
-
-class TaskFileError(AgentRLError, ValueError):
-    """A task file that cannot be used; the message names the file, the line (or the rows) and what is wrong.
-
-    A user-facing error (:class:`AgentRLError`) and a ValueError, as a malformed world or config is.
-    """
-
-
-def load_task_file(path: str | Path, *, validate: bool = True) -> list[Task]:
-    """The one reader of task files (JSON Lines, one task per line): every phase reads its tasks through it.
-
-    A missing or empty file, a line that is not a JSON object and a record without every :class:`Task` key raise
-    :class:`TaskFileError` naming the file and the line. With `validate` (the default, at every phase's boundary) the
-    records must also pass the Great Expectations suite "tasks" before any :class:`Task` is built; without it (the
-    environment handed a file a phase already checked) nothing but the JSON and the keys is checked, and Great
-    Expectations is not imported.
-    """
-    path = Path(path)
-    records = []
-    try:
-        for i, rec in iter_numbered_jsonl(path, "task file"):
-            missing = [k for k in Task.__dataclass_fields__ if k not in rec]
-            if missing:
-                raise TaskFileError(f"{path}:{i}: missing keys {missing}")
-            records.append(rec)
-    except TaskFileError:
-        raise
-    except AgentRLError as exc:
-        raise TaskFileError(str(exc)) from None
-    if not records:
-        raise TaskFileError(f"{path}: no tasks in file")
-    if validate:
-        from pipeline.core.validation import DataValidationError, validate_records
-        from pipeline.env.suites import register_suites
-
-        register_suites()
-        try:
-            validate_records(records, suite="tasks", dataset=str(path)).raise_if_failed()
-        except DataValidationError as exc:
-            raise TaskFileError(str(exc)) from None
-    return [Task.from_dict(r) for r in records]

@@ -57,7 +57,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def load_inputs(cfg: EvaluateConfig) -> tuple[dict, dict, object]:
     """(policies {name: (model, tokenizer)}, tasks {split: [Task]}, world); every problem is an AgentRLError."""
     from pipeline.env.world import load_world
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
     from pipeline.policy.model import load_policy
 
     policies = {}

@@ -6,7 +6,7 @@ produces the same episode records from its batched rollout engine and reuses `su
 
 Entry point: ``agentrl eval --policy expert|random|MODEL_DIR --tasks FILE --out FILE.json`` (a model directory is
 evaluated greedily through the batched rollout engine, with the `rollout` section's settings). The task file is read by
-:func:`pipeline.env.tasks.load_task_file`, so it is checked against the task schema (Great Expectations suite
+:func:`pipeline.env.taskfile.load_task_file`, so it is checked against the task schema (Great Expectations suite
 ``tasks``) before any episode runs.
 """
 
@@ -21,7 +21,8 @@ from pipeline.core.config import load_section
 from pipeline.env.config import EnvConfig
 from pipeline.env.core import ToolTasksEnv, WorldRuntime
 from pipeline.env.expert import ExpertPolicy, RandomPolicy
-from pipeline.env.tasks import Task, load_task_file
+from pipeline.env.tasks import Task
+from pipeline.env.taskfile import load_task_file
 from pipeline.env.world import load_world
 from pipeline.core.errors import AgentRLError
 

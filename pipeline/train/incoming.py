@@ -19,7 +19,7 @@ Ids: every task that is used is renamed ``incoming/<file stem>/<task_id>``. Prod
 and may equal the generator's (``train-000001``) while naming another task. The prefix keeps them apart in the
 goal sampler's per-task sampling counts, and shows which file a task came from. So no task is dropped for its id alone.
 
-Boundary: each file must pass the Great Expectations suite "tasks" (:func:`pipeline.env.tasks.load_task_file`, as for
+Boundary: each file must pass the Great Expectations suite "tasks" (:func:`pipeline.env.taskfile.load_task_file`, as for
 every other task file). A file that breaks it raises :class:`AgentRLError` naming the file and the failed expectations,
 before anything trains. A missing folder or one without ``*.jsonl`` files (a ``README.md`` is ignored) adds nothing.
 
@@ -74,7 +74,7 @@ def read_incoming(folder: str | Path | None) -> list[tuple[Path, list[Task]]]:
 
     [] when `folder` is None or does not exist. A file that cannot be read or breaks the suite raises AgentRLError.
     """
-    from pipeline.env.tasks import load_task_file
+    from pipeline.env.taskfile import load_task_file
 
     if folder is None:
         return []
