@@ -35,6 +35,13 @@ class PhaseConfig(BaseModel):
 C = TypeVar("C", bound=PhaseConfig)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """``malformed YAML at line L, column C: <what the parser said>``, for an error message that names the file."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"malformed YAML{where}: {getattr(exc, 'problem', None) or exc}"
+
+
 def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
     """Read a params file as a mapping; a missing, unparsable or non-mapping file is a :class:`ConfigError`."""
     path = Path(path)
@@ -43,10 +50,7 @@ def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

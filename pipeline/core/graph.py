@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.core.config import yaml_problem
 from pipeline.core.errors import AgentRLError
 
 DVC_FILE = "dvc.yaml"
@@ -178,9 +179,7 @@ def load_stages(path: str | Path = DVC_FILE) -> list[Stage]:
     try:
         document = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise GraphError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', None) or exc}") from None
+        raise GraphError(f"{path}: {yaml_problem(exc)}") from None
     return toposort(parse_stages(document, str(path)))
 
 
