@@ -50,10 +50,10 @@ def main() -> None:
     from pipeline.core.config import load_section
     from pipeline.deploy.config import DeployConfig, QuantizationConfig
     from pipeline.deploy.quantize import make_variant, measure_variant, state_size_bytes
-    from pipeline.env.config import EnvConfig
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.config import EnvConfig
+    from pipeline.envs.shop.core import WorldRuntime
+    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
 
     params = ROOT / "params.yaml"

@@ -27,10 +27,10 @@ from pipeline.check_drift import checks as C
 from pipeline.check_drift.config import DriftConfig
 from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, hidden_state_features, observation_contexts,
                                      task_features, trajectory_features)
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import WorldRuntime
-from pipeline.env.tasks import Task
-from pipeline.env.world import generate_world
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.shop.core import WorldRuntime
+from pipeline.envs.shop.tasks import Task
+from pipeline.envs.shop.world import generate_world
 from pipeline.policy.episodes import evaluate
 
 GOAL_S = 10.0

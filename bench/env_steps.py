@@ -16,11 +16,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime
-from pipeline.env.expert import ExpertPolicy, RandomPolicy
-from pipeline.env.tasks import generate_tasks
-from pipeline.env.world import generate_world
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime
+from pipeline.envs.shop.expert import ExpertPolicy, RandomPolicy
+from pipeline.envs.shop.tasks import generate_tasks
+from pipeline.envs.shop.world import generate_world
 
 
 def measure(env: ToolTasksEnv, policy, tasks, per_tool=None) -> tuple[int, float, float]:

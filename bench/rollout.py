@@ -60,9 +60,9 @@ LABELS = {"engine": "engine", "engine_noprefix": "engine, no prefix", "generate_
 
 def setup_policy(n_episodes: int, policy: str):
     """A trained policy with its world (data/env) and the first validation tasks."""
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.shop.core import WorldRuntime
+    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.model import load_policy
 
     model, tok, _ = load_policy(ROOT / policy)
@@ -72,12 +72,12 @@ def setup_policy(n_episodes: int, policy: str):
 
 def setup(n_episodes: int):
     """World, tasks, tokenizer and the random-weight default-size policy (deterministic)."""
-    from pipeline.env.core import ToolTasksEnv, WorldRuntime
-    from pipeline.env.expert import ExpertPolicy
-    from pipeline.env.prompt import render_header
-    from pipeline.env.tasks import generate_tasks
-    from pipeline.env.tools import default_tools, signature
-    from pipeline.env.world import generate_world
+    from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime
+    from pipeline.envs.shop.expert import ExpertPolicy
+    from pipeline.envs.prompt import render_header
+    from pipeline.envs.shop.tasks import generate_tasks
+    from pipeline.envs.shop.tools import default_tools, signature
+    from pipeline.envs.shop.world import generate_world
     from pipeline.policy.episodes import run_episode
     from pipeline.policy.config import ModelConfig
     from pipeline.policy.model import build_policy
@@ -118,7 +118,7 @@ def run_generate(model, tok, rt, tasks, seeds, env_cfg, cfg, per_episode: bool) 
     """The baselines: `model.generate` once per turn over the live episodes (or per episode), re-encoding contexts."""
     import torch
 
-    from pipeline.env.core import ToolTasksEnv
+    from pipeline.envs.shop.core import ToolTasksEnv
     from pipeline.policy.model import autocast_context
     from pipeline.policy.tokenizer import CALL_CLOSE, EOS, marker_ids
 
@@ -164,7 +164,7 @@ def worker(method: str, dtype: str, n_episodes: int, threads: int | None, policy
            repeats: int) -> dict:
     import torch
 
-    from pipeline.env.config import EnvConfig
+    from pipeline.envs.config import EnvConfig
     from pipeline.policy.config import RolloutConfig
 
     if threads:

@@ -77,7 +77,7 @@ def main() -> None:
     from pipeline.core.config import load_section
     from pipeline.deploy.config import DeployConfig
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
-    from pipeline.env.config import EnvConfig
+    from pipeline.envs.config import EnvConfig
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import save_policy
 

@@ -92,7 +92,7 @@ def reference_path(root: Path, configured: str, versions: dict[str, str], scratc
 def drift_check(root: str, overrides: dict[str, Any], out_path: str, parent_run_id: str) -> dict[str, Any]:
     """The `check_drift` phase's checks on explicit reference and current data, as a run nested under the retrain run."""
     from pipeline.check_drift.config import DriftConfig
-    from pipeline.env.config import EnvConfig
+    from pipeline.envs.config import EnvConfig
     from pipeline.build_env.config import BuildEnvConfig
     from pipeline.check_drift.main import check
     from pipeline.policy.config import RolloutConfig

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.deploy.config import DeployConfig  # noqa: E402
 from pipeline.check_drift.config import DriftConfig  # noqa: E402
-from pipeline.env.config import EnvConfig  # noqa: E402
+from pipeline.envs.config import EnvConfig  # noqa: E402
 from pipeline.build_env.config import BuildEnvConfig  # noqa: E402
 from pipeline.evaluate.config import EvaluateConfig  # noqa: E402
 from pipeline.policy.config import ModelConfig, RolloutConfig  # noqa: E402

@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline.deploy.config import DeployConfig
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.policy.config import ModelConfig, RolloutConfig
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime
-from pipeline.env.tasks import Task
-from pipeline.env.world import load_world
+from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime
+from pipeline.envs.shop.tasks import Task
+from pipeline.envs.shop.world import load_world
 from pipeline.core.errors import AgentRLError
 from pipeline.adapt import adapters
 from pipeline.adapt import capability
@@ -442,7 +442,7 @@ def test_capability_gate_fails_with_a_report_on_a_bad_model(data_dir, tokenizer,
 
 def test_episode_scores_follow_the_plan(data_dir, tasks):
     """The expert agrees with its plan everywhere; a wrong first call is caught by tool and parameter accuracy."""
-    from pipeline.env.expert import ExpertPolicy
+    from pipeline.envs.shop.expert import ExpertPolicy
     from pipeline.policy.episodes import run_episode
 
     runtime = WorldRuntime(load_world(data_dir / "env"))

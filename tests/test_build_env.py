@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.errors import AgentRLError
 from pipeline.build_env.main import build, validate_outputs
@@ -136,9 +136,9 @@ def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from
     still writes its calls in the tools' signature order, the text of the demonstrations (which were made before the
     tasks were written) and so the tokens the policy learned. Without it, expert-guided RL groups
     (`train.guide_failed_groups`) trained on field-first calls."""
-    from pipeline.env.core import ToolTasksEnv, WorldRuntime, load_tasks
-    from pipeline.env.expert import ExpertPolicy
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime, load_tasks
+    from pipeline.envs.shop.expert import ExpertPolicy
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.episodes import run_episode
 
     root, _ = built
@@ -169,9 +169,9 @@ def test_flaw_chances_that_add_up_to_more_than_one_are_refused():
 
 
 def test_family_coverage_overrides_its_level_and_names_only_known_families(built):
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.tasks import FAMILY_LEVEL
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.tasks import FAMILY_LEVEL
+    from pipeline.envs.shop.world import load_world
     from pipeline.build_env.main import build_demos
 
     root, _ = built
@@ -245,9 +245,9 @@ def test_wrong_value_prob_makes_demonstrations_that_answer_a_wrong_value(built, 
     the flaw `wrong_value`: it makes the expert's calls and then answers a wrong value (a number off by 1 to 19, a text
     with a suffix), so it fails; the default (0) makes no such demonstration."""
     from pipeline.build_env.main import main
-    from pipeline.env.protocol import parse_action
-    from pipeline.env.tasks import answers_match
-    from pipeline.env.tools import TOOL_NAMES
+    from pipeline.envs.protocol import parse_action
+    from pipeline.envs.shop.tasks import answers_match
+    from pipeline.envs.shop.tools import TOOL_NAMES
 
     monkeypatch.setenv("AGENTRL_TRACKING", "off")
     (tmp_path / "params.yaml").write_text(

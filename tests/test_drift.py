@@ -25,13 +25,13 @@ from pipeline.check_drift.config import DriftConfig
 from pipeline.check_drift.consistency import check_consistency, probes_from_episodes
 from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, Feature, hidden_state_features,
                                      observation_contexts, task_features, trajectory_features)
-from pipeline.env import episode_suites as S
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import WorldRuntime
-from pipeline.env.prompt import SYSTEM_TEMPLATE, render_context, render_header
-from pipeline.env.tasks import Task
-from pipeline.env.taskfile import write_tasks
-from pipeline.env.world import generate_world, write_world
+from pipeline.envs import episode_suites as S
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.shop.core import WorldRuntime
+from pipeline.envs.prompt import SYSTEM_TEMPLATE, render_context, render_header
+from pipeline.envs.shop.tasks import Task
+from pipeline.envs.taskfile import write_tasks
+from pipeline.envs.shop.world import generate_world, write_world
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import evaluate
 from pipeline.core.validation import validate_records
@@ -378,7 +378,7 @@ def rollout_like(episodes, tiny_lm):
 
 @pytest.fixture(autouse=True, scope="module")
 def _episode_suites_registered():
-    from pipeline.env.suites import register_suites
+    from pipeline.envs.shop.suites import register_suites
 
     register_suites()
 
@@ -427,7 +427,7 @@ def project(tmp_path, monkeypatch, world):
     """A project folder with build_env-shaped data (world, train/validation tasks) and a params.yaml."""
     write_world(world, tmp_path / "data" / "env")
     runtime = WorldRuntime(world)
-    from pipeline.env.tasks import generate_tasks
+    from pipeline.envs.shop.tasks import generate_tasks
 
     mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
     for split, n in (("train", 400), ("validation", 120)):
@@ -543,7 +543,7 @@ def test_fail_on_drift_fails_the_phase_after_writing_the_verdict_and_passes_with
 def expert_and_random_episodes(project, world):
     """Expert episodes on 60 training tasks (the reference behaviour, written as the demonstrations file) and expert
     and random episodes on 40 validation tasks (for current-episode files)."""
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.taskfile import load_task_file
 
     tasks = {s: load_task_file(project / "data" / "tasks" / f"{s}.jsonl") for s in ("train", "validation")}
     runtime = WorldRuntime(world)

@@ -133,9 +133,9 @@ class ScriptedValidation:
 
 def _train(project: Path, evaluate, ckpt: str, out: str):
     from pipeline.core.config import load_section
-    from pipeline.env.config import EnvConfig
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
+    from pipeline.envs.config import EnvConfig
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist

@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipeline.env  # noqa: F401  (registers agentrl/ToolTasks-v0)
-from pipeline.env import reward as R
-from pipeline.env.config import EnvConfig, RewardWeights
-from pipeline.env.core import MAX_CONTEXT_CHARS, ToolTasksEnv, WorldRuntime, default_world
-from pipeline.env.expert import ExpertPolicy, RandomPolicy
-from pipeline.env.protocol import InvalidAction, ParsedAction, format_action, parse_action
-from pipeline.env.tasks import FAMILIES, TEMPLATES, answers_match, generate_tasks
-from pipeline.env.tools import TOOL_NAMES, ToolError, safe_calc
+from pipeline.envs import reward as R
+from pipeline.envs.config import EnvConfig, RewardWeights
+from pipeline.envs.shop.core import MAX_CONTEXT_CHARS, ToolTasksEnv, WorldRuntime, default_world
+from pipeline.envs.shop.expert import ExpertPolicy, RandomPolicy
+from pipeline.envs.protocol import InvalidAction, ParsedAction, format_action, parse_action
+from pipeline.envs.shop.tasks import FAMILIES, TEMPLATES, answers_match, generate_tasks
+from pipeline.envs.shop.tools import TOOL_NAMES, ToolError, safe_calc
 from pipeline.policy.episodes import COMPONENTS, evaluate, run_episode, summarize
 
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from pipeline.core.config import load_section, read_params
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.errors import AgentRLError
 from pipeline.evaluate.report import EPISODE_METRICS, behaviour_diversity, bootstrap_gap, bootstrap_means, build_report, cosine, episode_values, flat_metrics, markdown_report, overfitting, paired_counts, split_report, success_rows, tool_calls_on_common_solved, trajectory_features, unseen_templates
@@ -150,7 +150,7 @@ def test_rigid_behaviour_flags_identical_episodes_and_not_varied_ones():
 
 @pytest.fixture(scope="module")
 def world_and_tasks(tmp_path_factory):
-    from pipeline.env.core import load_tasks
+    from pipeline.envs.shop.core import load_tasks
     from pipeline.build_env.main import build
 
     root = tmp_path_factory.mktemp("evaluate")
@@ -163,8 +163,8 @@ def world_and_tasks(tmp_path_factory):
 def test_flags_on_real_episodes_expert_against_random(world_and_tasks):
     """Real run_episode records: an 'overfit' pair (the expert on train, the random policy on validation) is flagged,
     the expert is rigid (deterministic: the same solution for every seed) and the random policy is not."""
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.episodes import evaluate
 
     root, tasks = world_and_tasks
@@ -292,8 +292,8 @@ def phase_run(project):
 
 
 def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(project, phase_run):
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.episodes import evaluate_model
 
     written = json.loads((project / "metrics/evaluate.json").read_text())
@@ -310,7 +310,7 @@ def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(pro
     assert {v["success"] for v in written["validation"].values()} == {1.0} and len(written["validation"]) == 8
     # per-task test successes are keyed by task id and equal an independent greedy evaluation with the same seeds
     cfg_, env_cfg, rollout_cfg = _load_cfgs(project / "params.yaml")
-    from pipeline.env.core import load_tasks
+    from pipeline.envs.shop.core import load_tasks
 
     test_tasks = load_tasks(project / "data/tasks/test.jsonl")
     runtime = WorldRuntime(load_world(project / "data/env"))

@@ -156,7 +156,7 @@ def stage_lines(stdout: str) -> dict[str, str]:
 def write_tasks(root: Path, name: str, kind: str | None, n: int = 120, seed: int = 7) -> Path:
     """A batch of incoming tasks: a fresh sample of the reference generator (kind None) or a drifted one."""
     from pipeline.check_drift.checks import make_drifted_tasks, make_reference_sample
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.world import load_world
 
     world = load_world(root / "data" / "env")
     if kind is None:

@@ -18,7 +18,7 @@ import yaml
 from pipeline import repo_root
 from flows.cli import build_parser, main
 from pipeline.core.config import ConfigError, load_section, read_params
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.graph import GraphError, load_stages, parse_stages, select, stage_order, toposort
 from pipeline.core.errors import AgentRLError

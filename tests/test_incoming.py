@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.env.core import WorldRuntime, default_world
-from pipeline.env.tasks import generate_tasks
-from pipeline.env.taskfile import write_tasks
+from pipeline.envs.shop.core import WorldRuntime, default_world
+from pipeline.envs.shop.tasks import generate_tasks
+from pipeline.envs.taskfile import write_tasks
 from pipeline.core.errors import AgentRLError
 from pipeline.train.incoming import DROP_REASONS, heldout_entities, load_incoming, read_incoming, select_incoming
 

@@ -125,7 +125,7 @@ def test_the_checker_accepts_allowed_imports(tmp_path):
         "core/a.py": "import json\nfrom pipeline.core.errors import AgentRLError\nfrom . import errors\n",
         "core/tracking.py": "def f():\n    import mlflow\n",
         "env/b.py": "from pipeline.core.jsonl import read_jsonl\nfrom .tasks import Task\n",
-        "policy/c.py": "from pipeline.env.tasks import Task\nfrom pipeline.core import config\n",
+        "policy/c.py": "from pipeline.envs.shop.tasks import Task\nfrom pipeline.core import config\n",
         "train/d.py": "from pipeline.policy import model\nfrom pipeline.train.config import TrainConfig\n",
         "__init__.py": "import os\n",
     }

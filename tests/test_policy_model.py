@@ -9,12 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.env.core import ToolTasksEnv, WorldRuntime, default_world
-from pipeline.env.expert import ExpertPolicy
-from pipeline.env.prompt import render_header
-from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN, format_action
-from pipeline.env.tasks import generate_tasks
-from pipeline.env.tools import default_tools, signature
+from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime, default_world
+from pipeline.envs.shop.expert import ExpertPolicy
+from pipeline.envs.prompt import render_header
+from pipeline.envs.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN, format_action
+from pipeline.envs.shop.tasks import generate_tasks
+from pipeline.envs.shop.tools import default_tools, signature
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import run_episode
 from pipeline.policy.config import ModelConfig

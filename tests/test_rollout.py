@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime, default_world
-from pipeline.env.expert import ExpertPolicy
-from pipeline.env.prompt import render_header
-from pipeline.env.protocol import sanitize
-from pipeline.env.tasks import generate_tasks
-from pipeline.env.tools import default_tools, signature
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime, default_world
+from pipeline.envs.shop.expert import ExpertPolicy
+from pipeline.envs.prompt import render_header
+from pipeline.envs.protocol import sanitize
+from pipeline.envs.shop.tasks import generate_tasks
+from pipeline.envs.shop.tools import default_tools, signature
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import run_episode, summarize
 from pipeline.policy.config import ModelConfig, RolloutConfig

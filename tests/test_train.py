@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.errors import AgentRLError
 
@@ -117,10 +117,10 @@ def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(i
     from mlflow.tracking import MlflowClient
 
     from pipeline.core.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.tasks import generate_tasks
-    from pipeline.env.taskfile import write_tasks
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.tasks import generate_tasks
+    from pipeline.envs.taskfile import write_tasks
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
     from pipeline.train.worker import run_key, run_worker
@@ -256,7 +256,7 @@ def test_a_finished_run_started_again_restores_its_policy_without_training(tmp_p
 
 def test_the_checkpoint_key_changes_with_the_code(tmp_path, monkeypatch):
     from pipeline.core.config import load_section
-    from pipeline.env.config import EnvConfig as E
+    from pipeline.envs.config import EnvConfig as E
     from pipeline.policy.config import RolloutConfig
     from pipeline.train import worker
     from pipeline.train.config import TrainConfig
@@ -291,7 +291,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):
     other = make_project(tmp_path / "b", updates=2, d_model=48)
     monkeypatch.chdir(other)
     from pipeline.core.config import load_section
-    from pipeline.env.config import EnvConfig as E
+    from pipeline.envs.config import EnvConfig as E
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
     from pipeline.train.worker import run_key
@@ -417,8 +417,8 @@ def test_the_test_evaluation_splits_each_level_by_wording(in_project):
     import dataclasses
 
     from pipeline.core.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -494,8 +494,8 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     (`train.micro_batches`) and, for group baselines, the one-forward on-policy step against the separate π_old
     forward, all move every weight the same way as one forward of the whole batch."""
     from pipeline.core.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -555,8 +555,8 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
 def _sampled_records(n_tasks: int, group: int) -> tuple:
     """The adapted policy's tokenizer and `group` sampled episodes of each of the first `n_tasks` training tasks."""
     from pipeline.core.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -660,7 +660,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
     demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
     from pipeline.core.config import load_section
-    from pipeline.env.core import load_tasks
+    from pipeline.envs.shop.core import load_tasks
     from pipeline.policy.demos import demo_examples, load_demos
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
@@ -714,9 +714,9 @@ def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episo
     against the environment's contexts), segment by segment, also where a short history window folds the context;
     they solve their tasks, and the learner's collate reads them like sampled records."""
     from pipeline.core.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.expert import ExpertPolicy
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.expert import ExpertPolicy
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -760,8 +760,8 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     learner trains on the guided groups, the demonstration's tokens at importance weight 1, and its step moves the
     policy's log-probability of the demonstrated actions up."""
     from pipeline.core.config import load_section
-    from pipeline.env.core import WorldRuntime, load_tasks
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.core import WorldRuntime, load_tasks
+    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine

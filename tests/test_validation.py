@@ -1,4 +1,4 @@
-"""Tests of `pipeline.core.validation` and the shop world's suites (`pipeline.env.suites`): valid data passes; each
+"""Tests of `pipeline.core.validation` and the shop world's suites (`pipeline.envs.shop.suites`): valid data passes; each
 kind of defect fails naming the expectation and the row.
 
 Records are built by hand (small, valid by construction); each defect test changes one field of one record and checks
@@ -23,7 +23,7 @@ from pipeline.core.validation import (
     validate,
     validate_records,
 )
-from pipeline.env.suites import check_splits, register_suites
+from pipeline.envs.shop.suites import check_splits, register_suites
 
 register_suites()
 

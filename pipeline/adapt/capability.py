@@ -37,10 +37,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from pipeline.env.config import LEVELS, EnvConfig
-from pipeline.env.core import WorldRuntime
-from pipeline.env.tasks import Task, answers_match, resolve_params, run_plan
-from pipeline.env.tools import ToolContext
+from pipeline.envs.config import LEVELS, EnvConfig
+from pipeline.envs.contract import Environment as WorldRuntime
+from pipeline.envs.contract import TaskFields as Task
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import summarize
 
@@ -59,16 +58,6 @@ class CapabilityGateError(AgentRLError):
 # ----------------------------------------------------------------------------------------------- per-episode scores
 
 
-def plan_results(runtime: WorldRuntime, task: Task) -> list[str]:
-    """The result of every plan step on the world as stored (writes rolled back): the reference for parameters."""
-    conn = runtime.master
-    ctx = ToolContext(conn, runtime.index, list(task.allowed_writes))
-    conn.execute("SAVEPOINT capability")
-    try:
-        return run_plan(task.plan, lambda tool, params: runtime.by_name[tool].execute(params, ctx))
-    finally:
-        conn.execute("ROLLBACK TO capability")
-        conn.execute("RELEASE capability")
 
 
 def _norm(v: object) -> str:
@@ -80,30 +69,29 @@ def _norm(v: object) -> str:
     return repr(int(x)) if x == int(x) else repr(x)
 
 
-def params_match(tool: str, got: Mapping | None, want: Mapping) -> bool:
-    """Whether a call's parameters equal the plan's (see the module docstring for the comparison)."""
+def params_match(tool: str, got: Mapping | None, want: Mapping, same_answer) -> bool:
+    """Whether a call's parameters equal the reference's (see the module docstring for the comparison)."""
     if not isinstance(got, Mapping) or set(got) != set(want):
         return False
     if tool == "answer":
-        return answers_match(str(got["value"]), str(want["value"]))
+        return same_answer(str(got["value"]), str(want["value"]))
     return all(_norm(got[k]) == _norm(want[k]) for k in want)
 
 
-def episode_scores(record: dict, task: Task, results: list[str]) -> dict:
-    """Tool-selection and parameter agreement of one episode with its task's plan."""
+def episode_scores(record: dict, reference: list[tuple[str, dict]], same_answer) -> dict:
+    """Tool-selection and parameter agreement of one episode with its task's reference calls (the environment's
+    :meth:`~pipeline.envs.contract.Environment.reference_calls`)."""
     calls = record["calls"]
-    plan = task.plan
-    agree_tool = [i < len(calls) and calls[i]["tool"] == step["tool"] for i, step in enumerate(plan)]
+    agree_tool = [i < len(calls) and calls[i]["tool"] == tool for i, (tool, _) in enumerate(reference)]
     aligned = [i for i, ok in enumerate(agree_tool) if ok]
-    params_ok = [params_match(plan[i]["tool"], calls[i]["params"], resolve_params(plan[i]["params"], results))
-                 for i in aligned]
+    params_ok = [params_match(reference[i][0], calls[i]["params"], reference[i][1], same_answer) for i in aligned]
     injected = [i for i, s in enumerate(record["steps"]) if INJECTED_FAILURE in s["observation"]]
     retried = [i for i in injected if i + 1 < len(calls) and calls[i + 1]["tool"] == calls[i]["tool"]]
-    return {
-        "tool_first": bool(agree_tool[0]),
+    return {  # an environment without reference calls: the agreement figures are NaN
+        "tool_first": bool(agree_tool[0]) if reference else None,
         "tool_steps": agree_tool,
         "params": params_ok,
-        "param_first": bool(agree_tool[0] and params_ok[0]),
+        "param_first": bool(agree_tool[0] and params_ok[0]) if reference else None,
         "invalid": sum(c["outcome"] in ("invalid_action", "invalid_params") for c in calls),
         "n_calls": len(calls),
         "injected_failures": len(injected),
@@ -132,10 +120,10 @@ def aggregate(records: list[dict], scores: list[dict], prefix: str) -> dict[str,
         out[f"{prefix}/mean_return{suffix}"] = stats["mean_return"]
         out[f"{prefix}/mean_tool_calls{suffix}"] = stats["mean_tool_calls"]
         out[f"{prefix}/episodes{suffix}"] = float(len(idx))
-        out[f"{prefix}/tool_first_acc{suffix}"] = _mean([s["tool_first"] for s in sc])
+        out[f"{prefix}/tool_first_acc{suffix}"] = _mean([s["tool_first"] for s in sc if s["tool_first"] is not None])
         out[f"{prefix}/tool_step_agreement{suffix}"] = _mean([x for s in sc for x in s["tool_steps"]])
         out[f"{prefix}/param_acc{suffix}"] = _mean([x for s in sc for x in s["params"]])
-        out[f"{prefix}/param_first_acc{suffix}"] = _mean([s["param_first"] for s in sc])
+        out[f"{prefix}/param_first_acc{suffix}"] = _mean([s["param_first"] for s in sc if s["param_first"] is not None])
         out[f"{prefix}/invalid_action_rate{suffix}"] = (sum(s["invalid"] for s in sc) / max(1, sum(s["n_calls"] for s in sc)))
         out[f"{prefix}/safety_violations{suffix}"] = float(stats["safety_violations"])
     return out
@@ -208,14 +196,14 @@ def evaluate_capabilities(model, tokenizer, runtime: WorldRuntime, tasks: list[T
     """
     if not tasks:
         raise AgentRLError("capability evaluation needs at least one task")
-    results = {t.task_id: plan_results(runtime, t) for t in tasks}
+    references = {t.task_id: runtime.reference_calls(t) or [] for t in tasks}
     engine = _eval_engine(model, tokenizer, runtime, env_cfg, rollout_cfg)
     base = cfg.seed * 1_000_003
     metrics: dict[str, float] = {}
     episodes: dict[str, list[dict]] = {}
 
     def score(records, run_tasks):
-        return [episode_scores(r, t, results[t.task_id]) for r, t in zip(records, run_tasks)]
+        return [episode_scores(r, references[t.task_id], runtime.same_answer) for r, t in zip(records, run_tasks)]
 
     greedy = engine.run(tasks, [base + i for i in range(len(tasks))], greedy=True, policy_version=policy_version)
     metrics.update(aggregate(greedy, score(greedy, tasks), "eval/greedy"))

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from pipeline.core.config import load_section
-from pipeline.env.config import LEVELS, EnvConfig
+from pipeline.envs.config import LEVELS, EnvConfig
 from pipeline.core.errors import AgentRLError
 from pipeline.core.isolation import tree_peak_mib
 from pipeline.policy.config import ModelConfig, RolloutConfig
@@ -57,9 +57,9 @@ EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artef
 # ----------------------------------------------------------------------------------------------------------- inputs
 
 
-def load_inputs(data_dir: Path, split: str) -> dict:
+def load_inputs(data_dir: Path, split: str, world) -> dict:
     """Training tasks, evaluation tasks and demonstrations, each validated against its schema."""
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.demos import load_demos
 
     train_path = data_dir / "tasks" / "train.jsonl"
@@ -67,13 +67,13 @@ def load_inputs(data_dir: Path, split: str) -> dict:
     for p in (train_path, eval_path):
         if not p.is_file():
             raise AgentRLError(f"{p} not found; run `agentrl build-env` (DVC stage build_env) first")
-    train = load_task_file(train_path)
-    evaluation = load_task_file(eval_path)
+    train = load_task_file(train_path, world)
+    evaluation = load_task_file(eval_path, world)
     demos = load_demos(data_dir / "demos" / "train.jsonl", task_ids=[t.task_id for t in train])
     return {"train": train, "eval": evaluation, "demos": demos}
 
 
-def base_policy(model_cfg: ModelConfig, data_dir: Path):
+def base_policy(model_cfg: ModelConfig, data_dir: Path, world):
     """(model, tokenizer, description) of the base to adapt; see step 2 of the module docstring."""
     from pipeline.policy.model import build_policy, check_pair, load_base_tokenizer, load_policy
     from pipeline.policy.model import POLICY_JSON
@@ -82,14 +82,15 @@ def base_policy(model_cfg: ModelConfig, data_dir: Path):
     import pipeline.adapt.adapters  # noqa: F401  (registers the bottleneck model class for a bottleneck base)
 
     if model_cfg.base == "builtin":
-        tokenizer = train_tokenizer(corpus_texts(data_dir), model_cfg.vocab_size)
+        tokenizer = train_tokenizer(corpus_texts(data_dir, [s.signature() for s in world.tools()]),
+                                    model_cfg.vocab_size)
         model = build_policy(model_cfg, tokenizer)
         source = "builtin"
     elif (Path(model_cfg.base) / POLICY_JSON).is_file():
         model, tokenizer, _ = load_policy(model_cfg.base)
         source = f"policy:{model_cfg.base}"
     else:
-        tokenizer = load_base_tokenizer(model_cfg)
+        tokenizer = load_base_tokenizer(model_cfg, tools=world.tools())  # what a chat template renders
         model = build_policy(model_cfg, tokenizer)
         source = f"hf:{model_cfg.base}"
     check_pair(model, tokenizer, f"model.base={model_cfg.base!r}")
@@ -137,8 +138,7 @@ def data_version(metrics_path: Path) -> dict:
 def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, env_cfg: EnvConfig, data_dir: Path,
           out_dir: Path, metrics_path: Path, build_metrics: Path, run=None) -> dict:
     """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
+    from pipeline.envs.registry import open_environment
     from pipeline.adapt import adapters, batching, capability, pretrain, sft
     from pipeline.policy.demos import NamePool
     from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
@@ -156,37 +156,36 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
 
-    inputs = load_inputs(data_dir, cfg.eval.split)
+    world = open_environment(env_cfg.name, data_dir / "env")
+    inputs = load_inputs(data_dir, cfg.eval.split, world)
     eval_tasks = inputs["eval"][: cfg.eval.max_tasks] if cfg.eval.max_tasks else inputs["eval"]
-    try:
-        world = load_world(data_dir / "env")
-    except (FileNotFoundError, ValueError) as exc:
-        raise AgentRLError(f"{data_dir / 'env'}: {exc}; run `agentrl build-env` first") from None
 
     t = time.perf_counter()
-    model, tokenizer, source = base_policy(model_cfg, data_dir)
+    model, tokenizer, source = base_policy(model_cfg, data_dir, world)
     seconds["base"] = time.perf_counter() - t
     n_base = n_parameters(model)
     autocast = lambda: autocast_context(model_cfg)  # noqa: E731
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
 
-    pool = NamePool.from_entities(json.loads((data_dir / "env" / "entities.json").read_text()))
+    entities = data_dir / "env" / "entities.json"  # name augmentation where the environment writes entity names
+    pool = NamePool.from_entities(json.loads(entities.read_text()) if entities.is_file() else {})
 
     # continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is off)
     pre_summary = None
     if cfg.pretrain.steps > 0:
         t = time.perf_counter()
         questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
-        pre_summary = pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng,
-                                                    log)
+        pre_summary = pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg, data_dir, pool,
+                                                     world.vocabulary(), questions, rng, log)
         seconds["pretrain"] = time.perf_counter() - t
         peak_mib["pretrain"] = round(tree_peak_mib(), 1)
 
     # SFT with the adapter
     t = time.perf_counter()
     sampler = batching.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
-                              env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool)
+                              env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool,
+                              signatures=[s.signature() for s in world.tools()])
     examples = [e for exs in sampler.plain for e in exs]
     kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
     trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))
@@ -199,20 +198,16 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
     selector = None
     if cfg.sft.select_every:
-        selector = capability.CheckpointSelector(trainable_model, tokenizer, WorldRuntime(world),
+        selector = capability.CheckpointSelector(trainable_model, tokenizer, world,
                                       inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
                                       cfg.eval.seed, log)
-    try:
-        res = sft.train_lm(trainable_model, batching.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
-                                                                  tokenizer.pad_token_id),
-                           cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
-                           grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
-                           micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
-                           stop=selector, stop_every=cfg.sft.select_every or 100)
-        selection = selector.finish(res.steps) if selector is not None else None
-    finally:
-        if selector is not None:
-            selector.runtime.close()
+    res = sft.train_lm(trainable_model, batching.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
+                                                              tokenizer.pad_token_id),
+                       cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
+                       grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
+                       micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
+                       stop=selector, stop_every=cfg.sft.select_every or 100)
+    selection = selector.finish(res.steps) if selector is not None else None
     model = adapters.finalize(trainable_model)
     sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
                    "demos": len(inputs["demos"]), "loss_curve": curve,
@@ -232,12 +227,11 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     # evaluation's rollouts (about 900 MiB in a fresh process) land on top of it; return the free pages first
     # (release_free_memory says why the heap grows; nothing numerical changes).
     release_free_memory()
-    runtime = WorldRuntime(world)
     try:
-        cap, episodes = capability.evaluate_capabilities(model, tokenizer, runtime, eval_tasks, env_cfg, rollout_cfg,
+        cap, episodes = capability.evaluate_capabilities(model, tokenizer, world, eval_tasks, env_cfg, rollout_cfg,
                                                          cfg.eval)
     finally:
-        runtime.close()
+        world.close()
     seconds["evaluate"] = time.perf_counter() - t
     peak_mib["evaluate"] = round(tree_peak_mib(), 1)
     shortfalls = capability.check_gate(cap, cfg.gate.min) if cfg.gate.enabled else []

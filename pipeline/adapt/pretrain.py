@@ -26,7 +26,6 @@ from pipeline.adapt.config import AdaptConfig
 from pipeline.adapt.sft import train_lm
 from pipeline.core.isolation import run_in_child
 from pipeline.core.jsonl import read_jsonl
-from pipeline.env.tasks import FIELD_WORDS, UNIT_WORDS
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.demos import text_examples
 from pipeline.policy.model import autocast_context
@@ -39,23 +38,23 @@ def pretraining_texts(data_dir: Path, tasks: Sequence[dict] | None = None, docum
     so pre-training teaches the domain's language and names, not the demonstrations.
     """
     texts = []
-    if documents:
-        corpus = read_jsonl(Path(data_dir) / "env" / "corpus.jsonl", "document corpus",
-                            hint="run `agentrl build-env` (DVC stage build_env) first", allow_empty=True)
-        texts += [d["text"] for d in corpus]
+    corpus_path = Path(data_dir) / "env" / "corpus.jsonl"  # a world's documents, where its environment writes them
+    if documents and corpus_path.is_file():
+        corpus = read_jsonl(corpus_path, "document corpus", allow_empty=True)
+        texts += [d["text"] for d in corpus if isinstance(d.get("text"), str)]
     if tasks:
         texts += [t["question"] for t in tasks]
     return texts
 
 
 def continued_pretraining(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
-                          questions: list[str] | None, rng: np.random.Generator, log) -> dict:
+                          vocabulary: list[str], questions: list[str] | None, rng: np.random.Generator, log) -> dict:
     """:func:`pretrain` in a child process (``adapt.pretrain.subprocess``, :func:`pretrain_in_child`) or in this one;
     either way `model`, `rng` and torch's generator end in the same state. Returns the summary."""
     if cfg.pretrain.subprocess:
         out = run_in_child("adapt: continued pre-training (adapt.pretrain.subprocess: false runs it in this "
                            "process)", pretrain_in_child, model, tokenizer, cfg, model_cfg,
-                           data_dir, pool, questions, rng, torch.get_num_threads(),
+                           data_dir, pool, vocabulary, questions, rng, torch.get_num_threads(),
                            torch.get_rng_state())
         model.load_state_dict(torch.load(io.BytesIO(out["state"]), weights_only=True))
         for p in model.parameters():
@@ -65,10 +64,10 @@ def continued_pretraining(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelCo
         for metrics, step in out["logged"]:
             log(metrics, step=step)
         return out["summary"]
-    return pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng, log)
+    return pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, vocabulary, questions, rng, log)
 
 
-def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool, vocabulary: list[str],
              questions: list[str] | None, rng: np.random.Generator, log) -> dict:
     """Continued pre-training of `model` in place (see the module docstring); returns its summary for
     ``metrics/adapt.json``. `rng` draws the batches (SFT goes on drawing from it); `log(metrics, step=...)` records
@@ -78,7 +77,7 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_di
                               documents=cfg.pretrain.include_documents)
     n_domain = len(texts)
     texts += drills.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
-    words = drills.drill_words(pool, extra=sorted(FIELD_WORDS.values()) + sorted(UNIT_WORDS.values()))
+    words = drills.drill_words(pool, extra=list(vocabulary))
     texts += drills.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
     pre_ex = text_examples(tokenizer, texts, cfg.pretrain.max_len)
     for p in model.parameters():
@@ -113,7 +112,7 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_di
 
 
 def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
-                      questions: list[str] | None, rng: np.random.Generator, threads: int,
+                      vocabulary: list[str], questions: list[str] | None, rng: np.random.Generator, threads: int,
                       torch_rng: torch.Tensor) -> dict:
     """:func:`pretrain` as run by :func:`pipeline.core.isolation.run_in_child`: returns what the parent needs to go on as
     if it had trained in place: the weights (``torch.save`` bytes), the summary, the states of `rng` and of torch's
@@ -125,7 +124,7 @@ def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig
     torch.set_num_threads(threads)
     torch.set_rng_state(torch_rng)
     logged: list[tuple[dict, int | None]] = []
-    summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, questions, rng,
+    summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, vocabulary, questions, rng,
                        lambda metrics, step=None: logged.append((metrics, step)))
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)

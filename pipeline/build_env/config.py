@@ -1,16 +1,16 @@
-"""The `build_env` phase's config: the data that phase generates (world size, task counts, level mix, demonstration
-flaws). Mirrors the `build_env` section of params.yaml key for key."""
+"""The `build_env` phase's config: the data that phase generates (task counts, level mix, demonstrations, and the
+environment's own options such as the world's size). Mirrors the `build_env` section of params.yaml key for key."""
 
 from __future__ import annotations
 
 from pydantic import Field, model_validator
 
 from pipeline.core.config import PhaseConfig
-from pipeline.env.config import LEVELS, SPLITS
+from pipeline.envs.config import SPLITS
 
 
 class DemoConfig(PhaseConfig):
-    """Imperfect demonstrations made from the scripted expert (see `pipeline.env.expert`)."""
+    """Imperfect demonstrations made from the environment's scripted expert (one flaw at most each)."""
 
     level_coverage: dict[int, float] = Field(
         default_factory=lambda: {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.03},
@@ -26,18 +26,12 @@ class DemoConfig(PhaseConfig):
 
     @model_validator(mode="after")
     def _check_levels(self) -> "DemoConfig":
-        bad = [lv for lv in self.level_coverage if lv not in LEVELS]
+        bad = [lv for lv in self.level_coverage if lv < 1]
         if bad:
-            raise ValueError(f"level_coverage has unknown levels {bad}; levels are {list(LEVELS)}")
+            raise ValueError(f"level_coverage has invalid levels {bad}; levels are integers from 1")
         out = {lv: v for lv, v in self.level_coverage.items() if not 0 <= v <= 1}
         if out:
             raise ValueError(f"level_coverage values must lie in [0, 1], got {out}")
-        from pipeline.env.tasks import FAMILIES  # noqa: PLC0415 (tasks imports the world, not this module)
-
-        bad_families = sorted(f for f in self.family_coverage if f not in FAMILIES)
-        if bad_families:
-            raise ValueError(f"family_coverage has unknown task families {bad_families}; families are "
-                             f"{list(FAMILIES)}")
         out = {f: v for f, v in self.family_coverage.items() if not 0 <= v <= 1}
         if out:
             raise ValueError(f"family_coverage values must lie in [0, 1], got {out}")
@@ -52,9 +46,6 @@ class BuildEnvConfig(PhaseConfig):
     """What the `build_env` phase generates: the world, the task splits and the demonstrations."""
 
     seed: int = Field(0, description="Seed of every random draw in the phase; the same seed gives byte-identical data.")
-    n_products: int = Field(400, ge=30, le=100_000, description="Products in the SQLite world.")
-    n_suppliers: int = Field(80, ge=10, le=10_000, description="Suppliers (each with a flagship product, described in the document corpus).")
-    heldout_entity_fraction: float = Field(0.3, gt=0, lt=0.9, description="Share of products and suppliers held out of training; validation and test each get half.")
     tasks_per_split: dict[str, int] = Field(
         default_factory=lambda: {"train": 4000, "validation": 400, "test": 400},
         description="Number of tasks in each split (train, validation, test).",
@@ -63,11 +54,11 @@ class BuildEnvConfig(PhaseConfig):
         default_factory=lambda: {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25},
         description="Relative weight of each difficulty level in every split.",
     )
-    train_wordings: int = Field(
-        4, ge=1, le=8,
-        description="Question wordings per family that train and validation draw from (the original four, then four "
-                    "more); the held-out fifth wording stays test-only, and test draws from the original five, so the "
-                    "test split does not depend on this.",
+    options: dict = Field(
+        default_factory=dict,
+        description="The environment's own build options, checked by its Options model (the shop: n_products, "
+                    "n_suppliers, heldout_entity_fraction, train_wordings; the SQL analyst: see docs/env-sql.md); "
+                    "{} takes the environment's defaults.",
     )
     demos: DemoConfig = Field(default_factory=DemoConfig, description="Demonstration generation.")
 
@@ -78,9 +69,10 @@ class BuildEnvConfig(PhaseConfig):
         small = {k: v for k, v in self.tasks_per_split.items() if v < 1}
         if small:
             raise ValueError(f"tasks_per_split needs at least one task per split, got {small}")
-        bad = [lv for lv in self.level_mix if lv not in LEVELS]
+        bad = [lv for lv in self.level_mix if lv < 1]
         if bad:
-            raise ValueError(f"level_mix has unknown levels {bad}; levels are {list(LEVELS)}")
+            raise ValueError(f"level_mix has invalid levels {bad}; levels are integers from 1 (the environment "
+                             f"says which it has)")
         if any(w < 0 for w in self.level_mix.values()) or sum(self.level_mix.values()) <= 0:
             raise ValueError(f"level_mix weights must be ≥ 0 and not all zero, got {self.level_mix}")
         return self

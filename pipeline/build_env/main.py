@@ -24,80 +24,85 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.config import load_section
-from pipeline.env.config import SPLITS, EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime
-from pipeline.env.expert import ExpertPolicy, demo_record, draw_flaw, dumps_demo
-from pipeline.env.tasks import Task, generate_tasks
-from pipeline.env.taskfile import write_tasks
-from pipeline.env.world import World, generate_world, write_world
+from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
+from pipeline.envs.config import SPLITS, EnvConfig
+from pipeline.envs.contract import BuildRequest, Environment
+from pipeline.envs.registry import environment_class
+from pipeline.envs.runner import AgentEnv
+from pipeline.envs.taskfile import write_tasks
 from pipeline.policy.episodes import evaluate, run_episode
 
 OUTPUT_DIRS = ("env", "tasks", "demos")
 
 
-def build_tasks(world: World, runtime: WorldRuntime, cfg: BuildEnvConfig) -> dict[str, list[Task]]:
-    return {
-        split: generate_tasks(world, split, cfg.tasks_per_split[split], cfg.level_mix, cfg.seed,
-                              solver=lambda plan, allowed: runtime.solve(plan, allowed),
-                              train_wordings=cfg.train_wordings)
-        for split in SPLITS
-    }
+def draw_flaw(cfg, flaws: tuple[str, ...], rng: np.random.Generator) -> str:
+    """One flaw per demonstration, by the configured probabilities (checked in order, at most one); a flaw the
+    environment's expert cannot inject counts as none (the draw is made all the same, so the sequence of draws does not
+    depend on which flaws an environment supports)."""
+    u = rng.random()
+    for flaw, p in (("wrong_value", cfg.wrong_value_prob), ("wrong_order", cfg.wrong_order_prob),
+                    ("redundant_call", cfg.redundant_call_prob)):
+        if u < p:
+            return flaw if flaw in flaws else "none"
+        u -= p
+    return "none"
 
 
-def build_demos(train: list[Task], runtime: WorldRuntime, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> list[dict]:
+def demo_record(demo_id: str, task, flaw: str, steps: list[dict], success: bool, ret: float) -> dict:
+    return {"demo_id": demo_id, "task_id": task.task_id, "level": task.level, "family": task.family, "flaw": flaw,
+            "steps": steps, "success": bool(success), "return": round(float(ret), 6), "n_calls": len(steps)}
+
+
+def build_demos(train: list, world: Environment, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> list[dict]:
     """Demonstrations of the training tasks chosen by `family_coverage` (where it names the task's family) or else
-    `level_coverage`, one flaw drawn per demonstration."""
+    `level_coverage`, one flaw drawn per demonstration; none when the environment has no expert."""
+    if world.expert() is None:
+        return []
     rng = np.random.default_rng([cfg.seed, 3])
-    env = ToolTasksEnv(world=runtime, tasks=train, config=env_cfg.model_copy(update={"tool_latency_s": 0.0}))
+    env = AgentEnv(world=world, tasks=train, config=env_cfg.model_copy(update={"tool_latency_s": 0.0}))
     demos = []
     try:
         for task in train:
             share = cfg.demos.family_coverage.get(task.family, cfg.demos.level_coverage.get(task.level, 0.0))
             if rng.random() >= share:
                 continue
-            flaw = draw_flaw(task.level, cfg.demos, rng)
-            rec = run_episode(env, ExpertPolicy(flaw, rng), task, seed=int(rng.integers(2**31)))
+            flaw = draw_flaw(cfg.demos, type(world).flaws, rng)
+            rec = run_episode(env, world.expert(flaw, rng), task, seed=int(rng.integers(2**31)))
             demos.append(demo_record(f"demo-{len(demos):06d}", task, flaw, rec["steps"], rec["success"], rec["return"]))
     finally:
         env.close()
     return demos
 
 
-def _table(db: Path, table: str) -> list[dict]:
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    conn.row_factory = sqlite3.Row
-    try:
-        return [dict(r) for r in conn.execute(f"SELECT * FROM {table}")]
-    finally:
-        conn.close()
+def check_split_ids(tasks: dict[str, list]) -> None:
+    """The pipeline's own rule on any environment's tasks: a task id belongs to one split and one task."""
+    seen: dict[str, str] = {}
+    for split, ts in tasks.items():
+        for t in ts:
+            if t.task_id in seen:
+                raise AgentRLError(f"build_env: task id {t.task_id!r} occurs in {seen[t.task_id]} and {split} "
+                                   f"(task ids must be unique across splits); nothing was written")
+            seen[t.task_id] = split
 
 
-def validate_outputs(stage: Path) -> list:
-    """Run every suite on what was written to `stage` (read back from disk); returns one report per dataset."""
+def validate_outputs(stage: Path, world: Environment) -> list:
+    """Every check of the environment on what was written to `stage` (read back from disk), one report per dataset."""
     from pipeline.core.jsonl import read_jsonl
-    from pipeline.core.validation import validate_records
-    from pipeline.env.suites import check_splits, register_suites
 
-    register_suites()
-
-    db = stage / "env" / "world.sqlite"
-    products, suppliers = _table(db, "products"), _table(db, "suppliers")
     read = lambda p: read_jsonl(p, allow_empty=True)  # noqa: E731  (an empty file is the suite's failure to report)
     records = {s: read(stage / "tasks" / f"{s}.jsonl") for s in SPLITS}
-    return [
-        validate_records(products, "products", "data/env/world.sqlite:products",
-                         supplier_names=[s["name"] for s in suppliers]),
-        validate_records(suppliers, "suppliers", "data/env/world.sqlite:suppliers",
-                         product_names=[p["name"] for p in products]),
-        validate_records(read(stage / "env" / "corpus.jsonl"), "corpus", "data/env/corpus.jsonl"),
-        *[validate_records(records[s], "tasks", f"data/tasks/{s}.jsonl", split=s) for s in SPLITS],
-        validate_records(read(stage / "demos" / "train.jsonl"), "demos", "data/demos/train.jsonl",
-                         task_ids=[t["task_id"] for t in records["train"]]),
-        check_splits(records),
-    ]
+    demos_path = stage / "demos" / "train.jsonl"
+    return world.validate(stage / "env", records, read(demos_path) if world.expert() is not None else None)
+
+
+def _first_error(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        e = errors()[0]
+        return f"{'.'.join(str(p) for p in e['loc']) or 'options'}: {e['msg']}"
+    return str(exc)
 
 
 def sha256(path: Path) -> str:
@@ -119,28 +124,49 @@ def publish(stage: Path, data_dir: Path) -> None:
 
 def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run=None,
           validator=validate_outputs) -> dict:
-    """Generate, validate (with `validator(stage) -> reports`) and publish; returns the metrics written to `metrics_path`."""
+    """Generate, validate (with `validator(stage, world) -> reports`) and publish; returns the metrics written to
+    `metrics_path`."""
     t0 = time.perf_counter()
+    cls = environment_class(env_cfg.name)
     try:
-        world = generate_world(cfg.seed, cfg.n_products, cfg.n_suppliers, cfg.heldout_entity_fraction)
+        options = cls.Options.model_validate(cfg.options)
     except ValueError as exc:
-        raise AgentRLError(f"build_env: {exc}") from None
-    runtime = WorldRuntime(world)
+        raise AgentRLError(f"build_env.options for environment {cls.name!r}: {_first_error(exc)}") from None
+    bad = sorted(set(cfg.level_mix) - set(cls.levels))
+    if bad:
+        raise AgentRLError(f"build_env.level_mix names levels {bad} that environment {cls.name!r} does not have "
+                           f"(its levels: {list(cls.levels)})")
+    request = BuildRequest(cfg.seed, dict(cfg.tasks_per_split), dict(cfg.level_mix), options)
     data_dir.mkdir(parents=True, exist_ok=True)
     stage = data_dir / ".staging-build_env"
     if stage.exists():
         shutil.rmtree(stage)
+    (stage / "env").mkdir(parents=True)
+    world = None
     try:
-        tasks = build_tasks(world, runtime, cfg)
-        demos = build_demos(tasks["train"], runtime, cfg, env_cfg)
+        try:
+            result = cls.build(stage / "env", request)
+        except ValueError as exc:
+            raise AgentRLError(f"build_env: environment {cls.name!r}: {exc}") from None
+        tasks = result.tasks
+        if set(tasks) != set(SPLITS) or any(not ts for ts in tasks.values()):
+            raise AgentRLError(f"build_env: environment {cls.name!r} must build tasks for every split {list(SPLITS)}, "
+                               f"got {{{', '.join(f'{k}: {len(v)}' for k, v in tasks.items())}}}")
+        check_split_ids(tasks)
+        families = {t.family for ts in tasks.values() for t in ts}
+        unknown = sorted(set(cfg.demos.family_coverage) - families)
+        if unknown:
+            raise AgentRLError(f"build_env.demos.family_coverage names task families {unknown} that environment "
+                               f"{cls.name!r} does not build; its families: {sorted(families)}")
+        world = cls.load(stage / "env")
+        demos = build_demos(tasks["train"], world, cfg, env_cfg)
         t_gen = time.perf_counter() - t0
-        paths = write_world(world, stage / "env")
         for split, ts in tasks.items():
             write_tasks(ts, stage / "tasks" / f"{split}.jsonl")
         (stage / "demos").mkdir(parents=True)
-        (stage / "demos" / "train.jsonl").write_text("".join(dumps_demo(d) + "\n" for d in demos))
+        (stage / "demos" / "train.jsonl").write_text("".join(json.dumps(d, sort_keys=True) + "\n" for d in demos))
         t1 = time.perf_counter()
-        reports = validator(stage)
+        reports = validator(stage, world)
         t_val = time.perf_counter() - t1
         failed = [r for r in reports if not r.success]
         if failed:
@@ -149,18 +175,18 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
 
         baselines = {}
         eval_cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0})
+        policies = [p for p, make in (("expert", world.expert), ("random", lambda: world.random_policy(None)))
+                    if make() is not None]
         for split, ts in tasks.items():
-            for policy in ("expert", "random"):
-                summary, _ = evaluate(policy, ts, runtime, eval_cfg, seed=cfg.seed)
+            for policy in policies:
+                summary, _ = evaluate(policy, ts, world, eval_cfg, seed=cfg.seed)
                 baselines[f"{split}/{policy}"] = summary
         files = {str(Path("data") / p.relative_to(stage)): p for p in
-                 [paths["db"], paths["corpus"], paths["entities"], *sorted((stage / "tasks").glob("*.jsonl")),
+                 [*sorted(Path(f) for f in result.files), *sorted((stage / "tasks").glob("*.jsonl")),
                   stage / "demos" / "train.jsonl"]}
         metrics = {
-            "counts": {
-                "products": len(world.products), "suppliers": len(world.suppliers), "documents": len(world.corpus),
-                **{f"tasks_{s}": len(ts) for s, ts in tasks.items()}, "demos": len(demos),
-            },
+            "environment": cls.name,
+            "counts": {**result.counts, **{f"tasks_{s}": len(ts) for s, ts in tasks.items()}, "demos": len(demos)},
             "level_mix": {s: dict(sorted(Counter(str(t.level) for t in ts).items())) for s, ts in tasks.items()},
             "family_mix": {s: dict(sorted(Counter(t.family for t in ts).items())) for s, ts in tasks.items()},
             "test_unseen_template_share": sum(not t.template_seen for t in tasks["test"]) / len(tasks["test"]),
@@ -183,9 +209,12 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
             "seconds": {"generate": round(t_gen, 3), "validate": round(t_val, 3),
                         "total": round(time.perf_counter() - t0, 3)},
         }
+        world.close()
+        world = None
         publish(stage, data_dir)
     finally:
-        runtime.close()
+        if world is not None:
+            world.close()
         if stage.exists():
             shutil.rmtree(stage)
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,9 +240,11 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", metrics_path:
     cfg = load_section(BuildEnvConfig, "build_env", params_path)
     with Tracker().run("build_env", params={"env": env_cfg.model_dump(), "build_env": cfg.model_dump()}) as run:
         metrics = build(cfg, env_cfg, Path(data_dir), Path(metrics_path), run)
-    c = metrics["counts"]
-    print(f"build_env: {c['products']} products, {c['documents']} documents, tasks "
-          f"{c['tasks_train']}/{c['tasks_validation']}/{c['tasks_test']} (train/validation/test), {c['demos']} demos; "
-          f"expert success {metrics['baselines']['test/expert']['success_rate']:.3f}, random "
-          f"{metrics['baselines']['test/random']['success_rate']:.3f} on test; {metrics['seconds']['total']:.1f}s")
+    c, b = metrics["counts"], metrics["baselines"]
+    world = ", ".join(f"{v} {k}" for k, v in c.items() if not k.startswith("tasks_") and k != "demos")
+    baselines = "; ".join(f"{p} success {b[f'test/{p}']['success_rate']:.3f}" for p in ("expert", "random")
+                          if f"test/{p}" in b)
+    print(f"build_env: environment {metrics['environment']}: {world}, tasks {c['tasks_train']}/{c['tasks_validation']}/"
+          f"{c['tasks_test']} (train/validation/test), {c['demos']} demos; {baselines or 'no baselines'} on test; "
+          f"{metrics['seconds']['total']:.1f}s")
     return metrics

@@ -36,7 +36,7 @@ kernel matrix, so 500 permutations of 200 + 200 observations take tens of millis
 ``max_hidden_samples`` before embedding, because the forward passes are the expensive part.
 
 Samples (:func:`make_reference_sample`, :func:`make_drifted_tasks`): fresh samples of the reference distribution come
-from the environment's own generator (:func:`pipeline.env.tasks.generate_tasks`) with a new seed; the documented
+from the environment's own generator (:func:`pipeline.envs.shop.tasks.generate_tasks`) with a new seed; the documented
 drifted datasets are a shifted level mix (``level_shift``) and shifted entity values (``value_shift``: every product's
 price redrawn from the upper half of its allowed range in a copy of the world, answers recomputed on that copy).
 :func:`false_alarm_rate` runs a check on repeated drift-free pairs.
@@ -424,8 +424,8 @@ def _build_default(key: str):
 
 def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
               train_wordings: int | None = None) -> list[dict]:
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.tasks import generate_tasks
+    from pipeline.envs.shop.core import WorldRuntime
+    from pipeline.envs.shop.tasks import generate_tasks
 
     runtime = WorldRuntime(world)
     try:

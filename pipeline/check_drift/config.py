@@ -128,10 +128,10 @@ class DriftConfig(PhaseConfig):
         description="Largest allowed mean squared difference between the training and serving paths' hidden-state "
                     "features of one probe (identical paths give 0; a bf16 or quantised serving model does not).")
     serving_preprocess: str = Field(
-        "pipeline.env.prompt:render_context",
+        "pipeline.envs.prompt:render_context",
         description="'module:function' of the serving path's prompt function, with render_context's signature "
                     "(question, tool_signatures, history, window) -> str. The training path is always "
-                    "pipeline.env.prompt:render_context.")
+                    "pipeline.envs.prompt:render_context.")
 
     # -------------------------------------------------------------------------------------------- calibration
     false_alarm_repeats: int = Field(
@@ -155,7 +155,7 @@ class DriftConfig(PhaseConfig):
     @classmethod
     def _check_dotted(cls, v: str) -> str:
         if not _DOTTED.match(v):
-            raise ValueError(f"must be 'module:function' (e.g. 'pipeline.env.prompt:render_context'), got {v!r}")
+            raise ValueError(f"must be 'module:function' (e.g. 'pipeline.envs.prompt:render_context'), got {v!r}")
         return v
 
     @model_validator(mode="after")

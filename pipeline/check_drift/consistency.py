@@ -5,7 +5,7 @@ For a probe set of raw observations (a question, the history of (action, observa
 the tool signatures), :func:`check_consistency` runs both paths and compares, stage by stage:
 
 1. **prompts**: ``train_preprocess(...)`` and ``serve_preprocess(...)`` (both with the signature of
-   :func:`pipeline.env.prompt.render_context`, the one prompt function) must return identical text;
+   :func:`pipeline.envs.prompt.render_context`, the one prompt function) must return identical text;
 2. **token ids**: ``train_encode(tokenizer, text)`` and ``serve_encode(tokenizer, text)`` must return identical ids;
 3. **hidden states**: the mean-pooled last hidden state of the training model on the training ids and of the serving
    model (default: the same model; pass a quantised or bf16 copy to check it) on the serving ids must have a mean
@@ -187,11 +187,11 @@ def check_consistency(probe_observations: Sequence[Probe | Mapping], train_prepr
                       max_tokens: int = 512) -> ConsistencyReport:
     """Compare the training and serving paths on `probe_observations` (see the module docstring).
 
-    `train_preprocess` defaults to :func:`pipeline.env.prompt.render_context` and `serve_preprocess` to the same
+    `train_preprocess` defaults to :func:`pipeline.envs.prompt.render_context` and `serve_preprocess` to the same
     function; `train_encode`/`serve_encode` ``(tokenizer, text) -> ids`` to the policy's ``encode_context``;
     `serve_model` to `model`. Without `tokenizer` only the prompts are compared; without `model` no hidden states."""
     from pipeline.check_drift.features import clip_ids, default_encode, hidden_states_from_ids
-    from pipeline.env.prompt import render_context
+    from pipeline.envs.prompt import render_context
 
     probes = [as_probe(p) for p in probe_observations]
     if not probes:

@@ -35,7 +35,7 @@ from typing import Literal
 import numpy as np
 import pandas as pd
 
-from pipeline.env.tools import TOOL_NAMES
+from pipeline.envs.shop.tools import TOOL_NAMES
 
 Kind = Literal["categorical", "continuous"]
 Unit = Literal["task", "entity", "episode"]
@@ -191,7 +191,7 @@ def trajectory_features(records: Sequence[dict]) -> dict[str, pd.Series]:
 # ------------------------------------------------------------------------------------------------- observations
 def tool_signatures() -> list[str]:
     """The tool list of the prompt, as the environment renders it."""
-    from pipeline.env.tools import default_tools, signature
+    from pipeline.envs.shop.tools import default_tools, signature
 
     return [signature(t) for t in default_tools()]
 
@@ -200,7 +200,7 @@ def episode_contexts(question: str, steps: Sequence[dict], window: int,
                      signatures: Sequence[str] | None = None, render: Callable | None = None) -> list[str]:
     """The context the policy saw before each step of an episode (the environment's `context` observation),
     replayed with the one prompt function (or `render`, same signature as render_context)."""
-    from pipeline.env.prompt import render_context
+    from pipeline.envs.prompt import render_context
 
     render = render or render_context
     sigs = list(signatures) if signatures is not None else tool_signatures()
@@ -216,7 +216,7 @@ def observation_contexts(tasks: Sequence[dict], trajectories: Sequence[dict] | N
     """Observations for the hidden-state test: every step's context of `trajectories` (questions looked up by
     task_id in `tasks`; episodes of unknown tasks are left out), or, without trajectories, each task's first
     observation (the reset context)."""
-    from pipeline.env.prompt import render_context
+    from pipeline.envs.prompt import render_context
 
     sigs = tool_signatures()
     if not trajectories:

@@ -43,7 +43,7 @@ import numpy as np
 
 from pipeline.core.config import load_section
 from pipeline.check_drift.config import DriftConfig
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.errors import AgentRLError
 
@@ -56,7 +56,7 @@ DEMOS = Path("data/demos/train.jsonl")
 def load_tasks(path: str | Path) -> tuple[list[dict], list[str]]:
     """Task records from a JSONL file or from every *.jsonl in a folder, each file checked with the "tasks" suite;
     returns (records, files read). Missing, empty or schema-breaking files raise AgentRLError naming the file."""
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.taskfile import load_task_file
 
     path = Path(path)
     if path.is_dir():
@@ -86,7 +86,7 @@ def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, suite: str | 
     """Episode records from a JSONL file, checked with `suite` (None: not checked, e.g. demonstrations)."""
     from pipeline.core.jsonl import read_jsonl
     from pipeline.core.validation import DataValidationError, validate_records
-    from pipeline.env.suites import register_suites
+    from pipeline.envs.shop.suites import register_suites
 
     records = read_jsonl(path, what)  # AgentRLError naming the file (and the line) when missing, empty or not JSON
     if suite is not None:
@@ -99,7 +99,7 @@ def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, suite: str | 
 
 
 def _world(path: str | Path):
-    from pipeline.env.world import load_world
+    from pipeline.envs.shop.world import load_world
 
     try:
         return load_world(Path(path))
@@ -136,8 +136,8 @@ def _sample(records: list, k: int, rng: np.random.Generator) -> list:
 
 def rollouts(policy: Policy, tasks: list[dict], world, env_cfg: EnvConfig, rollout_cfg, seed: int) -> list[dict]:
     """Greedy episodes of the policy on `tasks` in `world`, with token ids, log-probabilities and masks."""
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.tasks import Task
+    from pipeline.envs.shop.core import WorldRuntime
+    from pipeline.envs.shop.tasks import Task
     from pipeline.policy.rollout import RolloutEngine
 
     runtime = WorldRuntime(world)
@@ -159,7 +159,7 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
     from pipeline.check_drift.consistency import check_consistency, probes_from_episodes, resolve_callable
     from pipeline.check_drift.features import observation_contexts, unknown_entities
     from pipeline.core.validation import validate_records
-    from pipeline.env.suites import register_suites
+    from pipeline.envs.shop.suites import register_suites
 
     register_suites()
     seconds: dict[str, float] = {}

@@ -11,7 +11,7 @@ Failures name their rows: every frame carries `_row` (the record's position in i
 passed to GX as `unexpected_index_column_names`, so a report reads "row 3 (task_id='train-000003')".
 
 This module knows no dataset: the suites of the shop world's data (tasks, demonstrations, world tables, corpus,
-episodes) live with that data in :mod:`pipeline.env.suites`, which registers them here.
+episodes) live with that data in :mod:`pipeline.envs.shop.suites`, which registers them here.
 
 Cost (measured on a quiet 2-core machine): `import great_expectations` takes about 2 s, so it is imported inside the
 functions that run GX, never at module import. Each call builds its own ephemeral context (about 3 ms + 20 ms for the

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pipeline.core.config import load_section
 from pipeline.deploy.config import DeployConfig
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.core.errors import AgentRLError
 
 REQUIRED_METRICS = {"train": "train.json", "adapt": "adapt.json", "drift": "drift.json"}
@@ -46,16 +46,16 @@ def _read_json(path: Path, what: str) -> dict:
         raise AgentRLError(f"deploy: {path}: not valid JSON ({exc.msg})") from None
 
 
-def load_inputs(cfg: DeployConfig, metrics_dir: Path) -> dict:
+def load_inputs(cfg: DeployConfig, metrics_dir: Path, world) -> dict:
     """Every file the phase reads, checked before any work: a missing or unreadable one is an AgentRLError."""
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.taskfile import load_task_file
 
     if not Path(cfg.policy).is_dir():
         raise AgentRLError(f"deploy: policy {cfg.policy} not found; run the train stage first (`agentrl train`)")
     inputs = {k: _read_json(metrics_dir / f, f"the {k} stage's metrics") for k, f in REQUIRED_METRICS.items()}
     evaluate = metrics_dir / EVALUATE_METRICS
     inputs["evaluate"] = _read_json(evaluate, "evaluate") if evaluate.is_file() else None
-    tasks = load_task_file(cfg.test_tasks)
+    tasks = load_task_file(cfg.test_tasks, world)
     inputs["tasks"] = tasks[: cfg.max_test_tasks] if cfg.max_test_tasks else tasks
     return inputs
 
@@ -102,23 +102,18 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
     from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
     from pipeline.deploy.registry import WEIGHTS_TAG, ModelRegistry, champion_evaluator, promote, weights_digest
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
+    from pipeline.envs.registry import open_environment
     from pipeline.policy.model import load_policy
     from pipeline.core.tracking import Tracker
 
     t0 = time.perf_counter()
     metrics_dir, out_path = Path(metrics_dir), Path(out_path)
-    inputs = load_inputs(cfg, metrics_dir)
-    try:
-        world = load_world(Path(cfg.world_dir))
-    except (FileNotFoundError, ValueError) as exc:
-        raise AgentRLError(f"deploy: {exc}") from None
+    runtime = open_environment(env_cfg.name, cfg.world_dir)
+    inputs = load_inputs(cfg, metrics_dir, runtime)
     model, tokenizer, meta = load_policy(cfg.policy)
     digest = weights_digest(cfg.policy)
     tracker = tracker or Tracker()
     registry = registry or ModelRegistry(cfg.model_name, tracker.tracking_uri)
-    runtime = WorldRuntime(world)
     try:
         measured = measure_variants(model, tokenizer, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg)
         if inputs["evaluate"] is not None:
@@ -212,9 +207,8 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
                  dry_run: bool = False) -> bool:
     """`agentrl promote`: the gate on a version (default: the challenger); returns whether it passed."""
     from pipeline.deploy.registry import ModelRegistry, champion_evaluator, promote
-    from pipeline.env.core import WorldRuntime
-    from pipeline.env.world import load_world
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.registry import open_environment
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
     from pipeline.core.tracking import Tracker
 
@@ -225,8 +219,8 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
     registry = ModelRegistry(cfg.model_name, tracker.tracking_uri)
     runtime, evaluator = None, None
     if Path(cfg.test_tasks).is_file() and Path(cfg.world_dir).is_dir():  # lets the champion be re-evaluated
-        tasks = load_task_file(cfg.test_tasks)
-        runtime = WorldRuntime(load_world(Path(cfg.world_dir)))
+        runtime = open_environment(env_cfg.name, cfg.world_dir)
+        tasks = load_task_file(cfg.test_tasks, runtime)
         evaluator = champion_evaluator(registry, tasks, runtime, env_cfg, rollout_cfg, cfg.seed)
     try:
         decision = promote(registry, cfg.gate, version=version, alias=alias, dry_run=dry_run,

@@ -37,7 +37,6 @@ from pipeline.core.errors import AgentRLError
 
 SERVING_JSON = "serving.json"
 WORLD_FILES = ("world.sqlite", "corpus.jsonl", "entities.json")
-REQUEST_KEYS = ("question", "task_id", "allowed_writes", "answer")
 
 
 class RequestError(ValueError):
@@ -45,100 +44,23 @@ class RequestError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------- requests
-def parse_task(obj: Any, max_question_chars: int = 1000):
-    """A :class:`~pipeline.env.tasks.Task` from one request; :class:`RequestError` names what is wrong."""
-    from pipeline.env.tasks import Task
-
+def parse_task(obj: Any, max_question_chars: int, world):
+    """The task of one request for the served environment `world` (its :meth:`request_task`): a string is a
+    question; :class:`RequestError` names what is wrong."""
     if isinstance(obj, str):
         obj = {"question": obj}
     if not isinstance(obj, dict):
         raise RequestError(f"a task must be a JSON object with a 'question' (or a string), got {type(obj).__name__}")
-    full = set(Task.__dataclass_fields__)
-    if full <= set(obj):  # a complete task record (e.g. a line of data/tasks/test.jsonl)
-        extra = set(obj) - full - {"seed"}
-        if extra:
-            raise RequestError(f"unknown task fields {sorted(extra)}")
-        _check_record(obj)
-        try:
-            task = Task.from_dict(obj)
-        except TypeError as exc:
-            raise RequestError(f"malformed task record: {exc}") from None
-    else:
-        unknown = sorted(set(obj) - set(REQUEST_KEYS) - {"seed"})
-        if unknown:
-            raise RequestError(f"unknown fields {unknown}; a task has {list(REQUEST_KEYS)} (only 'question' is "
-                               f"required) or every field of a task record")
-        question = obj.get("question")
-        if not isinstance(question, str) or not question.strip():
-            raise RequestError("'question' must be a non-empty string")
-        answer = obj.get("answer")
-        if answer is not None and not isinstance(answer, (str, int, float)):
-            raise RequestError("'answer' (ground truth) must be a string or a number")
-        writes = _check_writes(obj.get("allowed_writes", []))
-        task_id = obj.get("task_id")
-        if task_id is not None and not isinstance(task_id, (str, int)):
-            raise RequestError("'task_id' must be a string or an integer")
-        if task_id is None:
-            task_id = "req-" + hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
-        task = Task(task_id=str(task_id), split="serve", family="unknown", level=0, template_id="",
-                    template_seen=True, question=question, entities=[], plan=[],
-                    answer="" if answer is None else str(answer), min_calls=2, allowed_writes=writes)
+    try:
+        task = world.request_task(obj)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise RequestError(str(exc)) from None
     if len(task.question) > max_question_chars:
         raise RequestError(f"'question' has {len(task.question)} characters, more than the {max_question_chars} "
                            f"allowed")
     if not task.question.strip():
         raise RequestError("'question' must be a non-empty string")
     return task
-
-
-_STR, _INT = (str,), (int,)
-RECORD_TYPES = {"task_id": (str, int), "split": _STR, "family": _STR, "level": _INT, "template_id": _STR,
-                "template_seen": (bool,), "question": _STR, "entities": (list,), "plan": (list,),
-                "answer": (str, int, float), "min_calls": _INT, "allowed_writes": (list,)}
-
-
-def _check_record(obj: dict) -> None:
-    """Type-check every field of a complete task record before an episode starts (the README's task schema, without
-    the dataset-level Great Expectations suite, which is too slow per request): a wrong type is a RequestError naming
-    the field, never an exception inside the episode (a `plan` of 5 or a `min_calls` of "x" used to fail there).
-    The vocabularies are checked too: `family` is one of the environment's families, `level` is that family's level,
-    and every `plan` step names one of its tools."""
-    for key, types in RECORD_TYPES.items():
-        v = obj[key]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            raise RequestError(f"task field {key!r} must be {' or '.join(t.__name__ for t in types)}, "
-                               f"got {type(v).__name__}")
-    if not obj["question"].strip():
-        raise RequestError("'question' must be a non-empty string")
-    if not all(isinstance(e, str) for e in obj["entities"]):
-        raise RequestError("task field 'entities' must be a list of strings")
-    if obj["min_calls"] < 1:
-        raise RequestError("task field 'min_calls' must be at least 1")
-    if not all(isinstance(st, dict) and isinstance(st.get("tool"), str) and isinstance(st.get("params"), dict)
-               for st in obj["plan"]):
-        raise RequestError("task field 'plan' must be a list of {tool, params} steps")
-    _check_writes(obj["allowed_writes"])
-    from pipeline.env.tasks import FAMILIES, FAMILY_LEVEL
-    from pipeline.env.tools import TOOL_NAMES
-
-    if obj["family"] not in FAMILIES:
-        raise RequestError(f"task field 'family' must be one of {list(FAMILIES)}, got {obj['family'][:40]!r}")
-    if obj["level"] != FAMILY_LEVEL[obj["family"]]:
-        raise RequestError(f"task field 'level' is {obj['level']}, but family {obj['family']!r} is level "
-                           f"{FAMILY_LEVEL[obj['family']]}")
-    unknown = sorted({st["tool"][:40] for st in obj["plan"]} - set(TOOL_NAMES))
-    if unknown:
-        raise RequestError(f"task field 'plan' names unknown tools {unknown}; the tools are {list(TOOL_NAMES)}")
-
-
-def _check_writes(writes: Any) -> list:
-    """`writes` itself when it is a list of {table, name, field} string objects (a task's ``allowed_writes``), else a
-    RequestError: checked before an episode starts, in a bare request and in a complete task record alike."""
-    if not isinstance(writes, list) or not all(
-            isinstance(w, dict) and set(w) == {"table", "name", "field"} and all(isinstance(v, str) for v in w.values())
-            for w in writes):
-        raise RequestError("'allowed_writes' must be a list of {table, name, field} string objects")
-    return writes
 
 
 def _has_truth(obj: Any) -> bool:
@@ -185,9 +107,8 @@ class PolicySolver:
     def __init__(self, policy_dir: str | Path, world_dir: str | Path, settings: dict):
         from pipeline.deploy.config import QuantizationConfig
         from pipeline.deploy.quantize import make_variant
-        from pipeline.env.config import EnvConfig
-        from pipeline.env.core import WorldRuntime
-        from pipeline.env.world import load_world
+        from pipeline.envs.config import EnvConfig
+        from pipeline.envs.registry import open_environment
         from pipeline.policy.config import RolloutConfig
         from pipeline.policy.model import load_policy
         from pipeline.policy.rollout import RolloutEngine
@@ -197,11 +118,11 @@ class PolicySolver:
         model, self.tokenizer, self.meta = load_policy(policy_dir)
         self.model = make_variant(model, self.precision, QuantizationConfig(**settings.get("quantization", {})))
         del model
-        try:
-            self.runtime = WorldRuntime(load_world(Path(world_dir)))
-        except (FileNotFoundError, ValueError) as exc:
-            raise AgentRLError(f"packaged world: {exc}") from None
         self.env_cfg = EnvConfig(**settings.get("env", {}))
+        try:
+            self.runtime = open_environment(self.env_cfg.name, world_dir)
+        except AgentRLError as exc:
+            raise AgentRLError(f"packaged world: {exc}") from None
         rollout = RolloutConfig(**settings.get("rollout", {}))
         self.rollout_cfg = rollout.model_copy(update={"dtype": "fp32"})  # the variant's own dtype (see quantize.py)
         self.seed = int(settings.get("seed", 0))
@@ -218,7 +139,7 @@ class PolicySolver:
 
     def predict(self, model_input: Any, max_question_chars: int = 1000) -> list[dict]:
         reqs = normalize_inputs(model_input)
-        tasks = [parse_task(r, max_question_chars) for r in reqs]
+        tasks = [parse_task(r, max_question_chars, self.runtime) for r in reqs]
         seeds = [int(r["seed"]) if isinstance(r, dict) and r.get("seed") is not None else self.seed for r in reqs]
         truth = [(isinstance(r, dict) and set(r) >= {"plan", "answer"}) or _has_truth(r) for r in reqs]
         return self.solve_tasks(tasks, seeds, truth)

@@ -232,7 +232,7 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return refuse(400, f"body is not valid JSON: {exc}", "bad_json")
         try:
-            task = parse_task(obj, cfg.max_question_chars)
+            task = parse_task(obj, cfg.max_question_chars, solver.runtime)
             seed = obj.get("seed", solver.seed) if isinstance(obj, dict) else solver.seed
             if isinstance(seed, bool) or not isinstance(seed, int):
                 raise RequestError("'seed' must be an integer")

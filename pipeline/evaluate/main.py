@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.config import load_section
-from pipeline.env.config import EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.core.errors import AgentRLError
 from pipeline.evaluate.config import POLICIES, SPLITS, EvaluateConfig
 
@@ -54,10 +54,10 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def load_inputs(cfg: EvaluateConfig) -> tuple[dict, dict, object]:
+def load_inputs(cfg: EvaluateConfig, env_cfg: EnvConfig) -> tuple[dict, dict, object]:
     """(policies {name: (model, tokenizer)}, tasks {split: [Task]}, world); every problem is an AgentRLError."""
-    from pipeline.env.world import load_world
-    from pipeline.env.taskfile import load_task_file
+    from pipeline.envs.registry import open_environment
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.model import load_policy
 
     policies = {}
@@ -67,19 +67,16 @@ def load_inputs(cfg: EvaluateConfig) -> tuple[dict, dict, object]:
                                f"`{STAGE_BEFORE[name]}` stage first (evaluate.{name}_policy)")
         model, tokenizer, _ = load_policy(path)
         policies[name] = (model, tokenizer)
+    world = open_environment(env_cfg.name, cfg.world_dir)
     tasks = {}
     for split in SPLITS:
         path = Path(cfg.tasks_dir) / f"{split}.jsonl"
         if not path.is_file():
             raise AgentRLError(f"evaluate: task file {path} not found; run the `build_env` stage first "
                                f"(evaluate.tasks_dir)")
-        tasks[split] = load_task_file(path)  # AgentRLError when it breaks the "tasks" suite
+        tasks[split] = load_task_file(path, world)  # AgentRLError when it breaks the task checks
         if not tasks[split]:
             raise AgentRLError(f"evaluate: task file {path} holds no tasks")
-    try:
-        world = load_world(Path(cfg.world_dir))
-    except (FileNotFoundError, ValueError) as exc:
-        raise AgentRLError(f"evaluate: {exc}") from None
     return policies, tasks, world
 
 
@@ -108,19 +105,19 @@ def play(policies: dict, chosen: dict, diversity_tasks: list, runtime, env_cfg: 
     return greedy, sampled
 
 
-def validate_episodes(greedy: dict, sampled: dict, env_cfg: EnvConfig) -> dict:
-    """Every record set through the GX suite "evaluation"; the first failure is an AgentRLError (nothing is written)."""
-    from pipeline.core.validation import DataValidationError, validate_records
-    from pipeline.env.suites import register_suites
-
-    register_suites()
+def validate_episodes(greedy: dict, sampled: dict, env_cfg: EnvConfig, world) -> dict:
+    """Every record set through the environment's "evaluation" check; the first failure is an AgentRLError (nothing
+    is written)."""
+    from pipeline.core.validation import DataValidationError
 
     summary = {}
     sets = [(f"{p}/{s}", recs) for p, splits in greedy.items() for s, recs in splits.items()]
     sets += [(f"{p}/sampled", recs) for p, recs in sampled.items()]
     for name, records in sets:
         try:
-            report = validate_records(records, "evaluation", dataset=f"evaluate:{name}", env_cfg=env_cfg)
+            report = world.check_episodes(records, "evaluation", f"evaluate:{name}", env_cfg)
+            if report is None:
+                continue
             report.raise_if_failed()
         except DataValidationError as exc:
             raise AgentRLError(f"evaluate: the {name} episodes fail the 'evaluation' suite: {exc}") from None
@@ -131,7 +128,6 @@ def validate_episodes(greedy: dict, sampled: dict, env_cfg: EnvConfig) -> dict:
 def evaluate(cfg: EvaluateConfig, env_cfg: EnvConfig, rollout_cfg, *, metrics_path: Path = METRICS_PATH,
              plot_path: Path = PLOT_PATH, tracker=None) -> dict:
     """Run the phase (see the module docstring); returns what it wrote to `metrics_path`."""
-    from pipeline.env.core import WorldRuntime
     from pipeline.evaluate.report import build_report, flat_metrics, markdown_report, success_rows
     from pipeline.core.tracking import NullTracker
 
@@ -139,17 +135,16 @@ def evaluate(cfg: EvaluateConfig, env_cfg: EnvConfig, rollout_cfg, *, metrics_pa
     for stale in (metrics_path, plot_path):
         stale.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    policies, tasks, world = load_inputs(cfg)
+    policies, tasks, world = load_inputs(cfg, env_cfg)
     chosen, diversity_tasks = chosen_tasks(cfg, tasks)
     tracker = tracker or NullTracker()
     params = {"evaluate": cfg.model_dump(), "env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump()}
     with tracker.run("evaluate", params=params) as run:
-        runtime = WorldRuntime(world)
         try:
-            greedy, sampled = play(policies, chosen, diversity_tasks, runtime, env_cfg, rollout_cfg, cfg)
+            greedy, sampled = play(policies, chosen, diversity_tasks, world, env_cfg, rollout_cfg, cfg)
         finally:
-            runtime.close()
-        validation = validate_episodes(greedy, sampled, env_cfg)
+            world.close()
+        validation = validate_episodes(greedy, sampled, env_cfg, world)
         report = build_report(greedy, sampled, cfg)
         result = {
             "policy_paths": {"sft": cfg.sft_policy, "rl": cfg.rl_policy},

@@ -12,7 +12,7 @@
 - :mod:`pipeline.policy.demos`: demonstrations as training sequences (token ids, loss masks) and entity-name
   augmentation, shared by SFT and RL's behaviour-cloning anchor.
 - :mod:`pipeline.policy.episodes`: ``run_episode``, ``evaluate``, ``summarize`` (task files are read by
-  :func:`pipeline.env.taskfile.load_task_file`).
+  :func:`pipeline.envs.taskfile.load_task_file`).
 - :mod:`pipeline.policy.config`: ``ModelConfig``, ``RolloutConfig``.
 
 Nothing is imported here, so ``import pipeline.policy`` stays free of torch and transformers.

@@ -1,7 +1,7 @@
 """Demonstrations as training sequences: the token ids and loss masks that SFT and RL's behaviour-cloning anchor train on.
 
 The text of a demonstration is exactly what the policy reads and writes in an episode: the environment's reset context
-(:func:`pipeline.env.prompt.render_context`), then for every step the action text (written by the policy) and the
+(:func:`pipeline.envs.prompt.render_context`), then for every step the action text (written by the policy) and the
 observation text (written by the environment). The loss covers only the action tokens (mask 1); prompt and observation
 tokens have mask 0. Each piece is tokenized on its own, the way the rollout engine sees it: the prompt is encoded once,
 the action is a run of sampled tokens that ends with ``</call>``, the observation is encoded and appended. When the
@@ -27,9 +27,8 @@ import numpy as np
 
 from pipeline.core.errors import AgentRLError
 from pipeline.core.jsonl import read_jsonl
-from pipeline.env.prompt import render_context
-from pipeline.env.tools import default_tools, signature
-from pipeline.policy.tokenizer import encode_context, encode_continuation
+from pipeline.envs.prompt import render_context
+from pipeline.policy.tokenizer import encode_action, encode_context, encode_observation
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,7 @@ class Example:
         return len(self.input_ids)
 
 
-def tool_signatures() -> list[str]:
-    """The tool list of the prompt, as the environment renders it."""
-    return [signature(t) for t in default_tools()]
-
-
-def demo_segments(question: str, steps: Sequence[dict], window: int,
-                  signatures: Sequence[str] | None = None) -> list[tuple[str, list[tuple[str, str]]]]:
+def demo_segments(question: str, steps: Sequence[dict], window: int, signatures: Sequence[str]) -> list[tuple[str, list[tuple[str, str]]]]:
     """Cut a demonstration into (prompt, [(action, observation), ...]) segments that replay the episode's contexts.
 
     Within one segment the context before step k+1 equals the context before step k plus action k and observation k;
@@ -61,7 +54,7 @@ def demo_segments(question: str, steps: Sequence[dict], window: int,
     >>> len(segs), segs[0][1]
     (1, [('<call>answer {}</call>', '<obs>1</obs>\\n')])
     """
-    sigs = list(signatures) if signatures is not None else tool_signatures()
+    sigs = list(signatures)
     segments: list[tuple[str, list[tuple[str, str]]]] = []
     history: list[tuple[str, str]] = []
     expected = None
@@ -86,8 +79,8 @@ def encode_segment(tokenizer, prompt: str, pairs: Sequence[tuple[str, str]], sou
     ids = encode_context(tokenizer, prompt)
     mask = [0] * len(ids)
     for k, (action, obs) in enumerate(pairs):
-        a = encode_continuation(tokenizer, action)
-        o = encode_continuation(tokenizer, obs) if k < len(pairs) - 1 else []
+        a = encode_action(tokenizer, action)
+        o = encode_observation(tokenizer, obs) if k < len(pairs) - 1 else []
         ids += a + o
         mask += [1] * len(a) + [0] * len(o)
     return Example(ids, mask, source, level)
@@ -96,7 +89,7 @@ def encode_segment(tokenizer, prompt: str, pairs: Sequence[tuple[str, str]], sou
 def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], window: int,
                   max_len: int | None = None, *, entities: dict[str, Sequence[str]] | None = None,
                   pool: "NamePool | None" = None, augment_prob: float = 0.0,
-                  rng: np.random.Generator | None = None) -> list[Example]:
+                  rng: np.random.Generator | None = None, signatures: Sequence[str]) -> list[Example]:
     """Every demonstration as training sequences; `questions` maps task_id to the task's question.
 
     With `augment_prob` > 0, each demonstration has, with that probability (drawn from `rng`), its entity names
@@ -108,7 +101,7 @@ def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], w
     if augment_prob > 0 and (pool is None or rng is None or entities is None):
         raise AgentRLError("entity augmentation of demonstrations needs a NamePool (data/env/entities.json), the "
                            "tasks' entities and an RNG")
-    sigs = tool_signatures()
+    sigs = list(signatures)
     out = []
     for d in demos:
         try:
@@ -142,7 +135,7 @@ def text_examples(tokenizer, texts: Sequence[str], max_len: int) -> list[Example
 class NamePool:
     """Words to build fictitious entity names from, and every real name (which a fictitious one must never be).
 
-    Product names are "Adjective Noun", supplier names "Word Kind" (pipeline.env.world); a fictitious name pairs a first
+    Product names are "Adjective Noun", supplier names "Word Kind" (pipeline.envs.shop.world); a fictitious name pairs a first
     word with a last word of the same kind, both taken from *training* entities, such that no real entity of any split
     has that name: held-out names never enter training text, and a fictitious name has no price to memorise.
     """
@@ -198,14 +191,17 @@ def augment_names(question: str, steps: Sequence[dict], entities: Sequence[str],
 
 
 def load_demos(path: Path, task_ids: Sequence[str] | None = None) -> list[dict]:
-    """Read and validate the demonstrations (Great Expectations suite ``demos``); a broken file is an AgentRLError."""
-    import pipeline.env.suites  # noqa: F401  (registers the suite "demos")
+    """Read and validate the demonstrations (Great Expectations suite ``demonstrations``); a broken file is an
+    AgentRLError."""
     from pipeline.core.validation import DataValidationError, validate_records
+    from pipeline.envs.demo_suite import register
+
+    register()
 
     records = read_jsonl(Path(path), "demonstrations", hint="run `agentrl build-env` (DVC stage build_env) first",
                          allow_empty=True)
     try:
-        validate_records(records, "demos", str(path), task_ids=task_ids).raise_if_failed()
+        validate_records(records, "demonstrations", str(path), task_ids=task_ids).raise_if_failed()
     except (DataValidationError, TypeError) as exc:
         raise AgentRLError(f"demonstration file {path} breaks the schema:\n{exc}") from None
     return records

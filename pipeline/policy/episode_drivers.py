@@ -2,7 +2,7 @@
 
 - :class:`TokenStream`: an episode's token ids, recorded log-probabilities, action mask and segment starts, as the
   model saw them (known tokens have log-probability 0 and mask 0).
-- :class:`EnvEpisode`: one ``ToolTasksEnv`` episode; ``step(action text)`` returns what the engine needs next (done,
+- :class:`EnvEpisode`: one episode of the pipeline's runner over an environment; ``step(action text)`` returns what the engine needs next (done,
   observation text, whether the history was folded, the new context) and ``record()`` the episode record.
 - :class:`OneAction`: an "episode" of one action from a given context (:meth:`RolloutEngine.complete`).
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime
-from pipeline.env.protocol import InvalidAction, parse_action
-from pipeline.env.tasks import Task
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.contract import Environment
+from pipeline.envs.protocol import InvalidAction, parse_action
+from pipeline.envs.runner import AgentEnv
 
 
 @dataclass
@@ -35,16 +35,16 @@ class TokenStream:
 
 
 class EnvEpisode:
-    """Drives one ToolTasksEnv episode for the engine (the same record fields as
+    """Drives one AgentEnv episode for the engine (the same record fields as
     :func:`pipeline.policy.episodes.run_episode`)."""
 
-    def __init__(self, runtime: WorldRuntime, env_cfg: EnvConfig, task: Task, seed: int, options: dict | None = None):
+    def __init__(self, runtime: Environment, env_cfg: EnvConfig, task, seed: int, options: dict | None = None):
         self.task, self.seed = task, seed
-        self.env = ToolTasksEnv(world=runtime, tasks=[task], config=env_cfg)
+        self.env = AgentEnv(world=runtime, tasks=[task], config=env_cfg)
         obs, info = self.env.reset(seed=seed, options={**(options or {}), "task": task})
         self.context = obs["context"]
         self.obs, self.last_info = obs, info  # what a scripted policy acts on (RolloutEngine.demonstrate)
-        self.tool_names, self.max_chars = runtime.tool_names, env_cfg.max_action_chars
+        self.tool_names, self.max_chars = self.env.tools.names, env_cfg.max_action_chars
         self.steps: list[dict] = []
         self.actions: list[dict] = []
         self.rewards: list[float] = []
@@ -67,7 +67,8 @@ class EnvEpisode:
     def record(self) -> dict:
         task, info = self.task, self.info
         return {
-            "task_id": task.task_id, "level": task.level, "family": task.family, "template_seen": task.template_seen,
+            "task_id": task.task_id, "env": info["env"], "level": task.level, "family": task.family,
+            "template_seen": task.template_seen,
             "success": bool(info["is_success"]), "return": float(info["return"]), "truncated": bool(self.truncated),
             "components": dict(info["reward_components"]), "n_calls": info["n_calls"],
             "n_violations": info["n_violations"], "n_failed": info["n_failed"], "verifier": info["verifier"],

@@ -1,13 +1,14 @@
 """Evaluate a policy on a task file: success, return, reward components, tool calls and safety, overall and per level.
 
-`run_episode` drives one episode of `agentrl/ToolTasks-v0` with a policy that maps (observation, info) to action text;
+`run_episode` drives one episode of the pipeline's runner (:class:`pipeline.envs.runner.AgentEnv`) with a policy that maps (observation, info) to action text;
 `summarize` turns episode records into the metrics every phase reports. The language-model policy of later phases
 produces the same episode records from its batched rollout engine and reuses `summarize`.
 
 Entry point: ``agentrl eval --policy expert|random|MODEL_DIR --tasks FILE --out FILE.json`` (a model directory is
 evaluated greedily through the batched rollout engine, with the `rollout` section's settings). The task file is read by
-:func:`pipeline.env.taskfile.load_task_file`, so it is checked against the task schema (Great Expectations suite
-``tasks``) before any episode runs.
+:func:`pipeline.envs.taskfile.load_task_file`, so it is checked (the pipeline's task keys and the environment's own
+Great Expectations suite) before any episode runs. The environment is `env.name` of the params file, its world read
+from `--world`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.config import load_section
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import ToolTasksEnv, WorldRuntime
-from pipeline.env.expert import ExpertPolicy, RandomPolicy
-from pipeline.env.tasks import Task
-from pipeline.env.taskfile import load_task_file
-from pipeline.env.world import load_world
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.contract import Environment
+from pipeline.envs.registry import open_environment
+from pipeline.envs.runner import AgentEnv
+from pipeline.envs.taskfile import load_task_file
 from pipeline.core.errors import AgentRLError
 
 COMPONENTS = ("correctness", "efficiency", "safety", "user_experience")
 POLICIES = ("expert", "random")
 
 
-def run_episode(env: ToolTasksEnv, policy, task: Task, seed: int) -> dict:
+def run_episode(env: AgentEnv, policy, task, seed: int) -> dict:
     """Play one episode; returns its record (the trajectory as text and as calls, reward components, outcome)."""
     obs, info = env.reset(seed=seed, options={"task": task})
     policy.reset(task)
@@ -40,7 +40,8 @@ def run_episode(env: ToolTasksEnv, policy, task: Task, seed: int) -> dict:
         obs, _, terminated, truncated, info = env.step(action)
         steps.append({"action": info["action_text"], "observation": info["observation_text"]})
     return {
-        "task_id": task.task_id, "level": task.level, "family": task.family, "template_seen": task.template_seen,
+        "task_id": task.task_id, "env": info["env"], "level": task.level, "family": task.family,
+        "template_seen": task.template_seen,
         "success": bool(info["is_success"]), "return": float(info["return"]), "truncated": bool(truncated),
         "components": dict(info["reward_components"]), "n_calls": info["n_calls"],
         "n_violations": info["n_violations"], "n_failed": info["n_failed"], "verifier": info["verifier"],
@@ -80,7 +81,7 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
-def evaluate_model(path: str | Path, tasks: list[Task], runtime: WorldRuntime, env_cfg: EnvConfig, rollout_cfg=None,
+def evaluate_model(path: str | Path, tasks: list, runtime: Environment, env_cfg: EnvConfig, rollout_cfg=None,
                    seed: int = 0, greedy: bool = True) -> tuple[dict, list[dict]]:
     """A language-model policy (a folder written by `save_policy`) through the batched rollout engine."""
     from pipeline.policy.model import load_policy
@@ -92,7 +93,7 @@ def evaluate_model(path: str | Path, tasks: list[Task], runtime: WorldRuntime, e
     return summarize(records), records
 
 
-def evaluate(policy_name: str, tasks: list[Task], runtime: WorldRuntime, env_cfg: EnvConfig, seed: int = 0,
+def evaluate(policy_name: str, tasks: list, runtime: Environment, env_cfg: EnvConfig, seed: int = 0,
              rollout_cfg=None) -> tuple[dict, list[dict]]:
     """Evaluate 'expert', 'random' or a model directory (greedy) on `tasks`."""
     if policy_name not in POLICIES:
@@ -100,8 +101,10 @@ def evaluate(policy_name: str, tasks: list[Task], runtime: WorldRuntime, env_cfg
             return evaluate_model(policy_name, tasks, runtime, env_cfg, rollout_cfg, seed)
         raise AgentRLError(f"unknown policy {policy_name!r}: not one of {', '.join(POLICIES)} and not a model directory")
     rng = np.random.default_rng(seed)
-    policy = ExpertPolicy() if policy_name == "expert" else RandomPolicy([p["name"] for p in runtime.world.products], rng)
-    env = ToolTasksEnv(world=runtime, tasks=tasks, config=env_cfg)
+    policy = runtime.expert() if policy_name == "expert" else runtime.random_policy(rng)
+    if policy is None:
+        raise AgentRLError(f"environment {runtime.name!r} has no {policy_name} policy")
+    env = AgentEnv(world=runtime, tasks=tasks, config=env_cfg)
     try:
         records = [run_episode(env, policy, t, seed + i) for i, t in enumerate(tasks)]
     finally:
@@ -119,13 +122,9 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
         rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
         if not Path(policy).is_dir():
             raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
-    task_list = load_task_file(tasks)
+    runtime = open_environment(env_cfg.name, world_dir)
     try:
-        world = load_world(Path(world_dir))
-    except (FileNotFoundError, ValueError) as exc:
-        raise AgentRLError(str(exc)) from None
-    runtime = WorldRuntime(world)
-    try:
+        task_list = load_task_file(tasks, runtime)
         metrics, _ = evaluate(policy, task_list, runtime, env_cfg, seed, rollout_cfg)
     finally:
         runtime.close()

@@ -9,6 +9,12 @@
   save never leaves a partial model where a good one stood.
 - :func:`load_policy` loads such a folder back and refuses, with an :class:`AgentRLError` that says what to fix, a
   missing path, a folder that is not a model, and a tokenizer that does not fit the model's embedding.
+- A foreign base (docs/models.md): :func:`load_base_tokenizer` adds the protocol markers and a pad token, checks its
+  chat template and binds the environment's tool specs to it (:mod:`pipeline.policy.chat`); :func:`build_policy`
+  resizes the embedding to the tokenizer (a model whose embedding cannot be resized is refused);
+  :func:`save_policy` records the bound tools in ``policy.json`` (``chat_tools``, a JSON string that keeps their
+  key order) and :func:`load_policy` binds them
+  again (running the template check), so every phase renders the same prompt.
 - :func:`autocast_context` gives bf16 autocast (weights stay fp32) or a null context, per ``cfg.dtype``.
 
 Weights are always kept in fp32: training needs fp32 master weights and the rollout engine's log-probabilities are
@@ -30,9 +36,11 @@ import torch
 
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.config import ModelConfig
+from pipeline.policy.chat import bind_tools, bound_tools, chat_format
 from pipeline.policy.tokenizer import MARKERS, marker_ids
 
 POLICY_JSON = "policy.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -182,37 +190,69 @@ def build_policy(cfg: ModelConfig, tokenizer):
     try:
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(cfg.base, local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise AgentRLError(f"model.base={cfg.base!r}: cannot load it locally ({str(exc).splitlines()[0][:200]}); give "
-                           f"a local model directory or a hub id already in the local cache, or 'builtin'") from None
+    except Exception as exc:  # noqa: BLE001  (missing files, an unknown architecture, corrupt weights)
+        raise AgentRLError(f"model.base={cfg.base!r}: cannot load it locally as a causal LM ({type(exc).__name__}: "
+                           f"{(str(exc).splitlines() or [''])[0][:200]}); give a local model directory or a hub id "
+                           f"already in the local cache, or 'builtin'") from None
     n_embed = model.get_input_embeddings().num_embeddings
     if n_embed != len(tokenizer):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.seed)
+                model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        except Exception as exc:  # noqa: BLE001  (a model class that cannot resize its embedding)
+            raise AgentRLError(f"model.base={cfg.base!r}: its embedding has {n_embed} rows but the tokenizer has "
+                               f"{len(tokenizer)} tokens (the protocol markers added), and resizing failed "
+                               f"({type(exc).__name__}: {str(exc)[:200]})") from None
+        if model.get_input_embeddings().num_embeddings != len(tokenizer):
+            raise AgentRLError(f"model.base={cfg.base!r}: resizing the embedding to the tokenizer's {len(tokenizer)} "
+                               f"tokens left {model.get_input_embeddings().num_embeddings} rows")
     ids = marker_ids(tokenizer)
-    model.config.pad_token_id = ids["<pad>"] if tokenizer.pad_token is None else tokenizer.pad_token_id
+    model.config.pad_token_id = ids["<pad>"]
+    model.config.eos_token_id = ids["<eos>"]
     return model.float().eval()
 
 
-def load_base_tokenizer(cfg: ModelConfig):
+def load_base_tokenizer(cfg: ModelConfig, tools=None):
     """The tokenizer of a non-built-in base, with the protocol markers added as special tokens (single ids), a pad
-    token and left padding. (The built-in base trains its own: pipeline.policy.tokenizer.train_tokenizer.)"""
+    token and left padding; with a chat template, checked and bound to `tools` (tool specs with name, description
+    and a JSON-schema ``parameters``, or OpenAI function dicts: :func:`pipeline.policy.chat.bind_tools`).
+    (The built-in base trains its own: pipeline.policy.tokenizer.train_tokenizer.)
+
+    Refused with an :class:`AgentRLError` naming the folder: no tokenizer files, a tokenizer that does not load, no
+    end-of-sequence token, markers that do not become single tokens, a chat template that breaks (module
+    :mod:`pipeline.policy.chat`)."""
     from transformers import AutoTokenizer
+
+    from pipeline.policy.chat import bind_tools
 
     if cfg.base == "builtin":
         raise AgentRLError("the built-in base has no tokenizer to load; train one with "
                            "train_tokenizer(corpus_texts(...))")
+    where = f"model.base={cfg.base!r}"
+    base = Path(cfg.base).expanduser()
+    if base.is_dir() and not any((base / n).is_file() for n in TOKENIZER_FILES):
+        raise AgentRLError(f"{where}: the folder has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the model's "
+                           f"tokenizer into it (tokenizer.save_pretrained)")
     try:
         tok = AutoTokenizer.from_pretrained(cfg.base, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise AgentRLError(f"model.base={cfg.base!r}: cannot load its tokenizer locally ({str(exc)[:200]})") from None
+    except Exception as exc:  # noqa: BLE001
+        raise AgentRLError(f"{where}: cannot load its tokenizer locally ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})") from None
+    if tok.eos_token is None:
+        raise AgentRLError(f"{where}: the tokenizer has no eos token; the policy ends an action at </call> or eos "
+                           f"(set eos_token, for a chat model its end-of-turn token, in tokenizer_config.json)")
     missing = [m for m in MARKERS if len(tok.encode(m, add_special_tokens=False)) != 1]
     if missing:
         tok.add_special_tokens({"additional_special_tokens": list(MARKERS)})
     if tok.pad_token is None:
         tok.add_special_tokens({"pad_token": "<pad>"})
     tok.padding_side = "left"
+    try:
+        marker_ids(tok)
+    except AgentRLError as exc:
+        raise AgentRLError(f"{where}: {exc}") from None
+    bind_tools(tok, tools)
     return tok
 
 
@@ -271,6 +311,8 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     info = {
         **(meta or {}),
+        # as a JSON string: policy.json sorts its keys, and the template renders the tools in their own key order
+        **({"chat_tools": json.dumps(bound_tools(tokenizer))} if chat_format(tokenizer) is not None else {}),
         "git_commit": (meta or {}).get("git_commit") or git_commit(),
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "n_parameters": n_parameters(model),
@@ -335,7 +377,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
     if missing or not any((path / w).is_file() for w in WEIGHT_FILES):
         what = "config.json" if missing else f"weights ({' or '.join(WEIGHT_FILES[:3:2])})"
         raise AgentRLError(f"{path} is not a model directory: {what} missing")
-    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+    if not any((path / n).is_file() for n in TOKENIZER_FILES):
         raise AgentRLError(f"{path} has no tokenizer (tokenizer.json); save the model with its tokenizer")
     meta: dict = {}
     if (path / POLICY_JSON).is_file():
@@ -355,4 +397,10 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
         raise AgentRLError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {str(exc)[:200]})") from None
     tokenizer.padding_side = "left"
     check_pair(model, tokenizer, str(path))
+    if getattr(tokenizer, "chat_template", None):  # the start-up check, with the tools the policy was trained with
+        try:
+            tools = meta.get("chat_tools")
+            bind_tools(tokenizer, json.loads(tools) if isinstance(tools, str) else tools)
+        except AgentRLError as exc:
+            raise AgentRLError(f"{path}: {exc}") from None
     return model.eval(), tokenizer, meta

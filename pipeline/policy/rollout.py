@@ -14,7 +14,7 @@ How it works (``RolloutEngine._loop``):
   and the main loop never spends a step on a known token (measured: a third fewer main forwards than feeding
   observations token by token).
 - **Shared prompt prefix** (``rollout.prefix_cache``). Every first prompt starts with the same 71 tokens (the system
-  line and the tool list, :func:`pipeline.env.prompt.render_header`; the default data's first prompts are 85-122 tokens,
+  line and the tool list, :func:`pipeline.envs.prompt.render_header`; the default data's first prompts are 85-122 tokens,
   94 on average), and so does every re-based context. Each call of :meth:`RolloutEngine.run` /
   :meth:`~RolloutEngine.complete` takes the longest common *token-id* prefix (P tokens) of the prompts of the episodes
   it starts at once (the first ``batch_size``; ids, never text, so a BPE merge across the boundary just shortens it),
@@ -86,15 +86,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from pipeline.core.errors import AgentRLError
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import WorldRuntime
-from pipeline.env.tasks import Task
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.contract import Environment
 from pipeline.policy.config import RolloutConfig
 from pipeline.policy.episode_drivers import EnvEpisode, OneAction, TokenStream
 from pipeline.policy.kv_cache import SharedPrefix, SlotCache, attention_impl, finish_mask, n_cache_layers
 from pipeline.policy.model import autocast_context, release_free_memory
 from pipeline.policy.sampling import sample_tokens
-from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_context, encode_continuation, marker_ids
+from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_action, encode_context, encode_observation, marker_ids
 
 DROP_IDLE_FRACTION = 0.25  # drop finished rows once this share of slots is idle (and no task waits)
 CHUNK_ATTENTION_BUDGET = 1 << 22  # query-key pairs per row-batch of a chunk prefill (bounds its peak memory)
@@ -107,12 +106,12 @@ class RolloutEngine:
     Args:
         model: a transformers causal LM (sdpa or eager attention); put in eval mode during a run, mode restored after.
         tokenizer: its tokenizer, holding the protocol markers as single tokens.
-        runtime: the shared :class:`WorldRuntime` (only needed by :meth:`run`).
+        runtime: the loaded :class:`~pipeline.envs.contract.Environment` (only needed by :meth:`run`).
         env_cfg: the environment config (only needed by :meth:`run`).
         cfg: the :class:`RolloutConfig`.
     """
 
-    def __init__(self, model, tokenizer, runtime: WorldRuntime | None = None, env_cfg: EnvConfig | None = None,
+    def __init__(self, model, tokenizer, runtime: Environment | None = None, env_cfg: EnvConfig | None = None,
                  cfg: RolloutConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.runtime, self.env_cfg = runtime, env_cfg or EnvConfig()
@@ -130,15 +129,15 @@ class RolloutEngine:
         self.stats: dict = {}
 
     # ------------------------------------------------------------------------------------------------------ public
-    def run(self, tasks: list[Task], seeds: list[int], greedy: bool | None = None,
+    def run(self, tasks: list, seeds: list[int], greedy: bool | None = None,
             policy_version: int = 0, options: list[dict | None] | None = None) -> list[dict]:
         """Play one episode per (task, seed); returns the episode records in the order of `tasks`.
 
         `greedy` None means ``cfg.greedy``. `options`, one per episode, are extra reset options of the environment
-        (see :meth:`pipeline.env.core.ToolTasksEnv.reset`). The same tasks, seeds and options give the
+        (see :meth:`pipeline.envs.runner.AgentEnv.reset`). The same tasks, seeds and options give the
         same records."""
         if self.runtime is None:
-            raise AgentRLError("RolloutEngine.run needs a WorldRuntime (pass runtime=...)")
+            raise AgentRLError("RolloutEngine.run needs an environment (pass runtime=...)")
         if len(tasks) != len(seeds):
             raise AgentRLError(f"run() got {len(tasks)} tasks but {len(seeds)} seeds; give one seed per episode")
         if options is not None and len(options) != len(tasks):
@@ -155,17 +154,17 @@ class RolloutEngine:
         release_free_memory()  # the run's freed KV cache and activations back to the OS (why: see the function)
         return records
 
-    def demonstrate(self, tasks: list[Task], seeds: list[int], make_policy, policy_version: int = 0,
+    def demonstrate(self, tasks: list, seeds: list[int], make_policy, policy_version: int = 0,
                     options: list[dict | None] | None = None) -> list[dict]:
         """Episodes played by a scripted policy (``make_policy()`` gives a fresh one with ``reset(task)`` and
-        ``act(obs, info)``, e.g. :class:`pipeline.env.expert.ExpertPolicy`), recorded as :meth:`run` records the
+        ``act(obs, info)``, e.g. an environment's :meth:`~pipeline.envs.contract.Environment.expert`), recorded as :meth:`run` records the
         model's own: the same fields, the same token layout (prompt, each action's tokens with ``action_mask`` 1,
         each observation's with 0, a new segment where the environment folds the history or a segment would
         outgrow the model's positions), so the learner reads them like sampled episodes. Each action is tokenized
-        as ``encode_continuation`` tokenizes it, the canonical tokens SFT trains on; ``logprobs`` are 0 (no
+        as ``encode_action`` tokenizes it, the canonical tokens SFT trains on; ``logprobs`` are 0 (no
         sampling distribution produced them) and ``demonstrated`` is True. No model forward runs."""
         if self.runtime is None:
-            raise AgentRLError("RolloutEngine.demonstrate needs a WorldRuntime (pass runtime=...)")
+            raise AgentRLError("RolloutEngine.demonstrate needs an environment (pass runtime=...)")
         options = options or [None] * len(tasks)
         if not (len(tasks) == len(seeds) == len(options)):
             raise AgentRLError(f"demonstrate() got {len(tasks)} tasks, {len(seeds)} seeds and {len(options)} "
@@ -178,14 +177,14 @@ class RolloutEngine:
             s.known(self._prompt_ids(ep.context))
             while True:
                 text = policy.act(ep.obs, ep.last_info)
-                ids = encode_continuation(self.tokenizer, text)
+                ids = encode_action(self.tokenizer, text)
                 s.token_ids += ids
                 s.logprobs += [0.0] * len(ids)
                 s.action_mask += [1] * len(ids)
                 done, obs_text, folded, context = ep.step(text)
                 if done:
                     break
-                obs_ids = encode_continuation(self.tokenizer, obs_text)
+                obs_ids = encode_observation(self.tokenizer, obs_text)
                 if folded or self._outgrows(len(s.token_ids) - s.segments[-1], len(obs_ids)):
                     s.segments.append(len(s.token_ids))  # as run() re-bases: the environment's own context
                     s.known(self._prompt_ids(context))
@@ -385,7 +384,7 @@ class RolloutEngine:
                 if done:
                     finish(b)
                     continue
-                obs_ids = encode_continuation(tok, obs_text)
+                obs_ids = encode_observation(tok, obs_text)
                 if folded or self._outgrows(lens[b] + 1, len(obs_ids)):  # + 1: the stop token, not yet fed
                     ids = self._prompt_ids(context)  # a new segment from the environment's own context
                     s.segments.append(len(s.token_ids))
@@ -473,7 +472,7 @@ class ModelPolicy:
         self.greedy = self.cfg.greedy if greedy is None else greedy
         self.seed, self.episode, self.turn = seed, -1, 0
 
-    def reset(self, task: Task | None = None) -> None:
+    def reset(self, task=None) -> None:
         self.episode += 1
         self.turn = 0
 

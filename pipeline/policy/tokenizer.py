@@ -8,11 +8,11 @@ Decisions (the prototype's pitfalls):
 - **Digits one per token** (`Digits(individual_digits=True)` before the byte-level split): numbers are what the policy
   copies from tool results into its next call, and per-digit tokens make copying a digit-by-digit skill.
 - **Special tokens, one id each**: ``<pad>`` (0), ``<bos>`` (1), ``<eos>`` (2) and the protocol markers ``<call>``,
-  ``</call>``, ``<obs>``, ``</obs>`` (3-6; imported from :mod:`pipeline.env.protocol`). The rollout engine detects the
+  ``</call>``, ``<obs>``, ``</obs>`` (3-6; imported from :mod:`pipeline.envs.protocol`). The rollout engine detects the
   end of an action by the ``</call>`` *id*, never by decoding text. Because the markers are split off before BPE, a
   context encodes to the concatenation of its pieces: ``encode(before + action + observation) == encode(before) +
   encode(action) + encode(observation)`` whenever the pieces start and end at markers or newlines, which is what the
-  prompt format guarantees (:mod:`pipeline.env.prompt`). That is what lets the engine keep its KV cache across turns.
+  prompt format guarantees (:mod:`pipeline.envs.prompt`). That is what lets the engine keep its KV cache across turns.
 - **Every space is a token of its own** (``Split(" ", "isolated")`` before everything else), so a word has the same
   ids wherever it stands: ``stock`` in "the stock of" (after a space) and in ``"field": "stock"`` (after a quote), or
   ``Cedar`` in ``of "Cedar Supply"`` and in ``"query": "Cedar Supply flagship product"``. The policy's core skill is
@@ -33,6 +33,13 @@ Measured on the default data (build_env defaults): training takes under a second
 ``vocab_size=1024`` (merges run out); a demonstration is ~164 tokens (prompt ~93, an action ~18).
 
 Deliberately left out: a chat template (the environment's context *is* the prompt, the design document's section 3.3) and any text normalisation.
+
+A foreign tokenizer (``model.base`` a Hugging Face folder) goes through the same four functions: with a chat template
+they delegate to :mod:`pipeline.policy.chat` (the context rendered as a conversation, actions and observations as
+token deltas), without one they encode the text as above. Actions and observations are encoded by
+:func:`encode_action` and :func:`encode_observation`, which for this tokenizer are :func:`encode_continuation` (ids
+unchanged). :func:`marker_ids` maps ``<pad>``/``<bos>``/``<eos>`` to a foreign tokenizer's own pad/bos/eos tokens
+(``<bos>`` to None when it has none).
 """
 
 from __future__ import annotations
@@ -43,11 +50,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.env.prompt import render_header
-from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
-from pipeline.env.tools import default_tools, signature
+from pipeline.envs.prompt import render_header
+from pipeline.envs.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 from pipeline.core.errors import AgentRLError
 from pipeline.core.jsonl import iter_jsonl
+from pipeline.policy.chat import chat_format
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 MARKERS = (CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE)
@@ -98,10 +105,25 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) 
     return wrap(tok)
 
 
-def marker_ids(tokenizer) -> dict[str, int]:
-    """Ids of the special tokens by name; raises AgentRLError if the tokenizer lacks one as a single token."""
+ROLES = {PAD: "pad_token", BOS: "bos_token", EOS: "eos_token"}
+
+
+def marker_ids(tokenizer) -> dict[str, int | None]:
+    """Ids of the special tokens by name; raises AgentRLError if the tokenizer lacks one as a single token. For a
+    tokenizer whose pad/bos/eos tokens are others (a foreign model's), those ids (``<bos>``: None without one)."""
     out = {}
     for t in SPECIAL_TOKENS:
+        role = ROLES.get(t)
+        own = getattr(tokenizer, role, None) if role else None
+        if role and own != t:  # a foreign tokenizer: its own pad/bos/eos stand for ours
+            if own is None and t == BOS:
+                out[t] = None
+                continue
+            if own is None:
+                raise AgentRLError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no {role}; the policy "
+                                   f"needs one (pad: batching; eos: the end of an action)")
+            out[t] = tokenizer.convert_tokens_to_ids(own)
+            continue
         ids = tokenizer.encode(t, add_special_tokens=False)
         if len(ids) != 1:
             raise AgentRLError(f"tokenizer does not hold {t!r} as a single token (got ids {ids}); the policy's "
@@ -121,13 +143,33 @@ def encodable(text: str) -> str:
 
 
 def encode_context(tokenizer, text: str) -> list[int]:
-    """Token ids of a context (the start of a policy input): ``<bos>`` + the text."""
+    """Token ids of a context (the start of a policy input): ``<bos>`` + the text; with a chat template, an
+    environment context rendered as a conversation (:mod:`pipeline.policy.chat`)."""
+    fmt = chat_format(tokenizer)
+    if fmt is not None:
+        ids = fmt.context_ids(encodable(text))
+        if ids is not None:
+            return ids
     return tokenizer.encode(encodable(text), add_special_tokens=True)
 
 
 def encode_continuation(tokenizer, text: str) -> list[int]:
-    """Token ids of text appended to a context (an action or an observation): no ``<bos>``."""
+    """Token ids of plain text appended to a context: no ``<bos>``. (Actions and observations of an episode:
+    :func:`encode_action`, :func:`encode_observation`.)"""
     return tokenizer.encode(encodable(text), add_special_tokens=False)
+
+
+def encode_action(tokenizer, text: str) -> list[int]:
+    """Token ids of an action appended to a context (the tokens the policy writes)."""
+    fmt = chat_format(tokenizer)
+    return encode_continuation(tokenizer, text) if fmt is None else fmt.action_ids(encodable(text))
+
+
+def encode_observation(tokenizer, text: str) -> list[int]:
+    """Token ids of an observation appended after an action; with a chat template, the tool turn's delta (the end of
+    the assistant turn, the tool turn and the next generation prompt)."""
+    fmt = chat_format(tokenizer)
+    return encode_continuation(tokenizer, text) if fmt is None else fmt.observation_ids(encodable(text))
 
 
 def encode_turns(tokenizer, context: str, steps: Iterable[tuple[str, str]]) -> tuple[list[int], list[int]]:
@@ -137,21 +179,21 @@ def encode_turns(tokenizer, context: str, steps: Iterable[tuple[str, str]]) -> t
     ids = encode_context(tokenizer, context)
     mask = [0] * len(ids)
     for action, obs in steps:
-        a, o = encode_continuation(tokenizer, action), encode_continuation(tokenizer, obs)
+        a, o = encode_action(tokenizer, action), encode_observation(tokenizer, obs)
         ids += a + o
         mask += [1] * len(a) + [0] * len(o)
     return ids, mask
 
 
-def corpus_texts(data_dir: str | Path = "data") -> Iterator[str]:
+def corpus_texts(data_dir: str | Path, signatures: list[str]) -> Iterator[str]:
     """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``),
     the prompt header of every training question (``tasks/train.jsonl``; the header is in every policy input, so its
     words deserve merges) and the demonstrations' actions and
     observations (``demos/train.jsonl``). Validation and test files are never read."""
     data_dir = Path(data_dir)
-    signatures = [signature(t) for t in default_tools()]
     hint = "run `agentrl build-env` first"
-    for doc in iter_jsonl(data_dir / "env" / "corpus.jsonl", "document corpus", hint=hint):
+    corpus = data_dir / "env" / "corpus.jsonl"  # the world's documents, where its environment writes them
+    for doc in iter_jsonl(corpus, "document corpus", hint=hint) if corpus.is_file() else ():
         yield f"{doc.get('title', '')}\n{doc.get('text', '')}"
     for task in iter_jsonl(data_dir / "tasks" / "train.jsonl", "training tasks", hint=hint):
         yield render_header(task["question"], signatures)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pipeline.env.tasks import Task
+from pipeline.envs.contract import TaskFields as Task
 
 
 class AsyncRollouts:

@@ -9,7 +9,7 @@ metrics see (the policy's own outcomes) is the loop's business.
 
 from __future__ import annotations
 
-from pipeline.env.tasks import Task
+from pipeline.envs.contract import TaskFields as Task
 
 
 def guide_failed_groups(records: list[dict], tasks_by_id: dict[str, Task], engine,
@@ -18,8 +18,6 @@ def guide_failed_groups(records: list[dict], tasks_by_id: dict[str, Task], engin
     scripted expert's episode of the same task and seed (as policy `version`). A demonstration the expert does not
     solve (an injected tool failure, say) is not used. Returns the records and counts: ``groups`` (groups seen),
     ``guided`` (replaced), ``expert_failed``."""
-    from pipeline.env.expert import ExpertPolicy
-
     out = list(records)
     members: dict[int, list[int]] = {}
     for i, r in enumerate(records):
@@ -29,7 +27,7 @@ def guide_failed_groups(records: list[dict], tasks_by_id: dict[str, Task], engin
         if any(records[i]["success"] for i in idx):
             continue
         last = records[idx[-1]]
-        demo, = engine.demonstrate([tasks_by_id[last["task_id"]]], [last["seed"]], ExpertPolicy, version)
+        demo, = engine.demonstrate([tasks_by_id[last["task_id"]]], [last["seed"]], engine.runtime.expert, version)
         if not demo["success"]:
             counts["expert_failed"] += 1
             continue

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from pipeline.core.errors import AgentRLError
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import WorldRuntime
-from pipeline.env.tasks import Task
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.contract import Environment as WorldRuntime
+from pipeline.envs.contract import TaskFields as Task
 from pipeline.train.actor import ActorCritic
 from pipeline.train.async_pool import AsyncRollouts
 from pipeline.train.checkpoint import BEST, fingerprint, load_checkpoint, save_checkpoint

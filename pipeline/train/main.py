@@ -53,7 +53,14 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
     from pipeline.train.distributed import free_port, child_env
     from pipeline.train.incoming import read_incoming
 
-    read_incoming(cfg.incoming_tasks)  # AgentRLError naming the file, before any rank starts
+    from pipeline.envs.config import EnvConfig
+    from pipeline.envs.registry import open_environment
+
+    world = open_environment(load_section(EnvConfig, "env", params_path).name, Path("data") / "env")
+    try:
+        read_incoming(cfg.incoming_tasks, world)  # AgentRLError naming the file, before any rank starts
+    finally:
+        world.close()
     cmd = launcher_command(params_path, cfg.num_ranks, free_port(), extra)
     # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
     # display); keep the last lines of everything for the error message

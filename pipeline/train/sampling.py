@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.core.errors import AgentRLError
-from pipeline.env.tasks import Task
+from pipeline.envs.contract import TaskFields as Task
 from pipeline.train.config import TrainConfig
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from pipeline.env.tasks import Task
+from pipeline.envs.contract import TaskFields as Task
 from pipeline.policy.episodes import summarize
 from pipeline.train import core_algos as A
 from pipeline.train.config import TrainConfig

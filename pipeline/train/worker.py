@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from pipeline.core.config import load_section
-from pipeline.env.config import EnvConfig
-from pipeline.env.core import WorldRuntime, load_tasks
-from pipeline.env.world import load_world
+from pipeline.envs.config import EnvConfig
+from pipeline.envs.registry import open_environment
+from pipeline.envs.taskfile import load_task_file
 from pipeline.core.errors import AgentRLError
 from pipeline.train.config import TrainConfig
 from pipeline.train.incoming import DROP_REASONS, load_incoming
@@ -111,10 +111,9 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
     dist = init_dist()
     data = Path(data_dir)
     try:
-        runtime = WorldRuntime(load_world(data / "env"))
-        train_tasks = load_tasks(data / "tasks" / "train.jsonl")
-        val_tasks = load_tasks(data / "tasks" / "validation.jsonl")
-        test_tasks = load_tasks(data / "tasks" / "test.jsonl")
+        runtime = open_environment(env_cfg.name, data / "env")
+        train_tasks, val_tasks, test_tasks = (load_task_file(data / "tasks" / f"{s}.jsonl", runtime, validate=False)
+                                              for s in ("train", "validation", "test"))
     except (FileNotFoundError, ValueError) as exc:
         raise AgentRLError(f"train: {exc}") from None
     # the boundary: a schema-breaking incoming file stops the stage here, before the tracker, checkpoints or model
@@ -129,7 +128,8 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         _, tok, _ = load_policy(adapted)
         questions = {t.task_id: t.question for t in train_tasks}
         demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
-                              questions, env_cfg.history_window)
+                              questions, env_cfg.history_window,
+                              signatures=[s.signature() for s in runtime.tools()])
     ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
     tracker = Tracker() if dist.is_main else NullTracker()
     t0 = time.perf_counter()
@@ -208,7 +208,7 @@ def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_d
 
 
 # The train stage's code, as `dvc.yaml` lists it in the stage's deps (a test keeps the two lists equal).
-TRAIN_SOURCES = ("pipeline/train", "pipeline/policy", "pipeline/env", "pipeline/core")
+TRAIN_SOURCES = ("pipeline/train", "pipeline/policy", "pipeline/envs", "pipeline/core")
 
 
 def source_digest() -> str:

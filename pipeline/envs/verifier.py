@@ -1,7 +1,7 @@
 """The rule verifier (the design document, section 3.1): tool-usage order, parameter validity and safety constraints
 of one episode.
 
-It reads the episode's call log (what the environment recorded per step) and the task's plan. It judges the process,
+It reads the episode's call log (what the runner recorded per step) and the tools the task requires, in order. It judges the process,
 not the answer: correctness is the reward's job. Deliberately left out: the design document's *model* verifier (a
 learned judge of process soundness and style); the rule verifier is the only verifier here.
 """
@@ -42,10 +42,11 @@ def is_subsequence(needle: list[str], haystack: list[str]) -> bool:
     return all(any(x == y for y in it) for x in needle)
 
 
-def verify(calls: list[dict], plan: list[dict]) -> VerifierReport:
-    """`calls`: [{"tool": name or None, "outcome": one of OUTCOMES}, ...] in order; `plan`: the task's plan."""
+def verify(calls: list[dict], required_tools: list[str]) -> VerifierReport:
+    """`calls`: [{"tool": name or None, "outcome": one of OUTCOMES}, ...] in order; `required_tools`: the tools a
+    correct process calls successfully, in order (the environment's :meth:`required_tools` of the task)."""
     problems = []
-    required = [s["tool"] for s in plan if s["tool"] != "answer"]
+    required = [t for t in required_tools if t != "answer"]
     succeeded = [c["tool"] for c in calls if c["outcome"] == OK]
     order_ok = is_subsequence(required, succeeded)
     if not order_ok:

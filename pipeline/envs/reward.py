@@ -10,7 +10,7 @@ Each component is a small pure function with a documented range:
   (invalid actions, schema errors, tool errors); 0 when the episode ends without an answer.
 
 With ``reward.shaping: on_success`` (the default) β·efficiency and δ·user_experience count only in an episode whose
-answer is correct (see :class:`pipeline.env.config.RewardWeights` for the measured reason). The environment pays the
+answer is correct (see :class:`pipeline.envs.config.RewardWeights` for the measured reason). The environment pays the
 reward per step as the change of R, so the step rewards of an episode sum to R and a wasted or unsafe call is charged
 at the step it happens (per-turn credit for RL, the design document, section 2.2).
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from pipeline.env.config import RewardWeights
+from pipeline.envs.config import RewardWeights
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Great Expectations suites for episode data: "trajectories" (rollouts, with tokens) and "evaluation" (evaluation
-episodes); :func:`pipeline.env.suites.register_suites` registers them with the generic registry.
+episodes); :func:`pipeline.envs.shop.suites.register_suites` registers them with the generic registry.
 
 Both check these rules row by row, each as an ordinary GX expectation on a column derived from the
 record (the ``validation`` module's convention), so a failure names its row and, through the derived column's value,
@@ -22,7 +22,7 @@ what is wrong:
   refuses a blank answer (the `answer` tool's schema), so a row that breaks this rule is a recording defect, not a
   policy that answered with nothing.
 
-Deliberately left out: the demonstrations' schema (suite "demos" in pipeline.env.suites) and cross-record rules.
+Deliberately left out: the demonstrations' schema (suite "demos" in pipeline.envs.shop.suites) and cross-record rules.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from typing import Any
 import pandas as pd
 
 from pipeline.core.validation import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, NON_BLANK, STR_TYPES
-from pipeline.env.config import LEVELS, EnvConfig, RewardWeights
-from pipeline.env.protocol import InvalidAction, parse_action, sanitize
-from pipeline.env.tasks import FAMILIES
-from pipeline.env.tools import TOOL_NAMES
-from pipeline.env.verifier import ANSWER, INVALID_ACTION, OUTCOMES
+from pipeline.envs.config import LEVELS, EnvConfig, RewardWeights
+from pipeline.envs.protocol import InvalidAction, parse_action, sanitize
+from pipeline.envs.shop.tasks import FAMILIES
+from pipeline.envs.shop.tools import TOOL_NAMES
+from pipeline.envs.verifier import ANSWER, INVALID_ACTION, OUTCOMES
 
 OK = "ok"  # value of a derived *_problem column for a record without the problem
 COMPONENT_RANGES = {"correctness": (0.0, 1.0), "efficiency": (-1.0, 0.0), "safety": (-1.0, 0.0),

@@ -14,7 +14,7 @@ rollout engine keep its KV cache across turns: the context after a step equals t
 
 from __future__ import annotations
 
-from pipeline.env.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
+from pipeline.envs.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN
 
 SYSTEM_TEMPLATE = "You are an agent that can use tools. Available tools: {tool_list}."
 MAX_SUMMARY_CHARS = 600

@@ -22,10 +22,10 @@ import json
 
 import numpy as np
 
-from pipeline.env.protocol import format_action as _format_action
-from pipeline.env.tasks import Task, resolve_params
-from pipeline.env.tools import default_tools, format_number
-from pipeline.env.verifier import OK
+from pipeline.envs.protocol import format_action as _format_action
+from pipeline.envs.shop.tasks import Task, resolve_params
+from pipeline.envs.shop.tools import default_tools, format_number
+from pipeline.envs.verifier import OK
 
 FLAWS = ("none", "redundant_call", "wrong_order", "wrong_value")
 PARAM_ORDER = {t.name: list(t.parameters["properties"]) for t in default_tools()}  # the prompt's signatures

@@ -19,15 +19,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pipeline.env.world import PRODUCT_FIELDS, SUPPLIER_FIELDS
+from pipeline.envs.shop.world import PRODUCT_FIELDS, SUPPLIER_FIELDS
 
 
-class ToolError(Exception):
-    """A tool call that failed in a way the policy can see and recover from."""
-
-
-class SafetyViolation(ToolError):
-    """A call the task does not allow (e.g. a write to another entity); refused, never executed."""
+from pipeline.envs.contract import SafetyViolation, ToolError  # noqa: E402  (the contract's: the runner catches them)
 
 
 @dataclass

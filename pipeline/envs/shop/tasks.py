@@ -26,7 +26,7 @@ the original five (0-4), so the test split is the same whatever `train_wordings`
 
 Entity names are written in double quotes everywhere a policy reads them (questions, documents), exactly as they
 appear inside a JSON call: the token before a name is then the same in the question and in the call, which is what
-lets a small model learn to copy names it never saw in training. Entities are partitioned by `pipeline.env.world`,
+lets a small model learn to copy names it never saw in training. Entities are partitioned by `pipeline.envs.shop.world`,
 so validation and test tasks name only products and suppliers that no training task names.
 """
 
@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.env.world import World
+from pipeline.envs.shop.world import World
 
 FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_lookup", "update", "search_lookup_calc")
 FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "search_lookup": 2, "two_lookup": 3, "update": 3,

@@ -5,7 +5,7 @@
   (unique ids, held-out entities and templates) that a single-file suite cannot see;
 - "demos": the demonstrations (``data/demos/train.jsonl``);
 - "products", "suppliers": rows of the world's SQLite tables; "corpus": the documents of ``data/env/corpus.jsonl``;
-- "trajectories", "evaluation": episode records (:mod:`pipeline.env.episode_suites`).
+- "trajectories", "evaluation": episode records (:mod:`pipeline.envs.shop.episode_suites`).
 
 Importing this module registers them all (:func:`register_suites`, which is idempotent, does it); a phase that
 validates the shop world's data calls :func:`register_suites` before it names a suite, so the order of imports never
@@ -24,10 +24,10 @@ from typing import Any
 import pandas as pd
 
 from pipeline.core import validation as V
-from pipeline.env.config import LEVELS, SPLITS
-from pipeline.env.expert import FLAWS
-from pipeline.env.tasks import FAMILIES
-from pipeline.env.tools import TOOL_NAMES as TOOLS
+from pipeline.envs.config import LEVELS, SPLITS
+from pipeline.envs.shop.expert import FLAWS
+from pipeline.envs.shop.tasks import FAMILIES
+from pipeline.envs.shop.tools import TOOL_NAMES as TOOLS
 
 # ------------------------------------------------------------------------------------------------------- tasks
 
@@ -242,7 +242,7 @@ def check_splits(splits: Mapping[str, list[dict]]) -> V.ValidationReport:
 
 def _suites() -> list[tuple[str, str, Any, Any]]:
     """(name, id column, builder, derive) of every suite of the shop world, in registration order."""
-    from pipeline.env import episode_suites as E
+    from pipeline.envs.shop import episode_suites as E
 
     return [
         ("tasks", "task_id", tasks_suite, _derive_tasks),
