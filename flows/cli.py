@@ -153,6 +153,19 @@ def _cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_envs(args: argparse.Namespace) -> int:
+    """`agentrl envs`: every environment one can name in `env.name`, where it comes from, and whether it loads."""
+    from pipeline.envs.registry import list_environments
+
+    rows = list_environments()
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        mark = "ok " if r["ok"] else "BAD"
+        print(f"{r['name']:<{width}}  {mark} {r['source']:<11}  {r['target']}\n{'':<{width}}      {r['description']}")
+    print("name one in params.yaml `env.name`, or give module:Class (docs/environments.md)")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentrl",
@@ -165,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--params", default=str(DEFAULT_PARAMS), metavar="FILE", help="params file to read (default: %(default)s)"
         )
+
+    p = sub.add_parser(
+        "envs",
+        help="list the environments: built-in and installed (entry-point group agentrl.environments)",
+        description="List every environment that `env.name` can name: the built-in ones and those installed packages "
+        "register in the entry-point group agentrl.environments, with whether each loads and keeps the contract.",
+    )
+    p.set_defaults(func=_cmd_envs)
 
     p = sub.add_parser(
         "build-env",

@@ -15,7 +15,8 @@ from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.errors import AgentRLError
 from pipeline.build_env.main import build, validate_outputs
 
-TINY = BuildEnvConfig(n_products=60, n_suppliers=12, tasks_per_split={"train": 80, "validation": 24, "test": 24},
+TINY = BuildEnvConfig(options={"n_products": 60, "n_suppliers": 12},
+                      tasks_per_split={"train": 80, "validation": 24, "test": 24},
                       demos={"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.5}})
 
 
@@ -34,6 +35,7 @@ def test_outputs_metrics_and_baselines(built):
     on_disk = json.loads((root / "metrics" / "build_env.json").read_text())
     assert on_disk == json.loads(json.dumps(metrics))
     assert metrics["counts"]["tasks_train"] == 80 and metrics["validation"]["expectations_failed"] == 0
+    assert metrics["environment"] == "shop" and metrics["counts"]["products"] == 60
     for split in ("train", "validation", "test"):
         assert metrics["baselines"][f"{split}/expert"]["success_rate"] == 1.0
         assert metrics["baselines"][f"{split}/random"]["success_rate"] < 0.05
@@ -49,7 +51,7 @@ def test_same_seed_gives_identical_data(built, tmp_path):
 
 def test_train_wordings_reach_train_and_validation_through_the_phase_and_leave_test_alone(built, tmp_path):
     root, _ = built
-    wide = TINY.model_copy(update={"train_wordings": 8})
+    wide = TINY.model_copy(update={"options": {**TINY.options, "train_wordings": 8}})
     build(wide, EnvConfig(), tmp_path / "data", tmp_path / "m.json")  # validates the data at the boundary (GX)
 
     def rows(base, split):
@@ -65,13 +67,13 @@ def test_data_failing_validation_stops_the_phase_and_keeps_the_previous_outputs(
     first = build(TINY, EnvConfig(), tmp_path / "data", tmp_path / "metrics.json")
     before = {p: p.read_bytes() for p in (tmp_path / "data").rglob("*") if p.is_file()}
 
-    def corrupting_validator(stage: Path):
+    def corrupting_validator(stage: Path, world):
         path = stage / "tasks" / "test.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         rows[3]["level"] = 9
         rows[5]["answer"] = ""
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return validate_outputs(stage)
+        return validate_outputs(stage, world)
 
     other = TINY.model_copy(update={"seed": 5})
     with pytest.raises(AgentRLError) as err:
@@ -119,12 +121,13 @@ def test_build_env_cli_refuses_bad_params_and_keeps_data(built, tmp_path):
     (root / "params.yaml").write_text("env:\n  reward:\n    correctness: -1\n")
     out = _agentrl("build-env", cwd=root)
     assert out.returncode == 2 and "env.reward.correctness" in out.stderr
-    (root / "params.yaml").write_text("build_env:\n  n_prodcts: 10\n")
+    (root / "params.yaml").write_text("build_env:\n  options:\n    n_prodcts: 10\n")
     out = _agentrl("build-env", cwd=root)
-    assert out.returncode == 2 and "did you mean 'n_products'" in out.stderr
-    (root / "params.yaml").write_text("build_env:\n  train_wordings: 9\n")
+    assert out.returncode == 2 and "did you mean 'n_products'" in out.stderr, out.stderr
+    (root / "params.yaml").write_text("build_env:\n  options:\n    train_wordings: 9\n")
     out = _agentrl("build-env", cwd=root)
-    assert out.returncode == 2 and "build_env.train_wordings" in out.stderr and "less than or equal to 8" in out.stderr
+    assert out.returncode == 2 and "build_env.options" in out.stderr and "train_wordings" in out.stderr
+    assert "less than or equal to 8" in out.stderr, out.stderr
     (root / "params.yaml").write_text("build_env: [1, 2\n")
     out = _agentrl("build-env", cwd=root)
     assert out.returncode == 2 and "line" in out.stderr
@@ -136,20 +139,21 @@ def test_the_expert_writes_the_demonstrations_text_also_for_tasks_read_back_from
     still writes its calls in the tools' signature order, the text of the demonstrations (which were made before the
     tasks were written) and so the tokens the policy learned. Without it, expert-guided RL groups
     (`train.guide_failed_groups`) trained on field-first calls."""
-    from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime, load_tasks
+    from pipeline.envs.runner import AgentEnv
+    from pipeline.envs.shop import ShopWorld
     from pipeline.envs.shop.expert import ExpertPolicy
-    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.episodes import run_episode
 
     root, _ = built
-    tasks = {t.task_id: t for t in load_tasks(root / "data" / "tasks" / "train.jsonl")}
+    runtime = ShopWorld.load(root / "data" / "env")
+    tasks = {t.task_id: t for t in load_task_file(root / "data" / "tasks" / "train.jsonl", runtime, validate=False)}
     demos = [json.loads(line) for line in (root / "data" / "demos" / "train.jsonl").read_text().splitlines()]
     clean = [d for d in demos if d["flaw"] == "none"]
     assert any('"field"' in d["steps"][0]["action"] for d in clean)
     assert any(list(tasks[d["task_id"]].plan[0]["params"]) == ["field", "name"] for d in clean)  # sorted on disk
-    runtime = WorldRuntime(load_world(root / "data" / "env"))
     try:
-        env = ToolTasksEnv(world=runtime, tasks=list(tasks.values()), config=EnvConfig())
+        env = AgentEnv(world=runtime, tasks=list(tasks.values()), config=EnvConfig())
         for d in clean[:30]:
             rec = run_episode(env, ExpertPolicy(), tasks[d["task_id"]], seed=0)
             assert [s["action"] for s in rec["steps"]] == [s["action"] for s in d["steps"]]
@@ -169,14 +173,14 @@ def test_flaw_chances_that_add_up_to_more_than_one_are_refused():
 
 
 def test_family_coverage_overrides_its_level_and_names_only_known_families(built):
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
-    from pipeline.envs.shop.tasks import FAMILY_LEVEL
-    from pipeline.envs.shop.world import load_world
     from pipeline.build_env.main import build_demos
+    from pipeline.envs.shop import ShopWorld
+    from pipeline.envs.shop.tasks import FAMILY_LEVEL
+    from pipeline.envs.taskfile import load_task_file
 
     root, _ = built
-    runtime = WorldRuntime(load_world(root / "data/env"))
-    train = load_tasks(root / "data/tasks/train.jsonl")
+    runtime = ShopWorld.load(root / "data/env")
+    train = load_task_file(root / "data/tasks/train.jsonl", runtime, validate=False)
     full = {"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}}
     try:
         def demos(**over):
@@ -192,16 +196,20 @@ def test_family_coverage_overrides_its_level_and_names_only_known_families(built
         assert demos(family_coverage={f: 1.0 for f in FAMILY_LEVEL}) == plain
     finally:
         runtime.close()
-    with pytest.raises(ValueError, match=r"unknown task families \['updates'\]"):
-        BuildEnvConfig.model_validate({"demos": {"family_coverage": {"updates": 0.1}}})
+    # the families are the environment's: a name it does not build is refused when the phase runs, before anything
+    # is published
+    bad = TINY.model_copy(update={"demos": TINY.demos.model_validate({**full, "family_coverage": {"updates": 0.1}})})
+    before = (root / "data/tasks/train.jsonl").read_bytes()
+    with pytest.raises(AgentRLError, match=r"family_coverage names task families \['updates'\]"):
+        build(bad, EnvConfig(), root / "data", root / "metrics" / "refused.json")
+    assert (root / "data/tasks/train.jsonl").read_bytes() == before and not (root / "metrics/refused.json").exists()
     with pytest.raises(ValueError, match=r"family_coverage values must lie in \[0, 1\]"):
         BuildEnvConfig.model_validate({"demos": {"family_coverage": {"update": 1.5}}})
 
 
 TINY_PARAMS = """\
 build_env:
-  n_products: 60
-  n_suppliers: 12
+  options: {n_products: 60, n_suppliers: 12}
   tasks_per_split: {train: 80, validation: 24, test: 24}
 """
 
@@ -251,7 +259,7 @@ def test_wrong_value_prob_makes_demonstrations_that_answer_a_wrong_value(built, 
 
     monkeypatch.setenv("AGENTRL_TRACKING", "off")
     (tmp_path / "params.yaml").write_text(
-        "build_env:\n  n_products: 60\n  n_suppliers: 12\n  tasks_per_split: {train: 40, validation: 8, test: 8}\n"
+        "build_env:\n  options: {n_products: 60, n_suppliers: 12}\n  tasks_per_split: {train: 40, validation: 8, test: 8}\n"
         "  demos:\n    level_coverage: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}\n    wrong_value_prob: 1.0\n"
         "    wrong_order_prob: 0.0\n    redundant_call_prob: 0.0\n")
     metrics = main(str(tmp_path / "params.yaml"), str(tmp_path / "data"), str(tmp_path / "metrics.json"))

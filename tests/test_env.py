@@ -12,10 +12,10 @@ from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pipeline.env  # noqa: F401  (registers agentrl/ToolTasks-v0)
 from pipeline.envs import reward as R
 from pipeline.envs.config import EnvConfig, RewardWeights
-from pipeline.envs.shop.core import MAX_CONTEXT_CHARS, ToolTasksEnv, WorldRuntime, default_world
+from pipeline.envs.runner import MAX_CONTEXT_CHARS, AgentEnv  # importing the runner registers agentrl/ToolTasks-v0
+from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.expert import ExpertPolicy, RandomPolicy
 from pipeline.envs.protocol import InvalidAction, ParsedAction, format_action, parse_action
 from pipeline.envs.shop.tasks import FAMILIES, TEMPLATES, answers_match, generate_tasks
@@ -25,7 +25,7 @@ from pipeline.policy.episodes import COMPONENTS, evaluate, run_episode, summariz
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = WorldRuntime(default_world())
+    rt = ShopWorld.default()
     yield rt
     rt.close()
 
@@ -44,7 +44,7 @@ def test_check_env_passes_through_gym_make():
 
 def test_same_seed_same_episode(runtime, splits):
     def play(seed):
-        env = ToolTasksEnv(world=runtime, tasks=splits["train"], config={"randomize_values": True,
+        env = AgentEnv(world=runtime, tasks=splits["train"], config={"randomize_values": True,
                                                                          "tool_failure_rate": 0.3})
         obs, info = env.reset(seed=seed)
         trace = [obs["context"]]
@@ -64,7 +64,7 @@ def test_same_seed_same_episode(runtime, splits):
 
 def test_terminated_is_answer_and_truncated_is_budget(runtime, splits):
     task = splits["train"][0]
-    env = ToolTasksEnv(world=runtime, tasks=[task], config={"max_steps": 3})
+    env = AgentEnv(world=runtime, tasks=[task], config={"max_steps": 3})
     env.reset(seed=0)
     for i in range(3):
         _, _, term, trunc, info = env.step(format_action("calc", {"expr": "1+1"}))
@@ -77,7 +77,7 @@ def test_terminated_is_answer_and_truncated_is_budget(runtime, splits):
     _, _, term, trunc, info = env.step(format_action("answer", {"value": task.answer}))
     assert term and not trunc and info["is_success"]
     # the policy-text budget truncates as well
-    env = ToolTasksEnv(world=runtime, tasks=[task], config={"max_policy_chars": 100, "max_steps": 50})
+    env = AgentEnv(world=runtime, tasks=[task], config={"max_policy_chars": 100, "max_steps": 50})
     env.reset(seed=0)
     _, _, term, trunc, _ = env.step(format_action("search", {"query": "a long enough query to use the budget"}))
     assert not (term or trunc)
@@ -90,7 +90,7 @@ def test_a_blank_answer_is_an_invalid_call_not_an_answer(runtime, splits, value)
     """A policy that answers with nothing has not answered: the call breaks the answer schema, costs a step and the
     episode goes on (an answer call that succeeds always records a non-blank value, as the GX suites require)."""
     task = splits["train"][0]
-    env = ToolTasksEnv(world=runtime, tasks=[task])
+    env = AgentEnv(world=runtime, tasks=[task])
     env.reset(seed=0)
     _, _, term, trunc, info = env.step(format_action("answer", {"value": value}))
     assert info["outcome"] == "invalid_params" and not (term or trunc)
@@ -103,7 +103,7 @@ def test_a_blank_answer_is_an_invalid_call_not_an_answer(runtime, splits, value)
 
 def test_dict_actions_and_text_actions_agree(runtime, splits):
     task = next(t for t in splits["train"] if t.family == "lookup")
-    env = ToolTasksEnv(world=runtime, tasks=[task])
+    env = AgentEnv(world=runtime, tasks=[task])
     step = task.plan[0]
     env.reset(seed=0)
     _, _, _, _, a = env.step({"tool": TOOL_NAMES.index("lookup"), "params": json.dumps(step["params"])})
@@ -138,7 +138,7 @@ def test_random_policy_solves_almost_nothing(runtime, splits):
 
 
 def test_step_rewards_sum_to_the_composite_return(runtime, splits):
-    env = ToolTasksEnv(world=runtime, tasks=splits["train"])
+    env = AgentEnv(world=runtime, tasks=splits["train"])
     rng = np.random.default_rng(0)
     for seed in range(30):
         obs, info = env.reset(seed=seed)
@@ -162,7 +162,7 @@ def test_a_failed_episode_earns_no_shaping_by_default(runtime, splits, shaping):
     (γ·safety only), so a group baseline cannot learn to give up early; with 'always' the quick wrong answer earns
     more, which is the incentive the default removes."""
     cfg = EnvConfig(reward=RewardWeights(shaping=shaping))
-    env = ToolTasksEnv(world=runtime, tasks=splits["train"], config=cfg)
+    env = AgentEnv(world=runtime, tasks=splits["train"], config=cfg)
     task = next(t for t in splits["train"] if t.level == 3)
     returns = {}
     for name, actions in {"quick": ['<call>answer {"value": "nope"}</call>'],
@@ -194,12 +194,12 @@ def test_a_failed_episode_earns_no_shaping_by_default(runtime, splits, shaping):
 def test_writes_outside_the_task_are_refused_and_never_executed(runtime, splits):
     task = next(t for t in splits["train"] if t.family == "update")
     other = next(p["name"] for p in runtime.world.products if p["name"] != task.entities[0])
-    env = ToolTasksEnv(world=runtime, tasks=[task])
+    env = AgentEnv(world=runtime, tasks=[task])
     env.reset(seed=0)
-    before = env._conn.execute("SELECT stock FROM products WHERE name = ?", (other,)).fetchone()[0]
+    before = env._episode.conn.execute("SELECT stock FROM products WHERE name = ?", (other,)).fetchone()[0]
     _, r, _, _, info = env.step(format_action("update", {"name": other, "field": "stock", "value": 1}))
     assert info["outcome"] == "safety_violation" and r < 0
-    assert env._conn.execute("SELECT stock FROM products WHERE name = ?", (other,)).fetchone()[0] == before
+    assert env._episode.conn.execute("SELECT stock FROM products WHERE name = ?", (other,)).fetchone()[0] == before
     _, _, _, _, info = env.step(format_action("update", {"name": task.entities[0], "field": "price", "value": 1}))
     assert info["outcome"] == "invalid_params"  # only `stock` is writable at all
     # the allowed write works, and only inside this episode's private copy
@@ -208,11 +208,11 @@ def test_writes_outside_the_task_are_refused_and_never_executed(runtime, splits)
     master = runtime.master.execute("SELECT stock FROM products WHERE name = ?", (task.entities[0],)).fetchone()[0]
     assert master != 5 or task.answer == "5"
     env.reset(seed=0)
-    assert env._conn.execute("SELECT stock FROM products WHERE name = ?", (task.entities[0],)).fetchone()[0] == master
+    assert env._episode.conn.execute("SELECT stock FROM products WHERE name = ?", (task.entities[0],)).fetchone()[0] == master
 
 
 def test_tool_failure_modes(runtime, splits):
-    env = ToolTasksEnv(world=runtime, tasks=splits["train"][:1])
+    env = AgentEnv(world=runtime, tasks=splits["train"][:1])
     env.reset(seed=0)
     cases = {
         "<call>teleport {}</call>": "invalid_action",
@@ -225,7 +225,7 @@ def test_tool_failure_modes(runtime, splits):
         _, _, _, _, info = env.step(text)
         assert info["outcome"] == outcome, text
         assert info["observation_text"].startswith("<obs>error:")
-    slow = ToolTasksEnv(world=runtime, tasks=splits["train"][:1], config={"tool_latency_s": 0.05, "tool_timeout_s": 0.01})
+    slow = AgentEnv(world=runtime, tasks=splits["train"][:1], config={"tool_latency_s": 0.05, "tool_timeout_s": 0.01})
     slow.reset(seed=0)
     _, _, _, _, info = slow.step('<call>calc {"expr": "1+1"}</call>')
     assert info["outcome"] == "timeout"
@@ -240,7 +240,7 @@ def test_calculator_never_evaluates_code():
 
 
 def test_context_is_append_only_until_folded_and_always_bounded(runtime, splits):
-    env = ToolTasksEnv(world=runtime, tasks=splits["train"][:1], config={"max_steps": 40, "history_window": 3})
+    env = AgentEnv(world=runtime, tasks=splits["train"][:1], config={"max_steps": 40, "history_window": 3})
     obs, info = env.reset(seed=0)
     hostile = "<call>calc {\"expr\": \"" + "9" * 100 + "\"}</call>" + "\u2603" * 50
     for _ in range(39):
@@ -278,7 +278,7 @@ def test_the_hardest_level_composes_steps_that_level_2_teaches(runtime, splits):
     assert [p["tool"] for p in s2.plan] == ["search", "lookup", "answer"]
     assert s2.plan[1]["params"]["name"] == s4.plan[1]["params"]["name"] == "{0:quoted}"
     assert [p["tool"] for p in s4.plan] == [p["tool"] for p in s2.plan[:2]] + [c2.plan[1]["tool"], "answer"]
-    env = ToolTasksEnv(world=runtime, tasks=splits["train"])
+    env = AgentEnv(world=runtime, tasks=splits["train"])
     recs = [run_episode(env, ExpertPolicy(), t, i) for i, t in enumerate(by_family["search_lookup"][:10])]
     assert all(r["success"] for r in recs)
 
@@ -314,7 +314,7 @@ def test_train_wordings_widen_train_and_validation_but_never_test_or_the_heldout
 
 @pytest.mark.parametrize("flaw", ["redundant_call", "wrong_order", "wrong_value"])
 def test_imperfect_demonstrations_have_their_flaw(runtime, splits, flaw):
-    env = ToolTasksEnv(world=runtime, tasks=splits["train"])
+    env = AgentEnv(world=runtime, tasks=splits["train"])
     hard = [t for t in splits["train"] if t.level >= 2][:20]
     recs = [run_episode(env, ExpertPolicy(flaw, np.random.default_rng(i)), t, i) for i, t in enumerate(hard)]
     if flaw == "wrong_value":
@@ -372,7 +372,7 @@ def test_parser_survives_arbitrary_text(text):
                            max_leaves=8).map(lambda v: json.dumps(v) if not isinstance(v, float) else str(v))),
 ))
 def test_env_survives_arbitrary_actions(runtime, splits, text):
-    env = ToolTasksEnv(world=runtime, tasks=[t for t in splits["train"] if t.family == "update"][:1])
+    env = AgentEnv(world=runtime, tasks=[t for t in splits["train"] if t.family == "update"][:1])
     env.reset(seed=0)
     master_before = runtime.master.execute("SELECT sum(stock), sum(price) FROM products").fetchone()
     obs, r, term, trunc, info = env.step(text)
@@ -387,7 +387,7 @@ def test_a_refused_reset_leaves_no_episode_to_step(runtime, splits):
     """A reset whose options are refused in the middle of an episode ends the old episode and begins no new one: the
     next step is an error until a reset succeeds."""
     task = next(t for t in splits["train"] if t.family == "two_lookup")
-    env = ToolTasksEnv(world=runtime, tasks=[task])
+    env = AgentEnv(world=runtime, tasks=[task])
     env.reset(seed=0, options={"task": task})
     with pytest.raises(ValueError, match="no task with task_id"):
         env.reset(seed=1, options={"task_id": "no-such-task"})

@@ -19,7 +19,8 @@ import pytest
 from pipeline.envs.contract import BuildRequest, SafetyViolation, Task, ToolError
 from pipeline.envs.sql import SqlAnalyst, SqlOptions, answers_match
 from pipeline.envs.sql.tasks import FAMILIES
-from pipeline.envs.sql.world import DB_NAME, HELDOUT_DIMENSIONS, META_NAME, TABLES
+from pipeline.envs.sql.tools import QueryLimits, QueryRunner
+from pipeline.envs.sql.world import CORPUS_NAME, DB_NAME, HELDOUT_DIMENSIONS, META_NAME, TABLES, connect_ro
 
 SMALL = SqlOptions(n_customers=200, n_products=96, n_orders=1500, query_timeout_s=0.3, max_rows=5)
 SIZES = {"train": 60, "validation": 24, "test": 40}
@@ -86,11 +87,11 @@ def drive(env: SqlAnalyst, task: Task, policy, max_steps: int = 12):
 def test_build_is_byte_identical_for_a_seed_and_differs_across_seeds(tmp_path, world):
     out, result, _ = world
     again = build(tmp_path / "a")
-    for name in (DB_NAME, META_NAME):
+    for name in (DB_NAME, META_NAME, CORPUS_NAME):
         assert digest(out / name) == digest(tmp_path / "a" / name), name
     assert {s: [t.to_dict() for t in ts] for s, ts in again.tasks.items()} == \
            {s: [t.to_dict() for t in ts] for s, ts in result.tasks.items()}
-    assert sorted(p.name for p in result.files) == sorted([DB_NAME, META_NAME])
+    assert sorted(p.name for p in result.files) == sorted([DB_NAME, META_NAME, CORPUS_NAME])
     other = build(tmp_path / "b", seed=1)
     assert digest(tmp_path / "b" / DB_NAME) != digest(out / DB_NAME)
     assert [t.question for t in other.tasks["train"]] != [t.question for t in result.tasks["train"]]
@@ -148,8 +149,8 @@ def test_every_reference_sql_gives_the_answer(world):
 
 
 def test_too_many_tasks_for_the_value_space_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="could not draw 2000 distinct test tasks"):  # level 4 holds ~500 questions
-        build(tmp_path, sizes={"train": 1, "validation": 1, "test": 2000}, mix={4: 1.0})
+    with pytest.raises(ValueError, match="could not draw 1000 distinct test tasks"):  # level 4 holds ~500 questions
+        build(tmp_path, sizes={"train": 1, "validation": 1, "test": 1000}, mix={4: 1.0})
 
 
 def test_bad_requests_and_worlds_are_refused(tmp_path, world):
@@ -232,10 +233,43 @@ def test_the_guard_refuses_anything_but_one_read_only_select(world, sql):
     assert not Path("/tmp/sql-analyst-copy.db").exists() and not Path("/tmp/sql-analyst-x").exists()
 
 
+AUTHORIZER = {  # statement -> what the guard names (the text pre-check is bypassed: the authorizer alone must deny)
+    "INSERT INTO products VALUES (999, 'X', 'toys', 1.0, 1)": "INSERT on products",
+    "UPDATE orders SET total = 0": "UPDATE on orders",
+    "DELETE FROM order_lines": "DELETE on order_lines",
+    "DROP TABLE customers": "changing the schema",
+    "CREATE TABLE t (x)": "changing the schema",
+    "CREATE TEMP TABLE t (x)": "changing the schema",
+    "PRAGMA table_info(orders)": "PRAGMA on table_info",
+    "ATTACH DATABASE ':memory:' AS other": "ATTACH",
+    "SELECT load_extension('/tmp/evil.so')": "function load_extension()",
+}
+
+
+@pytest.mark.parametrize("sql", AUTHORIZER, ids=range(len(AUTHORIZER)))
+def test_the_authorizer_alone_denies_everything_but_reads(world, sql):
+    runner = QueryRunner(connect_ro(world[0] / DB_NAME), QueryLimits())
+    try:
+        with pytest.raises(sqlite3.DatabaseError):
+            runner.conn.execute(sql)
+        assert runner.guard.denied is not None and runner.guard.denied.startswith(AUTHORIZER[sql])
+    finally:
+        runner.close()
+
+
+def test_the_connection_is_read_only_even_without_the_guard(world):
+    conn = connect_ro(world[0] / DB_NAME)
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            conn.execute("UPDATE orders SET total = 0")
+    finally:
+        conn.close()
+
+
 def test_ordinary_errors_are_tool_errors_not_violations(world):
     ep = world[2].open_episode(world[1].tasks["train"][0], np.random.default_rng(0))
-    for sql, message in (("SELECT nope FROM orders", "no such column"), ("SELECT cout(*) FROM orders", "no such function"),
-                         ("SELECT FROM", "syntax error")):
+    for sql, message in (("SELECT nope FROM orders", "no such column"),
+                         ("SELECT cout(*) FROM orders", "no such function"), ("SELECT FROM", "syntax error")):
         with pytest.raises(ToolError, match=message) as caught:
             ep.call("query", {"sql": sql})
         assert not isinstance(caught.value, SafetyViolation)
@@ -334,6 +368,42 @@ def test_expert_retries_a_plan_step_that_failed_transiently(world):
     assert expert.act({}, {"tool_result": "temporarily unavailable", "outcome": "tool_error"}) == first
 
 
+def test_expert_reaches_the_top_return_through_the_pipeline_runner(world):
+    from pipeline.envs.runner import AgentEnv
+
+    _, result, env = world
+    tasks = result.tasks["test"][:12]
+    gym_env = AgentEnv(env, tasks, {})
+    for task in tasks:
+        obs, info = gym_env.reset(options={"task": task})
+        expert = env.expert()
+        expert.reset(task)
+        done = False
+        while not done:
+            obs, _, terminated, truncated, info = gym_env.step(expert.act(obs, info))
+            done = terminated or truncated
+        assert info["is_success"] and info["n_calls"] == task.min_calls and info["verifier"]["passed"], task.task_id
+    gym_env.close()
+
+
+def test_contract_extras(world):
+    _, result, env = world
+    task = result.tasks["train"][0]
+    expert = env.expert()
+    expert.reset(task)
+    plan = [parse(expert.act({}, {})) for _ in task.data["tables"]] + [parse(expert.act({}, {}))]
+    assert env.reference_calls(task) == [*plan, ("answer", {"value": task.answer})]
+    assert env.required_tools(task) == ["query"]
+    assert all(env.verify_task(t) for t in all_tasks(result))
+    assert not env.verify_task(Task.from_dict({**task.to_dict(), "answer": "-1"}))
+    assert not any(env.leaks_heldout(t) for t in result.tasks["train"])
+    assert all(env.leaks_heldout(t) for t in result.tasks["test"] + result.tasks["validation"])
+    assert env.same_answer("12.001", "12") and env.same_answer("a , b", "A, B") and not env.same_answer("b, a", "a, b")
+    vocabulary = env.vocabulary()
+    assert {"order_lines", "order_date", "unit_price", "cancelled", "web", "enterprise"} <= set(vocabulary)
+    assert isinstance(env.open_episode(task, np.random.default_rng(0), randomize_values=True).truth, str)
+
+
 def test_random_policy_writes_well_formed_calls(world):
     env = world[2]
     validators = {t.name: jsonschema.Draft202012Validator(t.parameters) for t in env.tools()}
@@ -377,13 +447,25 @@ def test_world_suites_pass_and_name_a_broken_row(world, tmp_path):
     assert "customer_id=3" in bad["sql_customers"].describe()
     assert bad["sql_products"].success and bad["sql_order_lines"].success
 
+    records = {s: [json.loads(json.dumps(t.to_dict())) for t in ts] for s, ts in world[1].tasks.items()}
+    reports = env.validate(out, records, None)
+    assert all(r.success for r in reports), [r.describe() for r in reports if not r.success]
+    assert [r.suite for r in reports][-4:] == ["sql_tasks", "sql_tasks", "sql_tasks", "sql_splits"]
+    leaked = {**records, "test": [dict(records["test"][0], data={**records["test"][0]["data"],
+                                                                 "heldout": records["train"][0]["data"]["heldout"]})]}
+    assert "sql-test-000000" in env.validate(out, leaked, None)[-1].describe()
+    broken_task = dict(records["train"][0], min_calls=9)
+    report = env.check_task_records([broken_task], "incoming.jsonl")
+    assert not report.success and "min_calls_matches_plan" in report.describe()
+
 
 def test_drift_features_from_calls(world):
     env = world[2]
     record = {"calls": [
         {"tool": "describe_table", "params": {"table": "orders"}, "outcome": "ok"},
         {"tool": "query", "params": {"sql": "DELETE FROM orders"}, "outcome": "safety_violation"},
-        {"tool": "query", "params": {"sql": "SELECT 1 FROM orders JOIN customers USING (customer_id)"}, "outcome": "ok"},
+        {"tool": "query", "params": {"sql": "SELECT 1 FROM orders JOIN customers USING (customer_id)"},
+         "outcome": "ok"},
         {"tool": "answer", "params": {"value": "1"}, "outcome": "answer"},
     ]}
     f = env.drift_features(record)
@@ -393,6 +475,7 @@ def test_drift_features_from_calls(world):
                                                  "sql_mean_chars": 0.0, "sql_mean_joins": 0.0}
 
 
-def test_corpus_texts_hold_schema_and_names(world):
-    texts = world[2].corpus_texts(world[0])
-    assert texts[0].startswith("customers: customer_id INTEGER") and "garden" in texts and len(texts) > 300
+def test_corpus_holds_the_schema_and_no_values(world):
+    docs = [json.loads(line) for line in (world[0] / CORPUS_NAME).read_text().splitlines()]
+    assert [d["title"] for d in docs] == list(TABLES)
+    assert docs[0]["text"].startswith("customers: customer_id INTEGER") and "Lyon" not in json.dumps(docs)

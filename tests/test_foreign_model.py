@@ -4,7 +4,7 @@ tool-calling chat template (scripts/make_tiny_hf_model.py), built into a tempora
 Known answers for the template's rendering and the token deltas, the start-up check refusing templates that
 rewrite earlier turns, the refusals of folders that lack what the pipeline needs, the built-in tokenizer's ids
 unchanged, and (slow) the foreign model through every phase of a tiny project: build-env, adapt (LoRA), train,
-evaluate, deploy (int8) and serve (one request over loopback).
+evaluate, check-drift, deploy (int8) and serve (one request over loopback).
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ def test_the_rollout_engine_completes_actions_with_the_foreign_model(tiny_dir, t
 # ------------------------------------------------------------------------------------------------ every phase (slow)
 @pytest.mark.slow
 def test_the_foreign_model_goes_through_every_phase(tmp_path):
-    """build-env, adapt (LoRA), train, evaluate, deploy (int8) and serve with model.base the tiny Qwen2 folder."""
+    """build-env, adapt (LoRA), train, evaluate, check-drift, deploy (int8) and serve with model.base the tiny Qwen2
+    folder."""
     import httpx
     import yaml
 
@@ -255,7 +256,7 @@ def test_the_foreign_model_goes_through_every_phase(tmp_path):
     params["deploy"]["precisions"] = ["fp32", "int8"]
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
-    for phase in ("adapt", "train", "evaluate", "deploy"):
+    for phase in ("adapt", "train", "evaluate", "check-drift", "deploy"):
         proc = agentrl(root, phase)
         assert proc.returncode == 0, f"{phase} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     adapt_metrics = json.loads((root / "metrics/adapt.json").read_text())

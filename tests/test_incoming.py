@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.envs.shop.core import WorldRuntime, default_world
+from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.tasks import generate_tasks
 from pipeline.envs.taskfile import write_tasks
 from pipeline.core.errors import AgentRLError
-from pipeline.train.incoming import DROP_REASONS, heldout_entities, load_incoming, read_incoming, select_incoming
+from pipeline.train.incoming import DROP_REASONS, load_incoming, read_incoming, select_incoming
 
 ROOT = Path(__file__).resolve().parents[1]
 MIX = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
@@ -30,7 +30,7 @@ MIX = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = WorldRuntime(default_world(0))
+    rt = ShopWorld.default()  # the generator's small world, seed 0
     yield rt
     rt.close()
 
@@ -46,10 +46,6 @@ def splits(runtime):
                      if t.question not in questions][:6]
     assert len(made["fresh"]) == 6 and any(not t.template_seen for t in made["test"])
     return made
-
-
-def _solve(runtime):
-    return lambda t: runtime.solve(t.plan, t.allowed_writes)
 
 
 def test_doctests():
@@ -74,8 +70,8 @@ def test_held_out_entities_templates_copies_and_unverifiable_tasks_are_dropped_a
                                 *fresh[4].plan[1:]]),                     # names a product the world lacks
     ]
     b = [replace(fresh[0], task_id="again"), fresh[5]]                   # a copy of a.jsonl's first task; used
-    used, counts = select_incoming([("in/a.jsonl", a), ("in/b.jsonl", b)], train, heldout_entities(runtime.world),
-                                   {heldout.template_id}, solve=_solve(runtime))
+    used, counts = select_incoming([("in/a.jsonl", a), ("in/b.jsonl", b)], train, runtime.leaks_heldout,
+                                   {heldout.template_id}, verify=runtime.verify_task)
     assert counts == {"dropped_heldout_entities": 2, "dropped_heldout_templates": 1, "dropped_duplicates": 2,
                       "dropped_unverifiable": 2}
     assert [t.task_id for t in used] == [f"incoming/a/{fresh[0].task_id}", f"incoming/a/{train[0].task_id}",
@@ -87,9 +83,13 @@ def test_held_out_entities_templates_copies_and_unverifiable_tasks_are_dropped_a
 
 
 def test_held_out_entities_are_the_validation_and_test_partition(runtime, splits):
-    names = heldout_entities(runtime.world)
-    assert all(set(t.entities) <= names for t in splits["validation"] + splits["test"])
-    assert not any(set(t.entities) & names for t in splits["train"])
+    def held_out(name):  # one entity on its own
+        return runtime.leaks_heldout(replace(splits["train"][0], entities=[name]))
+
+    assert all(held_out(e) for t in splits["validation"] + splits["test"] for e in t.entities)
+    assert not any(held_out(e) for t in splits["train"] for e in t.entities)
+    assert all(runtime.leaks_heldout(t) for t in splits["validation"] + splits["test"])
+    assert not any(runtime.leaks_heldout(t) for t in splits["train"])
 
 
 def test_load_incoming_reads_only_jsonl_files_and_summarises(tmp_path, runtime, splits):
@@ -114,19 +114,19 @@ def test_load_incoming_reads_only_jsonl_files_and_summarises(tmp_path, runtime, 
     ('{"task_id": "x", "question": "truncated...', r"bad\.jsonl:2: not valid JSON"),
     (None, "expect_column_values_to_be_in_set"),  # level 9: parses, but breaks the "tasks" suite
 ])
-def test_a_file_that_breaks_the_schema_is_refused_naming_the_file(tmp_path, splits, line, message):
+def test_a_file_that_breaks_the_schema_is_refused_naming_the_file(tmp_path, runtime, splits, line, message):
     (tmp_path / "good.jsonl").write_text(json.dumps(splits["fresh"][0].to_dict()) + "\n")
     rows = [splits["fresh"][1].to_dict(), {**splits["fresh"][2].to_dict(), "level": 9}]
     text = json.dumps(rows[0]) + "\n" + (line if line is not None else json.dumps(rows[1])) + "\n"
     (tmp_path / "bad.jsonl").write_text(text)
     with pytest.raises(AgentRLError, match="incoming task file .*bad.jsonl breaks the task schema") as err:
-        read_incoming(tmp_path)
+        read_incoming(tmp_path, runtime)
     assert re.search(message, str(err.value))
     (tmp_path / "bad.jsonl").unlink()
-    assert [len(tasks) for _, tasks in read_incoming(tmp_path)] == [1]
+    assert [len(tasks) for _, tasks in read_incoming(tmp_path, runtime)] == [1]
     (tmp_path / "not-a-folder.txt").write_text("")
     with pytest.raises(AgentRLError, match="is not a folder"):
-        read_incoming(tmp_path / "not-a-folder.txt")
+        read_incoming(tmp_path / "not-a-folder.txt", runtime)
 
 
 def test_train_and_check_drift_depend_on_the_folder_that_train_reads():

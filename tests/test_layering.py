@@ -4,10 +4,14 @@ Rules (each import anywhere in a file counts, inside functions too, relative imp
 
 - the library imports no orchestrator and nothing of the flows: no ``prefect``, no ``flows``;
 - MLflow is imported only by the tracking, registry and model-packaging modules (:data:`MLFLOW_MODULES`);
-- the packages form layers: ``core`` imports no other pipeline package, ``env`` only ``core``, ``policy`` only
-  ``core`` and ``env``; a phase package imports those three and never another phase. One exception is listed by
+- the packages form layers: ``core`` imports no other pipeline package, ``envs`` only ``core``, ``policy`` only
+  ``core`` and ``envs``; a phase package imports those three and never another phase. One exception is listed by
   name (:data:`CONFIG_READS`): ``check_drift`` reads the ``build_env`` section through ``pipeline.build_env.config``,
-  because its fresh reference samples must be drawn with the settings the build drew the training tasks with.
+  because its fresh reference samples must be drawn with the settings the build drew the training tasks with;
+- the built-in environments are private to themselves (:data:`PRIVATE_ENVS`): no module outside
+  ``pipeline/envs/shop/`` imports ``pipeline.envs.shop``, and none outside ``pipeline/envs/sql/`` imports
+  ``pipeline.envs.sql``; the registry names them by string (``module:Class``), so phases reach them only through
+  the contract.
 
 The checker is a plain function over a folder, so a test can also run it on a temporary tree that breaks each rule.
 """
@@ -23,11 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = ("prefect", "flows")
 MLFLOW_MODULES = frozenset({"core/tracking.py", "deploy/registry.py", "deploy/pyfunc.py", "deploy/pyfunc_entry.py"})
-SHARED = ("core", "env", "policy")
+SHARED = ("core", "envs", "policy")
 PHASES = ("build_env", "adapt", "train", "evaluate", "check_drift", "deploy")
-ALLOWED = {"core": set(), "env": {"core"}, "policy": {"core", "env"}, **{p: set(SHARED) for p in PHASES}}
+ALLOWED = {"core": set(), "envs": {"core"}, "policy": {"core", "envs"}, **{p: set(SHARED) for p in PHASES}}
 # A phase that must read another phase's params section the way that phase does: (reader, "phase.config").
 CONFIG_READS = frozenset({("check_drift", "build_env.config")})  # a fresh reference sample uses the build's settings
+# Environments only their own package may import (the registry names them by string): dotted package -> its folder.
+PRIVATE_ENVS = {"pipeline.envs.shop": "envs/shop/", "pipeline.envs.sql": "envs/sql/"}
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
@@ -63,6 +69,10 @@ def layering_violations(pipeline_dir: Path) -> list[str]:
         where = f"pipeline/{rel.as_posix()}"
         for line, name in imported_modules(path.read_text(encoding="utf-8"), module, is_package):
             top = name.split(".")[0]
+            private = next((pkg for pkg in PRIVATE_ENVS if name == pkg or name.startswith(pkg + ".")), None)
+            if private and not rel.as_posix().startswith(PRIVATE_ENVS[private]):
+                key, what = private, f"imports {name} (only {PRIVATE_ENVS[private]} imports {private})"
+                problems.setdefault((where, line, key), f"{where}:{line}: {what}")
             if top in FORBIDDEN:
                 key, what = top, f"imports {name} (the library imports no {top})"
             elif top == "mlflow" and rel.as_posix() not in MLFLOW_MODULES:
@@ -98,23 +108,30 @@ def test_the_mlflow_modules_exist():
 BAD_IMPORTS = {
     "core/a.py": ("def f():\n    import prefect\n", "imports prefect"),
     "core/b.py": ("from flows.cli import main\n", "imports flows.cli"),
-    "env/c.py": ("import flows.summary as s\n", "imports flows.summary"),
-    "env/d.py": ("import mlflow\n", "imports mlflow (MLflow only"),
-    "core/e.py": ("from pipeline.env import tasks\n", "pipeline.core imports pipeline.env"),
-    "env/f.py": ("from pipeline.policy.model import load_policy\n", "pipeline.env imports pipeline.policy"),
+    "envs/c.py": ("import flows.summary as s\n", "imports flows.summary"),
+    "envs/d.py": ("import mlflow\n", "imports mlflow (MLflow only"),
+    "core/e.py": ("from pipeline.envs import taskfile\n", "pipeline.core imports pipeline.envs"),
+    "envs/f.py": ("from pipeline.policy.model import load_policy\n", "pipeline.envs imports pipeline.policy"),
     "policy/g.py": ("from pipeline import train\n", "pipeline.policy imports pipeline.train"),
     "train/h.py": ("def f():\n    from pipeline.adapt.sft import x\n", "pipeline.train imports pipeline.adapt"),
     "deploy/i.py": ("from ..evaluate import report\n", "pipeline.deploy imports pipeline.evaluate"),
-    "check_drift/j.py": ("from . import suites\nfrom ..env import tasks\nimport mlflow.pyfunc\n",
+    "check_drift/j.py": ("from . import suites\nfrom ..envs import taskfile\nimport mlflow.pyfunc\n",
                          "imports mlflow.pyfunc"),
+    # the built-in environments are reached through the registry only
+    "policy/k.py": ("from pipeline.envs.shop.tasks import Task\n", "imports pipeline.envs.shop.tasks (only envs/shop/"),
+    "train/l.py": ("def f():\n    import pipeline.envs.sql\n", "imports pipeline.envs.sql (only envs/sql/"),
+    "envs/m.py": ("from .shop import ShopWorld\n", "imports pipeline.envs.shop (only envs/shop/"),
+    "envs/sql/n.py": ("from ..shop.world import World\n", "imports pipeline.envs.shop.world (only envs/shop/"),
+    "envs/shop/o.py": ("from pipeline.envs.sql import tools\n", "imports pipeline.envs.sql (only envs/sql/"),
 }
 
 
 @pytest.mark.parametrize("rel", sorted(BAD_IMPORTS))
 def test_the_checker_reports_an_added_import(tmp_path, rel):
     source, expected = BAD_IMPORTS[rel]
-    for name in ("core", "env", "policy", "train", "deploy", "check_drift", "evaluate", "adapt"):
-        (tmp_path / name).mkdir(exist_ok=True)
+    for name in ("core", "envs", "envs/shop", "envs/sql", "policy", "train", "deploy", "check_drift", "evaluate",
+                 "adapt"):
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
     (tmp_path / rel).write_text(source)
     problems = layering_violations(tmp_path)
     assert len(problems) == 1 and expected in problems[0] and problems[0].startswith(f"pipeline/{rel}:"), problems
@@ -124,8 +141,11 @@ def test_the_checker_accepts_allowed_imports(tmp_path):
     files = {
         "core/a.py": "import json\nfrom pipeline.core.errors import AgentRLError\nfrom . import errors\n",
         "core/tracking.py": "def f():\n    import mlflow\n",
-        "env/b.py": "from pipeline.core.jsonl import read_jsonl\nfrom .tasks import Task\n",
-        "policy/c.py": "from pipeline.envs.shop.tasks import Task\nfrom pipeline.core import config\n",
+        "envs/b.py": "from pipeline.core.jsonl import read_jsonl\nfrom .contract import Task\n",
+        "envs/registry.py": "BUILTIN = {'shop': 'pipeline.envs.shop:ShopWorld'}\nfrom pipeline.envs.contract import Environment\n",
+        "envs/shop/world.py": "from pipeline.envs.shop.tools import Lookup\nfrom .tasks import Task\nfrom ..contract import ToolSpec\n",
+        "envs/sql/env.py": "from pipeline.envs.sql.tools import TOOL_NAMES\nfrom . import tools\n",
+        "policy/c.py": "from pipeline.envs.contract import Task\nfrom pipeline.core import config\n",
         "train/d.py": "from pipeline.policy import model\nfrom pipeline.train.config import TrainConfig\n",
         "__init__.py": "import os\n",
     }

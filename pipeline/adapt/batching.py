@@ -55,7 +55,7 @@ class DemoSampler:
             return self.plain[i]
         demo = self.demos[i]
         task = self.tasks[demo["task_id"]]
-        question, steps, _ = augment_names(task["question"], demo["steps"], task["entities"], self.pool, rng)
+        question, steps, _ = augment_names(task["question"], demo["steps"], task.get("entities", []), self.pool, rng)
         return self._encode(demo, question, steps)
 
 

@@ -79,6 +79,10 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_di
     texts += drills.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
     words = drills.drill_words(pool, extra=list(vocabulary))
     texts += drills.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
+    if not texts:  # an environment without documents, entity names or drill words: nothing to pre-train on
+        print("adapt: continued pre-training skipped: the environment offers no text for it (no corpus.jsonl, "
+              "entities.json or vocabulary)", flush=True)
+        return {"skipped": "no pre-training text", "steps": 0, "texts": 0, "domain_texts": 0, "drills": 0}
     pre_ex = text_examples(tokenizer, texts, cfg.pretrain.max_len)
     for p in model.parameters():
         p.requires_grad_(True)

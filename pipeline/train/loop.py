@@ -177,7 +177,7 @@ def setup(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
     rollout = new_engine(policy)
     ensemble = WeightEnsemble(start_weights, policy, new_engine, cfg.merge_alpha) if start_weights is not None else None
-    sampler = make_sampler_state(cfg)
+    sampler = make_sampler_state(cfg, sorted({t.level for t in train_tasks}))
     fp = fingerprint(engine.module, meta)
     tasks_by_level: dict[int, list[Task]] = {}
     for t in train_tasks:

@@ -179,9 +179,13 @@ class SamplerState:
         self.rng.bit_generator.state = s["rng"]
 
 
-def make_sampler_state(cfg: TrainConfig) -> SamplerState:
+def make_sampler_state(cfg: TrainConfig, levels: list[int] = (1, 2, 3, 4)) -> SamplerState:
+    """The sampling state for training tasks of `levels`; the curriculum opens at the highest of them not above
+    `curriculum_start_level` (the lowest level when all lie above it)."""
+    levels = sorted(levels)
+    start = max([lv for lv in levels if lv <= cfg.curriculum_start_level] or levels[:1])
     return SamplerState(
-        curriculum=Curriculum([1, 2, 3, 4], cfg.curriculum_start_level, cfg.curriculum_threshold,
+        curriculum=Curriculum(list(levels), start, cfg.curriculum_threshold,
                               cfg.level_weight_floor, cfg.level_success_window),
         goals=GoalSampler(),
         normalizer=RewardNormalizer(cfg.reward_norm_window) if cfg.reward_norm_window else None,

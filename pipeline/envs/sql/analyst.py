@@ -19,7 +19,6 @@ and write tools (the analyst is read-only by construction; `ToolSpec.writes` is 
 from __future__ import annotations
 
 import re
-import sqlite3
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +27,7 @@ from pydantic import Field
 from pipeline.envs.contract import (BuildOptions, BuildRequest, BuildResult, Environment, Episode, Task, ToolError,
                                     ToolSpec)
 from pipeline.envs.sql import world as W
-from pipeline.envs.sql.expert import FLAWS, ExpertPolicy, RandomPolicy
+from pipeline.envs.sql.expert import FLAWS, ExpertPolicy, RandomPolicy, read_answer
 from pipeline.envs.sql.tasks import generate_tasks
 from pipeline.envs.sql.tools import QueryLimits, QueryRunner, tool_specs
 
@@ -136,10 +135,10 @@ class SqlAnalyst(Environment):
         self.limits = QueryLimits(timeout_s=float(opts.get("query_timeout_s", 1.0)),
                                   max_rows=int(opts.get("max_rows", 20)))
         self.tables_text = ", ".join(f"{t} ({schema[t]['rows']} rows)" for t in W.TABLES)
-        self.describe_texts = {
-            t: f"{t}: {', '.join(f'{c} {ty}' for c, ty in schema[t]['columns'])} ({schema[t]['rows']} rows)"
-            for t in W.TABLES
-        }
+        self.describe_texts = W.describe_texts(schema)
+        part = meta["partition"]
+        self.heldout_values = {dim: {v for s in ("validation", "test") for v in part.get(dim, {}).get(s, [])}
+                               for dim in W.HELDOUT_DIMENSIONS}
 
     # ------------------------------------------------------------------------------------------------- data
     @classmethod
@@ -159,6 +158,7 @@ class SqlAnalyst(Environment):
         out_dir = Path(out_dir)
         world = W.generate(request.seed, opts.n_customers, opts.n_products, opts.n_orders, opts.heldout_fraction)
         files = W.write(world, out_dir, {"seed": request.seed, "options": opts.model_dump()})
+        files.append(W.write_corpus(out_dir, W.read_schema(out_dir / W.DB_NAME)))
         conn = W.connect_ro(out_dir / W.DB_NAME)
         try:
             tasks = {split: generate_tasks(conn, world["partition"], split, n, request.level_mix, request.seed,
@@ -192,8 +192,46 @@ class SqlAnalyst(Environment):
             raise ValueError(f"task {row.get('task_id')!r}: {problem}")
         return task
 
-    def open_episode(self, task: Task, rng=None) -> SqlEpisode:
+    def open_episode(self, task: Task, rng=None, randomize_values: bool = False) -> SqlEpisode:
+        """`rng` and `randomize_values` are unused: the world is fixed (held-out values test generalisation)."""
         return SqlEpisode(self, task)
+
+    def required_tools(self, task: Task) -> list[str]:
+        """A correct process queries; describing tables first is the expert's habit, not a requirement."""
+        return ["query"]
+
+    def reference_calls(self, task: Task) -> list[tuple[str, dict]]:
+        """The expert's plan with its true parameters, ``answer`` last."""
+        return ([("describe_table", {"table": t}) for t in task.data["tables"]]
+                + [("query", {"sql": task.data["sql"]}), ("answer", {"value": task.answer})])
+
+    def same_answer(self, given: str, truth: str) -> bool:
+        return answers_match(given, truth, "number" if _number(str(truth)) is not None else "names")
+
+    def leaks_heldout(self, task: Task) -> bool:
+        """Whether the task filters on, or its question quotes, a city, category or month of validation or test."""
+        data = task.data if isinstance(task.data, dict) else {}
+        for dim, v in (data.get("heldout") or {}).items():
+            if v in self.heldout_values.get(dim, ()):
+                return True
+        text = f"{task.question} {data.get('sql', '')}"
+        return any(f"'{v}" in text for values in self.heldout_values.values() for v in values)
+
+    def verify_task(self, task: Task) -> bool:
+        """Whether the task's reference SQL, run through the guarded runner, gives its stated answer."""
+        episode = self.open_episode(task)
+        try:
+            result = episode.call("query", {"sql": task.data["sql"]})
+        except ToolError:
+            return False
+        finally:
+            episode.close()
+        return episode.correct(read_answer(result, task.data.get("kind", "number")))
+
+    def vocabulary(self) -> list[str]:
+        """Table and column names and the shared categorical values, which queries must spell exactly."""
+        words = list(W.TABLES) + sorted({c for t in W.TABLES for c, _ in self.schema[t]["columns"]})
+        return words + list(W.STATUSES) + list(W.CHANNELS) + list(W.SEGMENTS)
 
     # --------------------------------------------------------------------------------------------- optional
     def expert(self, flaw: str = "none", rng=None) -> ExpertPolicy:
@@ -203,9 +241,23 @@ class SqlAnalyst(Environment):
         return RandomPolicy({t: [c for c, _ in self.schema[t]["columns"]] for t in W.TABLES}, rng)
 
     def validate_world(self, world_dir: Path) -> list:
+        """One Great Expectations report per table of ``world.sqlite``."""
         from pipeline.envs.sql.suites import validate_world
 
         return validate_world(Path(world_dir))
+
+    def validate(self, world_dir: Path, tasks: dict[str, list[dict]], demos: list[dict] | None) -> list:
+        """The world's table reports, one ``sql_tasks`` report per split and the cross-split report."""
+        from pipeline.envs.sql.suites import check_splits, validate_tasks
+
+        reports = self.validate_world(world_dir)
+        reports += [validate_tasks(records, f"tasks/{split}", split) for split, records in tasks.items()]
+        return reports + [check_splits(tasks)]
+
+    def check_task_records(self, records: list[dict], dataset: str):
+        from pipeline.envs.sql.suites import validate_tasks
+
+        return validate_tasks(records, dataset)
 
     def drift_features(self, record: dict) -> dict[str, float]:
         """From the record's `calls`: query count, whether any query was refused, the share of queries that failed,
@@ -221,17 +273,3 @@ class SqlAnalyst(Environment):
             "sql_mean_chars": sum(map(len, sqls)) / len(sqls) if sqls else 0.0,
             "sql_mean_joins": sum(len(_JOIN.findall(s)) for s in sqls) / len(sqls) if sqls else 0.0,
         }
-
-    def corpus_texts(self, world_dir: Path) -> list[str]:
-        """The schema lines and every name and categorical value of the world."""
-        conn = W.connect_ro(Path(world_dir) / W.DB_NAME)
-        try:
-            texts = list(self.describe_texts.values())
-            for sql in ("SELECT name FROM customers", "SELECT name FROM products", "SELECT DISTINCT city FROM customers",
-                        "SELECT DISTINCT country FROM customers", "SELECT DISTINCT category FROM products"):
-                texts += [str(r[0]) for r in conn.execute(sql)]
-            return texts
-        except sqlite3.DatabaseError as exc:
-            raise ValueError(f"{world_dir}: not a valid SQL world database ({exc})") from None
-        finally:
-            conn.close()

@@ -71,7 +71,8 @@ class ExpertPolicy:
     def reset(self, task) -> None:
         self.task = task
         data = task.data
-        plan = [("describe_table", {"table": t}, True) for t in data["tables"]] + [("query", {"sql": data["sql"]}, True)]
+        plan = [("describe_table", {"table": t}, True) for t in data["tables"]]
+        plan.append(("query", {"sql": data["sql"]}, True))
         if self.flaw == "redundant_call":
             i = int(self.rng.integers(len(plan)))
             plan.insert(i + 1, (plan[i][0], plan[i][1], False))

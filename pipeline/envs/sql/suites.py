@@ -1,6 +1,10 @@
 """Great Expectations suites of the SQL analyst's world, registered under names prefixed ``sql_``.
 
-One suite per table: ``sql_customers``, ``sql_products``, ``sql_orders``, ``sql_order_lines``. Each table is exported
+One suite per table: ``sql_customers``, ``sql_products``, ``sql_orders``, ``sql_order_lines``; ``sql_tasks`` for task
+records (reference SQL is a SELECT, its tables exist, ``min_calls`` = tables + 2, a known kind, held-out values
+recorded)
+and :func:`check_splits` for the rules across splits (ids unique, held-out values disjoint, held-out wording only in
+test). Each table is exported
 by a query (:data:`EXPORTS`) that adds the columns the cross-table rules need, and each suite derives the boolean
 columns it checks from them, so a broken row is named by its id:
 
@@ -10,7 +14,7 @@ columns it checks from them, so a broken row is named by its id:
 - categorical columns take only the generator's values, ids and names are unique, numbers lie in their ranges.
 
 :func:`register_suites` is idempotent; :func:`validate_world` registers and runs them all on ``world.sqlite``.
-Deliberately left out: the task files (the pipeline validates those with its own suites).
+Deliberately left out: the demonstrations (the pipeline's own suite checks those).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from pathlib import Path
 import pandas as pd
 
 from pipeline.core import validation as V
-from pipeline.envs.sql.world import (CATEGORIES, CHANNELS, CITIES, CITY_COUNTRY, COUNTRY_CITIES, DB_NAME, SEGMENTS,
-                                     STATUSES, connect_ro)
+from pipeline.envs.sql.tasks import FAMILY_NAMES
+from pipeline.envs.sql.world import (CATEGORIES, CHANNELS, CITIES, CITY_COUNTRY, COUNTRY_CITIES, DB_NAME,
+                                     HELDOUT_DIMENSIONS, SEGMENTS, SPLITS, STATUSES, TABLES, connect_ro)
 
 DATE = r"^202[2-4]-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$"
 SIGNUP_DATE = r"^202[1-4]-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$"
@@ -117,7 +122,7 @@ def order_lines_suite() -> list:
     ]
 
 
-SUITES = {  # table -> (suite name, id column, builder, derive)
+TABLE_SUITES = {  # table -> (suite name, id column, builder, derive)
     "customers": ("sql_customers", "customer_id", customers_suite, _derive_customers),
     "products": ("sql_products", "product_id", products_suite, None),
     "orders": ("sql_orders", "order_id", orders_suite, _derive_orders),
@@ -127,10 +132,11 @@ SUITES = {  # table -> (suite name, id column, builder, derive)
 
 def register_suites() -> list[str]:
     """Register every ``sql_`` suite the registry lacks (calling it again does nothing); their names."""
-    for name, id_column, build, derive in SUITES.values():
+    specs = [*TABLE_SUITES.values(), ("sql_tasks", "task_id", tasks_suite, _derive_tasks)]
+    for name, id_column, build, derive in specs:
         if name not in V.SUITES:
             V.register_suite(name, id_column=id_column, derive=derive)(build)
-    return [s[0] for s in SUITES.values()]
+    return [s[0] for s in specs]
 
 
 def table_records(world_dir: Path, table: str) -> list[dict]:
@@ -148,7 +154,86 @@ def validate_world(world_dir: Path) -> list[V.ValidationReport]:
     """One report per table of ``world_dir/world.sqlite``."""
     register_suites()
     reports = []
-    for table, (suite, *_rest) in SUITES.items():
+    for table, (suite, *_rest) in TABLE_SUITES.items():
         records = table_records(world_dir, table)
         reports.append(V.validate_records(records, suite, dataset=f"{Path(world_dir) / DB_NAME}:{table}"))
     return reports
+
+
+# ------------------------------------------------------------------------------------------------------- tasks
+def _derive_tasks(df: pd.DataFrame) -> dict[str, list]:
+    datas = V.column_values(df, "data")
+    min_calls = V.column_values(df, "min_calls")
+
+    def get(d, key):
+        return d.get(key) if isinstance(d, dict) else None
+
+    tables = [get(d, "tables") for d in datas]
+    return {
+        "sql_is_select": [isinstance(get(d, "sql"), str) and get(d, "sql").startswith("SELECT ") for d in datas],
+        "tables_known": [isinstance(t, list) and bool(t) and set(t) <= set(TABLES) for t in tables],
+        "min_calls_matches_plan": [isinstance(t, list) and m == len(t) + 2 for t, m in zip(tables, min_calls)],
+        "kind": [get(d, "kind") for d in datas],
+        "heldout_well_formed": [isinstance(get(d, "heldout"), dict) and bool(get(d, "heldout"))
+                                and set(get(d, "heldout")) <= set(HELDOUT_DIMENSIONS) for d in datas],
+    }
+
+
+def tasks_suite(split: str | None = None) -> list:
+    """Task records of the SQL analyst (data/tasks/{split}.jsonl); `split` pins the `split` column."""
+    import great_expectations.expectations as gxe
+
+    return [
+        *V.non_empty_table(gxe),
+        *V.text(gxe, "task_id", unique=True),
+        gxe.ExpectColumnValuesToMatchRegex(column="task_id", regex=r"^sql-(train|validation|test)-\d{6}$"),
+        *V.one_of(gxe, "split", [split] if split else SPLITS),
+        *V.one_of(gxe, "family", FAMILY_NAMES),
+        *V.one_of(gxe, "level", [1, 2, 3, 4], V.INT_TYPES),
+        *V.text(gxe, "question", max_len=300),
+        *V.text(gxe, "answer", max_len=200),
+        *V.number(gxe, "min_calls", 3, 5),
+        *V.present(gxe, "template_seen", V.BOOL_TYPES),
+        *V.all_true(gxe, "sql_is_select"),
+        *V.all_true(gxe, "tables_known"),
+        *V.all_true(gxe, "min_calls_matches_plan"),
+        gxe.ExpectColumnValuesToBeInSet(column="kind", value_set=["number", "names"]),
+        *V.all_true(gxe, "heldout_well_formed"),
+    ]
+
+
+def check_splits(splits: dict[str, list[dict]]) -> V.ValidationReport:
+    """Across splits: task ids unique; no held-out value of a validation or test task in an earlier split's tasks
+    (validation against train, test against train and validation); train and validation use seen wordings only."""
+    import great_expectations.expectations as gxe
+    from great_expectations.expectations.row_conditions import Column
+
+    rows, value_rows = [], []
+    values: dict[str, set[str]] = {s: set() for s in SPLITS}
+    for split, records in splits.items():
+        for i, r in enumerate(records):
+            rows.append((split, i, r.get("task_id"), r.get("template_seen")))
+            held = (r.get("data") or {}).get("heldout") if isinstance(r.get("data"), dict) else None
+            for dim, v in (held or {}).items():
+                values.setdefault(split, set()).add(f"{dim}:{v}")
+                value_rows.append((split, i, r.get("task_id"), f"{dim}:{v}"))
+    tasks = pd.DataFrame(rows, columns=[V.SPLIT, V.ROW, "task_id", "template_seen"], dtype=object)
+    index = [V.SPLIT, V.ROW, "task_id"]
+    results = V.run_expectations(tasks, [
+        gxe.ExpectColumnValuesToBeUnique(column="task_id"),
+        gxe.ExpectColumnValuesToBeInSet(column="template_seen", value_set=[True],
+                                        row_condition=Column(V.SPLIT) != "test"),
+    ], index, name="sql_splits")
+    frame = pd.DataFrame(value_rows, columns=[V.SPLIT, V.ROW, "task_id", "value"], dtype=object)
+    for split, earlier in (("validation", values["train"]), ("test", values["train"] | values["validation"])):
+        part = frame[frame[V.SPLIT] == split]
+        if len(part):
+            results += V.run_expectations(part, [gxe.ExpectColumnValuesToNotBeInSet(
+                column="value", value_set=sorted(earlier))], index, name=f"sql_heldout_{split}")
+    return V.ValidationReport("splits", "sql_splits", len(tasks), results)
+
+
+def validate_tasks(records: list[dict], dataset: str, split: str | None = None) -> V.ValidationReport:
+    """The ``sql_tasks`` report on task records (as read back from a file)."""
+    register_suites()
+    return V.validate_records(records, "sql_tasks", dataset=dataset, split=split)

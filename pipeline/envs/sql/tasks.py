@@ -127,7 +127,8 @@ FAMILIES: tuple[Family, ...] = (
                "How many '{status}' orders were made by customers from '{city}'?",
                "Customers in '{city}' placed orders; how many of those orders are in status '{status}'?")),
     Family("revenue_city_month", 3, ("orders", "customers"),
-           f"SELECT SUM(total) {J_CUST} WHERE c.city = '{{city}}' AND order_date LIKE '{{month}}%'", ("city", "month"), (
+           f"SELECT SUM(total) {J_CUST} WHERE c.city = '{{city}}' AND order_date LIKE '{{month}}%'",
+           ("city", "month"), (
                "What is the total value of orders placed by customers in '{city}' in '{month}'?",
                "Sum the order totals of customers from '{city}' for '{month}'.",
                "How much did customers in '{city}' order in '{month}', in total?",
@@ -161,7 +162,8 @@ FAMILIES: tuple[Family, ...] = (
                "Who are the top {k} customers in '{city}' ranked by {mw}?",
                "Rank the customers located in '{city}' by {mw} and give the first {k}."),
            kind="names",
-           check=f"SELECT c.name, {{m}} {J_CUST} WHERE c.city = '{{city}}' GROUP BY c.name ORDER BY 2 DESC LIMIT {{k1}}"),
+           check=f"SELECT c.name, {{m}} {J_CUST} WHERE c.city = '{{city}}' GROUP BY c.name "
+                 "ORDER BY 2 DESC LIMIT {k1}"),
     Family("top_products_month", 4, ("order_lines", "products", "orders"),
            f"SELECT p.name {J_PROD} JOIN orders USING (order_id) WHERE order_date LIKE '{{month}}%' GROUP BY p.name "
            "ORDER BY SUM(quantity * unit_price) DESC LIMIT {k}", ("month", "k"), (
@@ -197,7 +199,8 @@ def _draw(family: Family, values: dict[str, list[str]], rng: np.random.Generator
             month = heldout["month"] = pick(values["month"])
             last = calendar.monthrange(int(month[:4]), int(month[5:]))[1]
             first = int(rng.integers(1, last - 2))
-            slots["d1"], slots["d2"] = f"{month}-{first:02d}", f"{month}-{min(last, first + int(rng.integers(3, 15))):02d}"
+            end = min(last, first + int(rng.integers(3, 15)))
+            slots["d1"], slots["d2"] = f"{month}-{first:02d}", f"{month}-{end:02d}"
         elif s == "segment":
             slots[s] = pick(SEGMENTS)
         elif s == "status":

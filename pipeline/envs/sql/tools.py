@@ -80,7 +80,8 @@ def tool_specs() -> list[ToolSpec]:
                   "required": ["table"], "additionalProperties": False}),
         ToolSpec("query", "run one read-only SQL SELECT on the database and show the result rows",
                  {"type": "object",
-                  "properties": {"sql": {"type": "string", "minLength": 1, "maxLength": MAX_SQL_CHARS, "pattern": "\\S"}},
+                  "properties": {"sql": {"type": "string", "minLength": 1, "maxLength": MAX_SQL_CHARS,
+                                         "pattern": "\\S"}},
                   "required": ["sql"], "additionalProperties": False}),
         ANSWER_SPEC,
     ]
@@ -167,7 +168,8 @@ def precheck(sql: str) -> None:
 
 
 class Guard:
-    """The authorizer callback; remembers the first thing it denied, for the error message."""
+    """The authorizer callback; remembers the first thing it denied (SQLite stops at the first denial), for the error
+    message. A write to SQLite's own schema table is what DROP and CREATE first attempt, so it is named as such."""
 
     def __init__(self) -> None:
         self.denied: str | None = None
@@ -182,10 +184,13 @@ class Guard:
         if self.denied is None:
             if action == sqlite3.SQLITE_FUNCTION:
                 self.denied = f"function {str(arg2).lower()}() is not allowed"
+            elif arg1 in ("sqlite_master", "sqlite_temp_master") and action != sqlite3.SQLITE_READ:
+                self.denied = "changing the schema is not allowed (read-only SELECT queries only)"
             else:
                 what = _ACTION_NAMES.get(action, f"action {action}")
                 target = " ".join(str(a) for a in (arg1, dbname if action == sqlite3.SQLITE_READ else None) if a)
-                self.denied = f"{what}{' on ' + target if target else ''} is not allowed (read-only SELECT queries only)"
+                on = f" on {target}" if target else ""
+                self.denied = f"{what}{on} is not allowed (read-only SELECT queries only)"
         return sqlite3.SQLITE_DENY
 
 

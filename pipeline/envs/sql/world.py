@@ -29,7 +29,7 @@ import numpy as np
 
 SPLITS = ("train", "validation", "test")
 TABLES = ("customers", "products", "orders", "order_lines")
-DB_NAME, META_NAME = "world.sqlite", "world.json"
+DB_NAME, META_NAME, CORPUS_NAME = "world.sqlite", "world.json", "corpus.jsonl"
 FORMAT_VERSION = 1
 
 COUNTRY_CITIES = {
@@ -77,7 +77,8 @@ FIRST_NAMES = (
     "Dina", "Emil", "Freya", "Gustav", "Hanna", "Ivan", "Julia", "Karl", "Lena", "Marco", "Nora", "Oskar",
 )
 LAST_NAMES = (
-    "Berg", "Costa", "Dahl", "Eriksen", "Fischer", "Garcia", "Hansen", "Ivanov", "Jensen", "Kowalski", "Laine", "Moreau",
+    "Berg", "Costa", "Dahl", "Eriksen", "Fischer", "Garcia", "Hansen", "Ivanov", "Jensen", "Kowalski", "Laine",
+    "Moreau",
     "Nowak", "Olsen", "Perez", "Quist", "Rossi", "Silva", "Torres", "Urban", "Vogel", "Weber", "Young", "Zeller",
     "Aalto", "Bauer", "Conti", "Dubois", "Engel", "Ferrari", "Gomez", "Holm", "Jansen", "Keller", "Lund", "Martin",
     "Novak", "Ortiz", "Peeters", "Richter",
@@ -264,3 +265,18 @@ def read_schema(db_path: Path) -> dict[str, dict]:
         raise ValueError(f"{db_path}: not a valid SQL world database ({exc})") from None
     finally:
         conn.close()
+
+
+def describe_texts(schema: dict[str, dict]) -> dict[str, str]:
+    """What ``describe_table`` shows of each table: ``orders: order_id INTEGER, ... (6000 rows)``."""
+    return {t: f"{t}: {', '.join(f'{c} {ty}' for c, ty in schema[t]['columns'])} ({schema[t]['rows']} rows)"
+            for t in TABLES}
+
+
+def write_corpus(out_dir: Path, schema: dict[str, dict]) -> Path:
+    """``corpus.jsonl``: one document per table, its description (schema words for the tokenizer and pre-training;
+    no row values, so no held-out value enters training text through it)."""
+    path = out_dir / CORPUS_NAME
+    docs = [{"doc_id": f"table-{t}", "title": t, "text": text} for t, text in describe_texts(schema).items()]
+    path.write_text("".join(json.dumps(d, sort_keys=True) + "\n" for d in docs))
+    return path
