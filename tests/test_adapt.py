@@ -15,9 +15,9 @@ import torch
 
 from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
-from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime
+from pipeline.envs.runner import AgentEnv
+from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.tasks import Task
-from pipeline.envs.shop.world import load_world
 from pipeline.core.errors import AgentRLError
 from pipeline.adapt import adapters
 from pipeline.adapt import capability
@@ -40,7 +40,7 @@ def data_dir(tmp_path_factory) -> Path:
     from pipeline.build_env.main import build
 
     root = tmp_path_factory.mktemp("adapt")
-    cfg = BuildEnvConfig(n_products=40, n_suppliers=12, tasks_per_split={"train": 80, "validation": 16, "test": 8},
+    cfg = BuildEnvConfig(options={"n_products": 40, "n_suppliers": 12}, tasks_per_split={"train": 80, "validation": 16, "test": 8},
                          demos={"level_coverage": {1: 1.0, 2: 1.0, 3: 1.0, 4: 0.5}, "wrong_order_prob": 0.3,
                                 "redundant_call_prob": 0.3})
     build(cfg, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
@@ -48,8 +48,21 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(data_dir):
-    return train_tokenizer(corpus_texts(data_dir), TINY.vocab_size)
+def world(data_dir):
+    w = ShopWorld.load(data_dir / "env")
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def signatures(world) -> list[str]:
+    """The tool signatures the prompt lists, as the phases take them from the environment."""
+    return [s.signature() for s in world.tools()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(data_dir, signatures):
+    return train_tokenizer(corpus_texts(data_dir, signatures), TINY.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +113,10 @@ def tree_digest(path: Path) -> str:
 # ------------------------------------------------------------------------------------------------ data and masks
 
 
-def test_loss_mask_covers_exactly_the_action_tokens(tokenizer, demos, tasks):
+def test_loss_mask_covers_exactly_the_action_tokens(tokenizer, demos, tasks, signatures):
     questions = {t.task_id: t.question for t in tasks["train"]}
     for demo in demos[:40]:
-        (prompt, pairs), = demo_segments(questions[demo["task_id"]], demo["steps"], window=6)
+        (prompt, pairs), = demo_segments(questions[demo["task_id"]], demo["steps"], window=6, signatures=signatures)
         ex = encode_segment(tokenizer, prompt, pairs)
         ids, mask = np.array(ex.input_ids), np.array(ex.loss_mask)
         assert set(mask.tolist()) <= {0, 1} and len(ids) == len(mask)
@@ -115,14 +128,15 @@ def test_loss_mask_covers_exactly_the_action_tokens(tokenizer, demos, tasks):
         assert ex.input_ids[:first] == encode_context(tokenizer, prompt)
 
 
-def test_sft_text_replays_the_environment_contexts(data_dir, demos, tasks):
+def test_sft_text_replays_the_environment_contexts(data_dir, demos, tasks, signatures):
     """Replaying a demonstration's actions in the environment shows, before every step, exactly the SFT text so far."""
     by_id = {t.task_id: t for t in tasks["train"]}
-    runtime = WorldRuntime(load_world(data_dir / "env"))
+    runtime = ShopWorld.load(data_dir / "env")
     try:
-        env = ToolTasksEnv(world=runtime, tasks=tasks["train"], config=EnvConfig())
+        env = AgentEnv(world=runtime, tasks=tasks["train"], config=EnvConfig())
         for demo in [d for d in demos if d["n_calls"] >= 3][:10]:
-            (prompt, pairs), = demo_segments(by_id[demo["task_id"]].question, demo["steps"], window=6)
+            (prompt, pairs), = demo_segments(by_id[demo["task_id"]].question, demo["steps"], window=6,
+                                             signatures=signatures)
             obs, _ = env.reset(seed=0, options={"task": by_id[demo["task_id"]]})
             text = prompt
             for action, observation in pairs:
@@ -134,10 +148,11 @@ def test_sft_text_replays_the_environment_contexts(data_dir, demos, tasks):
         runtime.close()
 
 
-def test_folded_history_starts_a_new_segment_from_the_folded_context():
+def test_folded_history_starts_a_new_segment_from_the_folded_context(signatures):
     steps = [{"action": f'<call>lookup {{"name": "P{i}", "field": "price"}}</call>', "observation": f"<obs>{i}</obs>\n"}
              for i in range(5)]
-    segs = demo_segments("Q?", steps, window=2)
+    segs = demo_segments("Q?", steps, window=2, signatures=signatures)
+    assert all(" ".join(signatures) in p for p, _ in segs)  # every segment's prompt lists the environment's tools
     assert [len(p) for _, p in segs] == [3, 1, 1]  # folding starts once the history exceeds the window
     assert segs[1][0].count("State: earlier calls and results") == 1
     assert sum(len(p) for _, p in segs) == 5
@@ -229,14 +244,14 @@ def test_demo_file_that_breaks_the_schema_is_refused(tmp_path, demos):
 # ------------------------------------------------------------------------------------------------------- adapters
 
 
-def _batch(tokenizer, demos, tasks, n=8):
+def _batch(tokenizer, demos, tasks, signatures, n=8):
     questions = {t.task_id: t.question for t in tasks["train"]}
-    ex = demo_examples(tokenizer, demos[:n], questions, 6)
+    ex = demo_examples(tokenizer, demos[:n], questions, 6, signatures=signatures)
     return batching.collate(ex, tokenizer.pad_token_id)
 
 
-def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demos, tasks):
-    batch = _batch(tokenizer, demos, tasks)
+def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demos, tasks, signatures):
+    batch = _batch(tokenizer, demos, tasks, signatures)
     lengths = batch["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # chunks are trimmed to their own longest row
     grads, losses = [], []
@@ -251,10 +266,10 @@ def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demo
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-7, rtol=1e-4), n
 
 
-def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks):
+def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks, signatures):
     """torch.compile (adapt.sft.compile) trains the module itself and gives the same steps as eager PyTorch (fp32, up
     to the fused kernels' rounding), over batches of two different lengths (the second runs the dynamic graph)."""
-    batch = _batch(tokenizer, demos, tasks)
+    batch = _batch(tokenizer, demos, tasks, signatures)
     short = {k: v[:, :int(batch["attention_mask"].sum(1).min())] for k, v in batch.items()}
     runs = []
     for compile in (False, True):
@@ -271,7 +286,7 @@ def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks):
 
 
 def test_compiled_sft_runs_under_deterministic_algorithms_and_restores_the_setting(tokenizer, demos, tasks,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch, signatures):
     """Inductor's CPU kernels are not reproducible run to run by default (measured: two processes, the same weights
     and batches, different losses from the first steps; with deterministic algorithms, bit-identical), so the compiled
     loop runs under ``torch.use_deterministic_algorithms(True)`` and puts the previous setting back afterwards; the
@@ -285,7 +300,7 @@ def test_compiled_sft_runs_under_deterministic_algorithms_and_restores_the_setti
         return forward
 
     monkeypatch.setattr(sft.torch, "compile", fake_compile)
-    batch = _batch(tokenizer, demos, tasks)
+    batch = _batch(tokenizer, demos, tasks, signatures)
     assert not torch.are_deterministic_algorithms_enabled()
     sft.train_lm(build_policy(TINY, tokenizer), iter([batch, batch]), steps=2, lr=1e-3, compile=True)
     assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
@@ -297,7 +312,7 @@ def test_compiled_sft_runs_under_deterministic_algorithms_and_restores_the_setti
 
 
 @pytest.mark.parametrize("kind", ["lora", "bottleneck", "none"])
-def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_loss(kind, tokenizer, demos, tasks):
+def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_loss(kind, tokenizer, demos, tasks, signatures):
     model = build_policy(TINY, tokenizer)
     cfg = AdapterConfig(kind=kind, lora_r=4, lora_alpha=8, bottleneck_dim=8)
     wrapped = adapters.apply_adapter(model, cfg)
@@ -306,7 +321,7 @@ def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_l
     assert trainable
     if kind != "none":
         assert frozen and adapters.trainable_summary(wrapped)["trainable_fraction"] < 0.5
-    batch = _batch(tokenizer, demos, tasks)
+    batch = _batch(tokenizer, demos, tasks, signatures)
     before = sft.masked_lm_loss(wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                                 batch["labels"])[0].item()
     res = sft.train_lm(wrapped, iter([batch] * 12), steps=12, lr=1e-2)
@@ -320,10 +335,10 @@ def test_a_few_adaptation_steps_change_every_trainable_parameter_and_lower_the_l
     assert not moved, f"frozen parameters that changed: {moved}"
 
 
-def test_training_stops_when_the_stop_check_says_so(tokenizer, demos, tasks):
+def test_training_stops_when_the_stop_check_says_so(tokenizer, demos, tasks, signatures):
     """Pre-training ends at the first check that reaches `adapt.pretrain.copy_target` (the check sees the model)."""
     model = build_policy(TINY, tokenizer)
-    batch = _batch(tokenizer, demos, tasks, n=4)
+    batch = _batch(tokenizer, demos, tasks, signatures, n=4)
     checks = []
 
     def stop(step):
@@ -362,10 +377,10 @@ def test_copy_accuracy_counts_only_whole_copies(tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["lora", "bottleneck"])
-def test_adapted_model_saves_and_loads_with_load_policy_to_the_same_outputs(kind, tmp_path, tokenizer, demos, tasks):
+def test_adapted_model_saves_and_loads_with_load_policy_to_the_same_outputs(kind, tmp_path, tokenizer, demos, tasks, signatures):
     model = build_policy(TINY, tokenizer)
     wrapped = adapters.apply_adapter(model, AdapterConfig(kind=kind, lora_r=4, lora_alpha=8, bottleneck_dim=8))
-    batch = _batch(tokenizer, demos, tasks, n=4)
+    batch = _batch(tokenizer, demos, tasks, signatures, n=4)
     sft.train_lm(wrapped, iter([batch] * 3), steps=3, lr=1e-2)
     with torch.no_grad():
         want = wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -423,7 +438,7 @@ def test_lora_on_missing_modules_and_unknown_train_also_are_refused(tokenizer):
 
 def test_capability_gate_fails_with_a_report_on_a_bad_model(data_dir, tokenizer, tasks):
     model = build_policy(TINY, tokenizer)  # untrained: writes gibberish
-    runtime = WorldRuntime(load_world(data_dir / "env"))
+    runtime = ShopWorld.load(data_dir / "env")
     try:
         metrics, episodes = capability.evaluate_capabilities(
             model, tokenizer, runtime, tasks["validation"][:6], EnvConfig(), RolloutConfig(batch_size=8, max_new_tokens=16),
@@ -445,15 +460,17 @@ def test_episode_scores_follow_the_plan(data_dir, tasks):
     from pipeline.envs.shop.expert import ExpertPolicy
     from pipeline.policy.episodes import run_episode
 
-    runtime = WorldRuntime(load_world(data_dir / "env"))
+    runtime = ShopWorld.load(data_dir / "env")
     try:
-        env = ToolTasksEnv(world=runtime, tasks=tasks["validation"], config=EnvConfig())
+        env = AgentEnv(world=runtime, tasks=tasks["validation"], config=EnvConfig())
         for task in tasks["validation"][:8]:
             rec = run_episode(env, ExpertPolicy(), task, seed=0)
-            s = capability.episode_scores(rec, task, capability.plan_results(runtime, task))
+            reference = runtime.reference_calls(task)
+            assert [tool for tool, _ in reference] == [step["tool"] for step in task.plan]
+            s = capability.episode_scores(rec, reference, runtime.same_answer)
             assert s["tool_first"] and all(s["tool_steps"]) and all(s["params"]) and s["param_first"]
             bad = dict(rec, calls=[dict(rec["calls"][0], params={"name": "nothing", "field": "price"})] + rec["calls"][1:])
-            s2 = capability.episode_scores(bad, task, capability.plan_results(runtime, task))
+            s2 = capability.episode_scores(bad, reference, runtime.same_answer)
             assert s2["tool_first"] and not s2["param_first"]
         env.close()
     finally:
@@ -532,10 +549,10 @@ def test_a_model_path_that_does_not_exist_is_refused(data_dir, tmp_path, publish
     _untouched(tmp_path, published)
 
 
-def test_a_tokenizer_that_does_not_match_the_model_is_refused(data_dir, tmp_path, published, tokenizer):
+def test_a_tokenizer_that_does_not_match_the_model_is_refused(data_dir, tmp_path, published, tokenizer, signatures):
     base = tmp_path / "base"
     shutil.copytree(tmp_path / "models" / "adapted", base)
-    other = train_tokenizer(corpus_texts(data_dir), 330)  # a different vocabulary size
+    other = train_tokenizer(corpus_texts(data_dir, signatures), 330)  # a different vocabulary size
     assert len(other) != len(tokenizer)
     other.save_pretrained(base)
     with pytest.raises(AgentRLError, match="tokenizer has .* tokens but the model's embedding has"):
@@ -630,7 +647,7 @@ def test_checkpoint_selection_scores_reproduce_on_the_published_model(data_dir, 
     model, tok, _ = load_policy(tmp_path / "models" / "adapted")
     validation = [Task.from_dict(json.loads(l)) for l in
                   (data_dir / "tasks" / "validation.jsonl").read_text().splitlines()][:8]
-    runtime = WorldRuntime(load_world(data_dir / "env"))
+    runtime = ShopWorld.load(data_dir / "env")
     try:
         again = capability.checkpoint_figures(model, tok, runtime, validation, EnvConfig(),
                                               RolloutConfig(batch_size=8, max_new_tokens=24))

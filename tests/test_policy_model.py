@@ -9,12 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime, default_world
+from pipeline.envs.runner import AgentEnv
+from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.expert import ExpertPolicy
 from pipeline.envs.prompt import render_header
 from pipeline.envs.protocol import CALL_CLOSE, CALL_OPEN, OBS_CLOSE, OBS_OPEN, format_action
 from pipeline.envs.shop.tasks import generate_tasks
-from pipeline.envs.shop.tools import default_tools, signature
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import run_episode
 from pipeline.policy.config import ModelConfig
@@ -24,17 +24,20 @@ from pipeline.policy.tokenizer import (SPECIAL_TOKENS, corpus_texts, encode_cont
                                        marker_ids, train_tokenizer)
 
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512, seed=0)
-SIGS = [signature(t) for t in default_tools()]
 
 
-def training_texts(runtime: WorldRuntime, n_tasks: int = 60) -> list[str]:
+def training_texts(runtime: ShopWorld, n_tasks: int = 60) -> list[str]:
     tasks = generate_tasks(runtime.world, "train", n_tasks, {1: 1, 2: 1, 3: 1, 4: 1}, 0, runtime.solve)
     texts = [f"{d['title']}\n{d['text']}" for d in runtime.world.corpus]
-    texts += [render_header(t.question, SIGS) for t in tasks]
-    env = ToolTasksEnv(world=runtime, tasks=tasks)
+    texts += [render_header(t.question, signatures(runtime)) for t in tasks]
+    env = AgentEnv(world=runtime, tasks=tasks)
     for i, t in enumerate(tasks):
         texts += [s["action"] + s["observation"] for s in run_episode(env, ExpertPolicy(), t, i)["steps"]]
     return texts
+
+
+def signatures(world) -> list[str]:
+    return [s.signature() for s in world.tools()]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -42,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = WorldRuntime(default_world())
+    rt = ShopWorld.default()
     yield rt
     rt.close()
 
@@ -100,10 +103,10 @@ def test_a_word_has_the_same_ids_after_a_space_and_after_a_quote(runtime, tokeni
 def test_context_encodes_as_the_concatenation_of_its_turns(runtime, tokenizer):
     """What keeps the KV cache valid across turns: encode(before + action + obs) == encode(before) + ... ."""
     tasks = generate_tasks(runtime.world, "validation", 12, {1: 1, 2: 1, 3: 1, 4: 1}, 0, runtime.solve)
-    env = ToolTasksEnv(world=runtime, tasks=tasks)
+    env = AgentEnv(world=runtime, tasks=tasks)
     for i, t in enumerate(tasks):
         rec = run_episode(env, ExpertPolicy(), t, i)
-        prompt = render_header(t.question, SIGS)
+        prompt = render_header(t.question, signatures(runtime))
         pairs = [(s["action"], s["observation"]) for s in rec["steps"]]
         ids, mask = encode_turns(tokenizer, prompt, pairs)
         assert ids == encode_context(tokenizer, prompt + "".join(a + o for a, o in pairs))
@@ -138,12 +141,13 @@ def test_corpus_texts_reads_only_training_data(tmp_path):
                             {"steps": [{"action": "<call>x</call>", "observation": "<obs>1</obs>\n"}]})):
         (tmp_path / sub).mkdir(exist_ok=True)
         (tmp_path / sub / name).write_text(json.dumps(rec) + "\n")
-    text = "\n".join(corpus_texts(tmp_path))
+    text = "\n".join(corpus_texts(tmp_path, ["lookup(name, field)", "answer(value)"]))
     assert "TRAINQ" in text and "Alpha doc" in text and "<call>x</call><obs>1</obs>" in text
     assert "VALQ" not in text and "TESTQ" not in text
+    assert "lookup(name, field)" in text  # each training question's header lists the tools
     (tmp_path / "demos" / "train.jsonl").unlink()
     with pytest.raises(AgentRLError, match="demos/train.jsonl"):
-        list(corpus_texts(tmp_path))
+        list(corpus_texts(tmp_path, ["answer(value)"]))
 
 
 def test_too_small_vocabulary_is_refused():

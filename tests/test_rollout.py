@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pipeline.envs.config import EnvConfig
-from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime, default_world
+from pipeline.envs.runner import AgentEnv
+from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.expert import ExpertPolicy
 from pipeline.envs.prompt import render_header
 from pipeline.envs.protocol import sanitize
 from pipeline.envs.shop.tasks import generate_tasks
-from pipeline.envs.shop.tools import default_tools, signature
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.episodes import run_episode, summarize
 from pipeline.policy.config import ModelConfig, RolloutConfig
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = WorldRuntime(default_world())
+    rt = ShopWorld.default()
     yield rt
     rt.close()
 
@@ -46,10 +46,10 @@ def tasks(runtime):
 
 @pytest.fixture(scope="module")
 def tokenizer(runtime, tasks):
-    sigs = [signature(t) for t in default_tools()]
+    sigs = [s.signature() for s in runtime.tools()]
     texts = [f"{d['title']}\n{d['text']}" for d in runtime.world.corpus]
     texts += [render_header(t.question, sigs) for t in tasks]
-    env = ToolTasksEnv(world=runtime, tasks=tasks)
+    env = AgentEnv(world=runtime, tasks=tasks)
     for i, t in enumerate(tasks):
         texts += [s["action"] + s["observation"] for s in run_episode(env, ExpertPolicy(), t, i)["steps"]]
     return train_tokenizer(texts, vocab_size=600)
@@ -80,7 +80,7 @@ def action_runs(rec: dict) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------------------------------------ records
 def test_records_feed_summarize_and_carry_the_run_episode_fields(sampled, runtime, tasks):
-    env = ToolTasksEnv(world=runtime, tasks=tasks, config=ENV)
+    env = AgentEnv(world=runtime, tasks=tasks, config=ENV)
     reference = run_episode(env, ExpertPolicy(), tasks[0], 0)
     for rec in sampled:
         assert set(reference) <= set(rec)
@@ -227,7 +227,7 @@ def test_inverse_cdf_sampling_follows_the_distribution():
 
 # ------------------------------------------------------------------------------------------------ single episode / misc
 def test_model_policy_plays_run_episode_and_matches_the_engine_greedily(model, tokenizer, runtime, tasks):
-    env = ToolTasksEnv(world=runtime, tasks=tasks, config=ENV)
+    env = AgentEnv(world=runtime, tasks=tasks, config=ENV)
     policy = ModelPolicy(model, tokenizer, ROLL, greedy=True)
     rec = run_episode(env, policy, tasks[5], 5)
     engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run([tasks[5]], [5], greedy=True)[0]
@@ -249,7 +249,7 @@ def test_bad_calls_are_clear_errors(model, tokenizer, runtime, tasks):
         RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run(tasks[:2], [0])
     with pytest.raises(AgentRLError, match="2 tasks but 1 options"):
         RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run(tasks[:2], [0, 1], options=[None])
-    with pytest.raises(AgentRLError, match="needs a WorldRuntime"):
+    with pytest.raises(AgentRLError, match="needs an environment"):
         RolloutEngine(model, tokenizer, cfg=ROLL).run(tasks[:1], [0])
     assert RolloutEngine(model, tokenizer, runtime, ENV, ROLL).run([], []) == []
 
@@ -364,7 +364,7 @@ def test_prefix_cache_with_one_episode_or_nothing_shared(model, tokenizer, runti
 def test_prefix_is_compared_as_token_ids_and_covers_what_each_prompt_shares(model, tokenizer, runtime, tasks):
     """Prompts whose common text ends inside a word that BPE merges differently ("sear" / "search"), a prompt that is
     the whole shared prefix, and prompts (started later in freed slots) that share only part of it."""
-    head = ToolTasksEnv(world=runtime, tasks=tasks, config=ENV).reset(seed=0, options={"task": tasks[0]})[0]["context"]
+    head = AgentEnv(world=runtime, tasks=tasks, config=ENV).reset(seed=0, options={"task": tasks[0]})[0]["context"]
     short, long_ = encode_context(tokenizer, head + "sear"), encode_context(tokenizer, head + "search")
     assert long_[: len(short)] != short  # the text "...sear" is shared, its last tokens are not
     contexts = [head + "sear", head + "search", head, head, head[:40] + "elsewhere", head[:-10]]

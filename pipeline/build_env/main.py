@@ -14,6 +14,7 @@ validation stops the phase with the failing expectations and rows, and the previ
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import shutil
@@ -97,11 +98,18 @@ def validate_outputs(stage: Path, world: Environment) -> list:
     return world.validate(stage / "env", records, read(demos_path) if world.expert() is not None else None)
 
 
-def _first_error(exc: Exception) -> str:
+def _first_error(exc: Exception, model) -> str:
+    """The first problem of an options model's validation error; an unknown key gets a 'did you mean' hint."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
         e = errors()[0]
-        return f"{'.'.join(str(p) for p in e['loc']) or 'options'}: {e['msg']}"
+        where = '.'.join(str(p) for p in e['loc']) or 'options'
+        if e["type"] == "extra_forbidden" and len(e["loc"]) == 1:
+            valid = list(model.model_fields)
+            close = difflib.get_close_matches(str(e["loc"][0]), valid, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            return f"{where}: unknown key{hint}; valid keys: {', '.join(valid)}"
+        return f"{where}: {e['msg']}"
     return str(exc)
 
 
@@ -131,7 +139,7 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
     try:
         options = cls.Options.model_validate(cfg.options)
     except ValueError as exc:
-        raise AgentRLError(f"build_env.options for environment {cls.name!r}: {_first_error(exc)}") from None
+        raise AgentRLError(f"build_env.options for environment {cls.name!r}: {_first_error(exc, cls.Options)}") from None
     bad = sorted(set(cfg.level_mix) - set(cls.levels))
     if bad:
         raise AgentRLError(f"build_env.level_mix names levels {bad} that environment {cls.name!r} does not have "

@@ -9,7 +9,7 @@
 - :mod:`pipeline.check_drift.config`: :class:`DriftConfig`, the `check_drift` section of params.yaml.
 
 The phase entry point is :func:`pipeline.check_drift.main.main` (``agentrl check-drift``). The Great Expectations
-suites of episode data it applies ("trajectories") live with the environment, in :mod:`pipeline.envs.shop.episode_suites`.
+suites of episode data it applies ("trajectories") live with the environment (:meth:`Environment.check_episodes`).
 """
 
 from pipeline.check_drift.checks import (DRIFT_KINDS, DriftReport, FeatureTest, MMDResult, Sample, compare_features,

@@ -36,9 +36,10 @@ kernel matrix, so 500 permutations of 200 + 200 observations take tens of millis
 ``max_hidden_samples`` before embedding, because the forward passes are the expensive part.
 
 Samples (:func:`make_reference_sample`, :func:`make_drifted_tasks`): fresh samples of the reference distribution come
-from the environment's own generator (:func:`pipeline.envs.shop.tasks.generate_tasks`) with a new seed; the documented
-drifted datasets are a shifted level mix (``level_shift``) and shifted entity values (``value_shift``: every product's
-price redrawn from the upper half of its allowed range in a copy of the world, answers recomputed on that copy).
+from the environment's own generator (:meth:`Environment.sample_tasks`) with a new seed; the documented drifted
+datasets are a shifted level mix (``level_shift``) and shifted values (``value_shift``: the environment's
+:meth:`Environment.value_shifted` copy of the world; the shop redraws every product's price from the upper half of its
+allowed range; answers recomputed on that copy).
 :func:`false_alarm_rate` runs a check on repeated drift-free pairs.
 
 Deliberately left out: sequential monitoring (each run is one batch comparison) and per-level conditional tests.
@@ -56,6 +57,7 @@ import pandas as pd
 from scipy import stats
 
 from pipeline.check_drift.config import DriftConfig
+from pipeline.core.errors import AgentRLError
 from pipeline.check_drift.features import (OUTCOME_FEATURES, TASK_FEATURES, TRAJECTORY_FEATURES, Feature, task_features,
                                      trajectory_features)
 
@@ -408,75 +410,64 @@ class Sample:
 SHIFTED_LEVEL_MIX = {1: 0.1, 2: 0.1, 3: 0.4, 4: 0.4}
 """`level_shift`: most tasks from the two hard levels (the build's default mix is uniform over the four levels)."""
 
-SHIFTED_PRICE_RANGE = (500, 999)
-"""`value_shift`: every product's price redrawn uniformly from these integers (the upper half of the 1..999 the
-world's schema allows), in a copy of the world."""
-
-
 def _build_default(key: str):
-    """build_env's default value of `key` (``level_mix``, ``train_wordings``): what a sample is drawn with when the
-    caller does not say, so a fresh sample is generated as the default build generates its tasks."""
+    """build_env's default value of `key` (``level_mix``): what a sample is drawn with when the caller does not say,
+    so a fresh sample is generated as the default build generates its tasks."""
     from pipeline.build_env.config import BuildEnvConfig
 
     value = getattr(BuildEnvConfig(), key)
     return dict(value) if isinstance(value, Mapping) else value
 
 
-def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
-              train_wordings: int | None = None) -> list[dict]:
-    from pipeline.envs.shop.core import WorldRuntime
-    from pipeline.envs.shop.tasks import generate_tasks
-
-    runtime = WorldRuntime(world)
-    try:
-        tasks = generate_tasks(world, split, n, dict(level_mix), seed,
-                               solver=lambda plan, allowed: runtime.solve(plan, allowed),
-                               train_wordings=train_wordings or _build_default("train_wordings"))
-    finally:
-        runtime.close()
+def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: str, options=None) -> list[dict]:
+    """`n` fresh task records from the environment `world` (:meth:`Environment.sample_tasks`); `options`: its build
+    options (None: its defaults)."""
+    options = options if options is not None else type(world).Options()
+    tasks = world.sample_tasks(split, n, dict(level_mix), seed, options)
+    if tasks is None:
+        raise AgentRLError(f"environment {world.name!r} cannot draw fresh tasks (Environment.sample_tasks), which "
+                           f"this drift check needs; set check_drift.false_alarm_repeats: 0 to skip calibration")
     return [t.to_dict() for t in tasks]
 
 
 def make_reference_sample(world, n: int, seed: int, level_mix: Mapping[int, float] | None = None,
-                          split: str = "train", train_wordings: int | None = None) -> Sample:
+                          split: str = "train", options=None) -> Sample:
     """A fresh sample of `n` tasks from the reference generator: `split`'s entities, the build's level mix
-    (`level_mix`, default build_env's default) and wordings (`train_wordings`, default build_env's default), a new
+    (`level_mix`, default build_env's default) and options (`options`, default the environment's defaults), a new
     `seed` (use one the build did not: the build uses ``build_env.seed``)."""
     mix = dict(level_mix or _build_default("level_mix"))
-    return Sample(_generate(world, n, seed, mix, split, train_wordings), world, "reference",
+    return Sample(_generate(world, n, seed, mix, split, options), world, "reference",
                   f"{n} {split} tasks, level mix {mix}, seed {seed}")
 
 
-def _level_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
-                 train_wordings: int | None = None) -> Sample:
-    return Sample(_generate(world, n, seed, SHIFTED_LEVEL_MIX, split, train_wordings), world, "level_shift",
+def _level_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str, options=None) -> Sample:
+    return Sample(_generate(world, n, seed, SHIFTED_LEVEL_MIX, split, options), world, "level_shift",
                   f"{n} {split} tasks with level mix {SHIFTED_LEVEL_MIX} instead of {dict(level_mix)}")
 
 
-def _value_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str,
-                 train_wordings: int | None = None) -> Sample:
-    rng = np.random.default_rng([seed, 7])
-    lo, hi = SHIFTED_PRICE_RANGE
-    prices = rng.integers(lo, hi + 1, size=len(world.products))
-    shifted = dataclasses.replace(world, products=[{**p, "price": int(v)} for p, v in zip(world.products, prices)])
-    return Sample(_generate(shifted, n, seed, level_mix, split, train_wordings), shifted, "value_shift",
-                  f"{n} {split} tasks on a copy of the world with every price redrawn from {lo}..{hi}")
+def _value_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str, options=None) -> Sample:
+    shifted = world.value_shifted(seed)
+    if shifted is None:
+        raise ValueError(f"environment {world.name!r} has no value shift (Environment.value_shifted)")
+    return Sample(_generate(shifted, n, seed, level_mix, split, options), shifted, "value_shift",
+                  f"{n} {split} tasks on a copy of the world whose values shifted (Environment.value_shifted)")
 
 
 DRIFT_KINDS: dict[str, Callable[..., Sample]] = {"level_shift": _level_shift, "value_shift": _value_shift}
 
 
 def make_drifted_tasks(world, n: int, kind: str, seed: int, level_mix: Mapping[int, float] | None = None,
-                       split: str = "train", train_wordings: int | None = None) -> Sample:
-    """A documented drifted current dataset from the environment generator (see :data:`DRIFT_KINDS`):
+                       split: str = "train", options=None) -> Sample:
+    """A documented drifted current dataset from the environment's generator (see :data:`DRIFT_KINDS`):
 
     - ``level_shift``: the level mix :data:`SHIFTED_LEVEL_MIX`, everything else as the reference;
-    - ``value_shift``: the reference level mix on a copy of `world` whose prices are redrawn from
-      :data:`SHIFTED_PRICE_RANGE`; the answers are computed on that copy, and the returned sample carries it (its
-      entity features must be read from it, as a production check would read the production database).
+    - ``value_shift``: the reference level mix on the environment's :meth:`value_shifted` copy of the world (the shop:
+      every price redrawn from the upper half of its range); the answers are computed on that copy, and the returned
+      sample carries it (its entity features must be read from it, as a production check would read the production
+      database).
     """
     try:
         make = DRIFT_KINDS[kind]
     except KeyError:
         raise ValueError(f"unknown drift kind {kind!r}; kinds are {sorted(DRIFT_KINDS)}") from None
-    return make(world, n, seed, dict(level_mix or _build_default("level_mix")), split, train_wordings)
+    return make(world, n, seed, dict(level_mix or _build_default("level_mix")), split, options)

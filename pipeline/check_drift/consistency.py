@@ -129,13 +129,14 @@ def _ids_around(ids: Sequence[int], pos: int, tokenizer=None, width: int = TOKEN
     return text
 
 
-def as_probe(obs: Probe | Mapping) -> Probe:
-    """A :class:`Probe` from itself or a mapping with question, history, window and (optionally) tool_signatures."""
+def as_probe(obs: Probe | Mapping, signatures: Sequence[str] = ()) -> Probe:
+    """A :class:`Probe` from itself or a mapping with question, history, window and tool_signatures (default
+    `signatures`)."""
     if isinstance(obs, Probe):
         return obs
-    from pipeline.check_drift.features import tool_signatures
-
-    sigs = obs.get("tool_signatures") or tool_signatures()
+    sigs = obs.get("tool_signatures") or signatures
+    if not sigs:
+        raise AgentRLError("a probe needs tool_signatures (the environment's tool list)")
     return Probe(obs["question"], tuple(tuple(p) for p in obs.get("history", ())), int(obs["window"]), tuple(sigs))
 
 
@@ -152,13 +153,11 @@ def resolve_callable(spec: str) -> Callable:
 
 
 def probes_from_episodes(tasks: Sequence[dict], episodes: Sequence[dict], window: int, n: int, seed: int = 0,
-                         folded: int = 4) -> list[Probe]:
+                         folded: int = 4, signatures: Sequence[str] = ()) -> list[Probe]:
     """Probe observations from episode records: the context before every step of every episode whose task is
     known, a fixed-seed sample of `n` of them; plus `folded` synthetic probes whose history (an episode's steps
     repeated) is longer than `window`, so the folded-summary branch of the prompt is always exercised."""
-    from pipeline.check_drift.features import tool_signatures
-
-    sigs = tuple(tool_signatures())
+    sigs = tuple(signatures)
     questions = {t["task_id"]: t["question"] for t in tasks}
     pool: list[Probe] = []
     long: list[Probe] = []

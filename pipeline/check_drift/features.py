@@ -7,7 +7,8 @@ have no reward components, expert episodes no token ids) is an all-missing serie
 Units matter for the tests' validity (a two-sample test assumes independent draws):
 
 - ``task``: one value per task record;
-- ``entity``: one value per *distinct* product the sample names, read from the world's database. Tasks naming the same
+- ``entity``: one value per *distinct* entity the sample names, read from the environment's entity table
+  (:meth:`Environment.entity_table`; the shop: its products; an environment without one skips these features). Tasks naming the same
   product are not independent draws of its price, so per-task entity values would make a small pool of products look
   like a large sample (held-out splits name ~60 products across 400 tasks) and the KS test fire on nothing;
 - ``episode``: one value per episode record.
@@ -34,8 +35,6 @@ from typing import Literal
 
 import numpy as np
 import pandas as pd
-
-from pipeline.envs.shop.tools import TOOL_NAMES
 
 Kind = Literal["categorical", "continuous"]
 Unit = Literal["task", "entity", "episode"]
@@ -91,16 +90,16 @@ assert len(ALL_FEATURES) == len(TASK_FEATURES) + len(TRAJECTORY_FEATURES), "feat
 
 ENTITY_FIELDS = ("price", "stock", "weight_kg")
 _CALL_HEAD = re.compile(r"\s*<call>\s*([A-Za-z_]\w*)")
-_TOOLS = frozenset(TOOL_NAMES)
 NAN = math.nan
 
 
 # ------------------------------------------------------------------------------------------------------------ tasks
 def task_features(records: Sequence[dict], world=None) -> dict[str, pd.Series]:
-    """One series per :data:`TASK_FEATURES` entry; the entity features need `world` (a :class:`World`) and are
-    all-missing without it. Products a task names that the world lacks are left out (see :func:`unknown_entities`)."""
-    df = pd.DataFrame.from_records(list(records), columns=["family", "level", "template_id", "question", "answer",
-                                                           "entities"])
+    """One series per :data:`TASK_FEATURES` entry; the entity features need `world` (an environment with an entity
+    table) and are all-missing without it. Entities a task names that the world lacks are left out (see
+    :func:`unknown_entities`)."""
+    df = pd.DataFrame.from_records([{"entities": [], "template_id": "", **r} for r in records],
+                                   columns=["family", "level", "template_id", "question", "answer", "entities"])
     out = {
         "family": df["family"].astype(str),
         "level": df["level"].astype(str),
@@ -114,29 +113,29 @@ def task_features(records: Sequence[dict], world=None) -> dict[str, pd.Series]:
     return out
 
 
-def _products(world) -> pd.DataFrame:
-    return pd.DataFrame.from_records(world.products, columns=["name", *ENTITY_FIELDS]).set_index("name")
-
-
 def entity_values(entities: pd.Series, world) -> pd.DataFrame | None:
-    """Numeric attributes of each distinct product named in `entities` (a series of name lists), from `world`."""
-    if world is None:
+    """Numeric attributes of each distinct entity named in `entities` (a series of name lists), from `world`'s
+    entity table (columns it lacks are all-missing)."""
+    table = world.entity_table() if world is not None else None
+    if table is None:
         return None
     names = pd.Index(entities.explode().dropna().astype(str).unique())
-    products = _products(world)
-    return products.loc[names.intersection(products.index, sort=False), list(ENTITY_FIELDS)].astype(float)
+    table = table.reindex(columns=list(ENTITY_FIELDS))
+    return table.loc[names.intersection(table.index, sort=False)].astype(float)
 
 
 def unknown_entities(records: Sequence[dict], world) -> list[str]:
-    """Entity names of `records` that are neither a product nor a supplier of `world` (sorted)."""
-    known = {p["name"] for p in world.products} | {s["name"] for s in world.suppliers}
+    """Entity names of `records` that `world` does not know (sorted); [] when it lists no entity names."""
+    known = world.entity_names() if world is not None else None
+    if known is None:
+        return []
     return sorted({e for r in records for e in (r.get("entities") or []) if isinstance(e, str) and e not in known})
 
 
 # ----------------------------------------------------------------------------------------------------- trajectories
 def _tool_of(action: object) -> str:
     m = _CALL_HEAD.match(action) if isinstance(action, str) else None
-    return m.group(1) if m and m.group(1) in _TOOLS else "?"
+    return m.group(1) if m else "?"
 
 
 def trajectory_features(records: Sequence[dict]) -> dict[str, pd.Series]:
@@ -189,21 +188,19 @@ def trajectory_features(records: Sequence[dict]) -> dict[str, pd.Series]:
 
 
 # ------------------------------------------------------------------------------------------------- observations
-def tool_signatures() -> list[str]:
-    """The tool list of the prompt, as the environment renders it."""
-    from pipeline.envs.shop.tools import default_tools, signature
-
-    return [signature(t) for t in default_tools()]
+def tool_signatures(world) -> list[str]:
+    """The tool list of the prompt, as the runner renders it for `world`'s tools."""
+    return [s.signature() for s in world.tools()]
 
 
-def episode_contexts(question: str, steps: Sequence[dict], window: int,
-                     signatures: Sequence[str] | None = None, render: Callable | None = None) -> list[str]:
+def episode_contexts(question: str, steps: Sequence[dict], window: int, signatures: Sequence[str],
+                     render: Callable | None = None) -> list[str]:
     """The context the policy saw before each step of an episode (the environment's `context` observation),
     replayed with the one prompt function (or `render`, same signature as render_context)."""
     from pipeline.envs.prompt import render_context
 
     render = render or render_context
-    sigs = list(signatures) if signatures is not None else tool_signatures()
+    sigs = list(signatures)
     history: list[tuple[str, str]] = []
     out = []
     for s in steps:
@@ -212,13 +209,14 @@ def episode_contexts(question: str, steps: Sequence[dict], window: int,
     return out
 
 
-def observation_contexts(tasks: Sequence[dict], trajectories: Sequence[dict] | None, window: int) -> list[str]:
+def observation_contexts(tasks: Sequence[dict], trajectories: Sequence[dict] | None, window: int,
+                         signatures: Sequence[str]) -> list[str]:
     """Observations for the hidden-state test: every step's context of `trajectories` (questions looked up by
     task_id in `tasks`; episodes of unknown tasks are left out), or, without trajectories, each task's first
     observation (the reset context)."""
     from pipeline.envs.prompt import render_context
 
-    sigs = tool_signatures()
+    sigs = list(signatures)
     if not trajectories:
         return [render_context(t["question"], sigs, [], window) for t in tasks]
     questions = {t["task_id"]: t["question"] for t in tasks}

@@ -53,9 +53,10 @@ DEMOS = Path("data/demos/train.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------------------- inputs
-def load_tasks(path: str | Path) -> tuple[list[dict], list[str]]:
-    """Task records from a JSONL file or from every *.jsonl in a folder, each file checked with the "tasks" suite;
-    returns (records, files read). Missing, empty or schema-breaking files raise AgentRLError naming the file."""
+def load_tasks(path: str | Path, world) -> tuple[list[dict], list[str]]:
+    """Task records from a JSONL file or from every *.jsonl in a folder, each file checked as every task file is
+    (:func:`pipeline.envs.taskfile.load_task_file`); returns (records, files read). Missing, empty or schema-breaking
+    files raise AgentRLError naming the file."""
     from pipeline.envs.taskfile import load_task_file
 
     path = Path(path)
@@ -69,7 +70,7 @@ def load_tasks(path: str | Path) -> tuple[list[dict], list[str]]:
         raise AgentRLError(f"{path}: task data not found")
     records = []
     for f in files:
-        records += [t.to_dict() for t in load_task_file(f)]  # AgentRLError on an empty or schema-breaking file
+        records += [t.to_dict() for t in load_task_file(f, world)]  # AgentRLError on an empty or bad file
     return records, [str(f) for f in files]
 
 
@@ -82,29 +83,27 @@ def current_source(cfg: DriftConfig) -> Path:
     return VALIDATION_TASKS
 
 
-def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, suite: str | None = "trajectories") -> list[dict]:
-    """Episode records from a JSONL file, checked with `suite` (None: not checked, e.g. demonstrations)."""
+def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, world, suite: str | None = "trajectories") -> list[dict]:
+    """Episode records from a JSONL file, checked with the environment's `suite` check (None: not checked, e.g.
+    demonstrations)."""
     from pipeline.core.jsonl import read_jsonl
-    from pipeline.core.validation import DataValidationError, validate_records
-    from pipeline.envs.shop.suites import register_suites
+    from pipeline.core.validation import DataValidationError
 
     records = read_jsonl(path, what)  # AgentRLError naming the file (and the line) when missing, empty or not JSON
     if suite is not None:
-        register_suites()
+        report = world.check_episodes(records, suite, str(path), env_cfg)
         try:
-            validate_records(records, suite, dataset=str(path), env_cfg=env_cfg).raise_if_failed()
+            if report is not None:
+                report.raise_if_failed()
         except DataValidationError as exc:
             raise AgentRLError(str(exc)) from None
     return records
 
 
-def _world(path: str | Path):
-    from pipeline.envs.shop.world import load_world
+def _world(env_cfg: EnvConfig, path: str | Path):
+    from pipeline.envs.registry import open_environment
 
-    try:
-        return load_world(Path(path))
-    except (FileNotFoundError, ValueError) as exc:
-        raise AgentRLError(str(exc)) from None
+    return open_environment(env_cfg.name, path)
 
 
 @dataclass
@@ -136,19 +135,13 @@ def _sample(records: list, k: int, rng: np.random.Generator) -> list:
 
 def rollouts(policy: Policy, tasks: list[dict], world, env_cfg: EnvConfig, rollout_cfg, seed: int) -> list[dict]:
     """Greedy episodes of the policy on `tasks` in `world`, with token ids, log-probabilities and masks."""
-    from pipeline.envs.shop.core import WorldRuntime
-    from pipeline.envs.shop.tasks import Task
     from pipeline.policy.rollout import RolloutEngine
 
-    runtime = WorldRuntime(world)
-    try:
-        engine = RolloutEngine(policy.model, policy.tokenizer, runtime, env_cfg, rollout_cfg)
-        return engine.run([Task.from_dict(t) for t in tasks], [seed + i for i in range(len(tasks))], greedy=True)
-    finally:
-        runtime.close()
+    engine = RolloutEngine(policy.model, policy.tokenizer, world, env_cfg, rollout_cfg)
+    return engine.run([world.task_from_dict(t) for t in tasks], [seed + i for i in range(len(tasks))], greedy=True)
 
 
-def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_wordings: int, ref_tasks: list[dict],
+def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, options, ref_tasks: list[dict],
                cur_tasks: list[dict],
                ref_world, cur_world, policy: Policy | None = None, rollout_cfg=None,
                ref_episodes: list[dict] | None = None, ref_episodes_source: str = "none",
@@ -158,10 +151,9 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
     from pipeline.check_drift.checks import false_alarm_rate, make_reference_sample, state_drift, task_drift, trajectory_drift
     from pipeline.check_drift.consistency import check_consistency, probes_from_episodes, resolve_callable
     from pipeline.check_drift.features import observation_contexts, unknown_entities
-    from pipeline.core.validation import validate_records
-    from pipeline.envs.shop.suites import register_suites
+    from pipeline.check_drift.features import tool_signatures
 
-    register_suites()
+    sigs = tool_signatures(ref_world)
     seconds: dict[str, float] = {}
     checks: dict[str, dict] = {}
     rng = np.random.default_rng([cfg.seed, 10])
@@ -183,7 +175,7 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
     # train/serve consistency
     t = time.perf_counter()
     probes = probes_from_episodes(ref_tasks, ref_episodes or [], env_cfg.history_window, cfg.consistency_probes,
-                                  cfg.seed)
+                                  cfg.seed, signatures=sigs)
     serve = resolve_callable(cfg.serving_preprocess)
     report = check_consistency(probes, None, serve, policy.model if policy else None,
                                policy.tokenizer if policy else None, cfg.consistency_mse_threshold,
@@ -202,8 +194,7 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
     if cfg.false_alarm_repeats:
         n = min(cfg.false_alarm_sample_size, len(cur_tasks))
         base = 1_000_000 + 1000 * cfg.seed
-        pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix,
-                                                   train_wordings=train_wordings).tasks)
+        pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix, options=options).tasks)
                  for k in range(cfg.false_alarm_repeats))
         fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg))
         checks["calibration"] = {
@@ -232,8 +223,8 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
         checks["state_drift"] = _skipped(f"no policy at {cfg.policy}")
     else:
         both = bool(ref_episodes and cur_episodes)
-        ref_ctx = observation_contexts(ref_tasks, ref_episodes if both else None, env_cfg.history_window)
-        cur_ctx = observation_contexts(cur_tasks, cur_episodes if both else None, env_cfg.history_window)
+        ref_ctx = observation_contexts(ref_tasks, ref_episodes if both else None, env_cfg.history_window, sigs)
+        cur_ctx = observation_contexts(cur_tasks, cur_episodes if both else None, env_cfg.history_window, sigs)
         result = state_drift(policy.model, policy.tokenizer, ref_ctx, cur_ctx, cfg)
         observed = "every step of the episodes" if both else "reset contexts of the tasks"
         checks["state_drift"] = {**result.to_dict(), "observations": observed}
@@ -241,10 +232,11 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, train_word
 
     # the rollouts this phase made must satisfy the trajectories suite
     if made:
-        reports = [validate_records(v, "trajectories", dataset=f"{k} rollouts", env_cfg=env_cfg, require_tokens=True)
-                   for k, v in made.items()]
-        checks["trajectory_suite"] = {"status": "pass" if all(r.success for r in reports) else "fail",
-                                      "message": "\n".join(r.describe() for r in reports)}
+        reports = [r for r in (ref_world.check_episodes(v, "trajectories", f"{k} rollouts", env_cfg, require_tokens=True)
+                               for k, v in made.items()) if r is not None]
+        checks["trajectory_suite"] = ({"status": "pass" if all(r.success for r in reports) else "fail",
+                                       "message": "\n".join(r.describe() for r in reports)} if reports else
+                                      _skipped(f"environment {ref_world.name!r} has no trajectory check"))
     else:
         checks["trajectory_suite"] = _skipped("no rollouts made by this phase (episodes given as files are checked "
                                               "on load)")
@@ -298,30 +290,34 @@ def check(cfg: DriftConfig, env_cfg: EnvConfig, build_cfg: BuildEnvConfig, metri
     """Load the inputs `cfg` names, run every check, write the verdict to `metrics_path`; bad input writes an error
     verdict and raises AgentRLError."""
     try:
-        ref_tasks, _ = load_tasks(cfg.reference_tasks)
+        ref_world = _world(env_cfg, cfg.world_dir)
+        cur_world = _world(env_cfg, cfg.current_world_dir) if cfg.current_world_dir else ref_world
+        try:
+            options = type(ref_world).Options.model_validate(build_cfg.options)
+        except ValueError as exc:
+            raise AgentRLError(f"build_env.options for environment {ref_world.name!r}: {exc}") from None
+        ref_tasks, _ = load_tasks(cfg.reference_tasks, ref_world)
         cur_path = current_source(cfg)
-        cur_tasks, cur_files = load_tasks(cur_path)
+        cur_tasks, cur_files = load_tasks(cur_path, ref_world)
         if len(cur_tasks) < cfg.min_samples:
             raise AgentRLError(f"{cur_path}: {len(cur_tasks)} current tasks, fewer than check_drift.min_samples="
                                f"{cfg.min_samples}: too few to test for drift")
-        ref_world = _world(cfg.world_dir)
-        cur_world = _world(cfg.current_world_dir) if cfg.current_world_dir else ref_world
         policy = load_policy_if_any(cfg)
         ref_eps, ref_src = None, "none"
         if cfg.reference_trajectories != "auto":
             ref_src = cfg.reference_trajectories
-            ref_eps = load_episodes(ref_src, "reference episodes", env_cfg)
+            ref_eps = load_episodes(ref_src, "reference episodes", env_cfg, ref_world)
         elif policy is None and DEMOS.is_file():
-            ref_eps, ref_src = load_episodes(DEMOS, "demonstrations", env_cfg, suite=None), str(DEMOS)
+            ref_eps, ref_src = load_episodes(DEMOS, "demonstrations", env_cfg, ref_world, suite=None), str(DEMOS)
         cur_eps, cur_src = None, "none"
         if cfg.current_trajectories:
             cur_src = cfg.current_trajectories
-            cur_eps = load_episodes(cur_src, "current episodes", env_cfg)
+            cur_eps = load_episodes(cur_src, "current episodes", env_cfg, ref_world)
         if policy is not None and rollout_cfg is None:
             from pipeline.policy.config import RolloutConfig
 
             rollout_cfg = RolloutConfig()
-        verdict = run_checks(cfg, env_cfg, dict(build_cfg.level_mix), build_cfg.train_wordings, ref_tasks, cur_tasks,
+        verdict = run_checks(cfg, env_cfg, dict(build_cfg.level_mix), options, ref_tasks, cur_tasks,
                              ref_world, cur_world,
                              policy, rollout_cfg, ref_eps, ref_src, cur_eps, cur_src)
     except AgentRLError as exc:

@@ -261,9 +261,10 @@ class Environment(ABC):
             raise ValueError(f"environment {self.name!r} serves complete task records; missing {missing}")
         return self.task_from_dict(request)
 
-    def check_episodes(self, records: list[dict], kind: str, dataset: str, env_cfg):
+    def check_episodes(self, records: list[dict], kind: str, dataset: str, env_cfg, require_tokens: bool = False):
         """A Great Expectations report on episode records (`kind`: "trajectories" for training rollouts,
-        "evaluation" for evaluation episodes), or None (not checked beyond the pipeline's own)."""
+        "evaluation" for evaluation episodes; `require_tokens`: rollout records must carry token ids), or None (not
+        checked beyond the pipeline's own)."""
         return None
 
     def reference_calls(self, task: Any) -> list[tuple[str, dict]] | None:
@@ -282,6 +283,25 @@ class Environment(ABC):
     def verify_task(self, task: Any) -> bool:
         """Whether the world gives a task from outside its stated answer (False drops it from training)."""
         return True
+
+    # drift checks (pipeline.check_drift): each optional; a check the environment cannot feed is skipped, saying so
+    def sample_tasks(self, split: str, n: int, level_mix: dict[int, float], seed: int, options: BuildOptions) -> list:
+        """`n` fresh tasks of `split` drawn as :meth:`build` draws them, with another `seed` (the drift checks'
+        reference sample and their false-alarm calibration), or None when the environment cannot draw more."""
+        return None
+
+    def value_shifted(self, seed: int) -> "Environment | None":
+        """A copy of the world whose values have shifted (the drift checks' planted `value_shift`), or None."""
+        return None
+
+    def entity_table(self):
+        """A pandas DataFrame of the world's entities indexed by the names tasks carry in `entities`, with numeric
+        columns among price, stock and weight_kg (the task drift check's per-entity features), or None."""
+        return None
+
+    def entity_names(self) -> set[str] | None:
+        """Every entity name of the world (tasks naming others are reported as unknown), or None."""
+        return None
 
     def drift_features(self, record: dict) -> dict[str, float]:
         """Numeric features of one episode record that its drift checks should watch, beyond the pipeline's own."""

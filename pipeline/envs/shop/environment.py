@@ -19,6 +19,7 @@ from pipeline.envs.shop.tools import SearchIndex, ToolContext, default_tools
 from pipeline.envs.shop.world import World, draw_numeric, generate_world, load_world, world_to_sqlite, write_world
 
 SPLITS = ("train", "validation", "test")
+SHIFTED_PRICE_RANGE = (500, 999)  # value_shifted: the upper half of the 1..999 the world's schema allows
 
 
 class ShopOptions(BuildOptions):
@@ -152,12 +153,13 @@ class ShopWorld(Environment):
 
         return request_task(request)
 
-    def check_episodes(self, records: list[dict], kind: str, dataset: str, env_cfg):
+    def check_episodes(self, records: list[dict], kind: str, dataset: str, env_cfg, require_tokens: bool = False):
         from pipeline.core.validation import validate_records
         from pipeline.envs.shop.suites import register_suites
 
         register_suites()
-        return validate_records(records, kind, dataset=dataset, env_cfg=env_cfg)
+        extra = {"require_tokens": True} if require_tokens else {}
+        return validate_records(records, kind, dataset=dataset, env_cfg=env_cfg, **extra)
 
     def reference_calls(self, task: Task) -> list[tuple[str, dict]]:
         """The plan with every reference resolved by the results of the plan's steps on the world as stored."""
@@ -173,6 +175,31 @@ class ShopWorld(Environment):
 
     def same_answer(self, given: str, truth: str) -> bool:
         return answers_match(given, truth)
+
+    def sample_tasks(self, split: str, n: int, level_mix: dict[int, float], seed: int, options: ShopOptions) -> list:
+        return generate_tasks(self.world, split, n, dict(level_mix), seed,
+                              solver=lambda plan, allowed: self.solve(plan, allowed),
+                              train_wordings=options.train_wordings)
+
+    def value_shifted(self, seed: int) -> "ShopWorld":
+        """Every product's price redrawn uniformly from the upper half (500..999) of the range the schema allows."""
+        import dataclasses
+
+        import numpy as np
+
+        rng = np.random.default_rng([seed, 7])
+        prices = rng.integers(SHIFTED_PRICE_RANGE[0], SHIFTED_PRICE_RANGE[1] + 1, size=len(self.world.products))
+        products = [{**p, "price": int(v)} for p, v in zip(self.world.products, prices)]
+        return ShopWorld(dataclasses.replace(self.world, products=products))
+
+    def entity_table(self):
+        import pandas as pd
+
+        return pd.DataFrame.from_records(self.world.products,
+                                         columns=["name", "price", "stock", "weight_kg"]).set_index("name")
+
+    def entity_names(self) -> set[str]:
+        return {p["name"] for p in self.world.products} | {s["name"] for s in self.world.suppliers}
 
     def leaks_heldout(self, task: Task) -> bool:
         w = self.world

@@ -257,7 +257,8 @@ def generate_tasks(conn: sqlite3.Connection, partition: dict, split: str, n: int
         attempts += 1
         if attempts > 50 * n + 2000:
             raise ValueError(f"could not draw {n} distinct {split} tasks (found {len(tasks)}); the value space is "
-                             "too small: lower tasks_per_split or raise train_wordings / heldout_fraction")
+                             "too small for this many: lower tasks_per_split or the level-4 weight (level 4 has the "
+                             "fewest distinct questions), or change train_wordings / heldout_fraction")
         level = levels[int(rng.choice(len(levels), p=weights))]
         family = by_level[level][int(rng.integers(len(by_level[level])))]
         template = templates[int(rng.integers(len(templates)))]
