@@ -79,11 +79,26 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str, 
     return out
 
 
+def option_rows() -> list[tuple[str, str, str, str, str]]:
+    """`build_env.options` of every built-in environment (its Options model), each description naming the
+    environment (`env.name`) it applies to; an environment installed as an entry point documents its own."""
+    from pipeline.envs.registry import BUILTIN, environment_class
+
+    out = []
+    for name in BUILTIN:
+        for key, typ, default, bounds, desc in rows(environment_class(name).Options, "build_env.options"):
+            out.append((key, typ, default, bounds, f"(env.name {name}) {desc}"))
+    return out
+
+
 def table() -> str:
     lines = ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
     for section, model in SECTIONS.items():
         lines.append(f"| `{section}` | section | | | {(model.__doc__ or '').strip().splitlines()[0]} |")
-        for key, typ, default, bounds, desc in rows(model, section):
+        section_rows = []
+        for row in rows(model, section):  # the built-in environments' options follow `build_env.options`
+            section_rows += [row, *option_rows()] if row[0] == "build_env.options" else [row]
+        for key, typ, default, bounds, desc in section_rows:
             shown = f"`{default}`" if default else ""
             lines.append(f"| `{key}` | {typ.replace(' | ', ' or ')} | {shown} | {bounds} | {desc.replace('|', '/')} |")
     return "\n".join(lines)

@@ -150,25 +150,31 @@ def test_rigid_behaviour_flags_identical_episodes_and_not_varied_ones():
 
 @pytest.fixture(scope="module")
 def world_and_tasks(tmp_path_factory):
-    from pipeline.envs.shop.core import load_tasks
     from pipeline.build_env.main import build
+    from pipeline.envs.shop import ShopWorld
+    from pipeline.envs.taskfile import load_task_file
 
     root = tmp_path_factory.mktemp("evaluate")
-    build(BuildEnvConfig(n_products=40, n_suppliers=10, tasks_per_split={"train": 24, "validation": 8, "test": 16}),
+    build(BuildEnvConfig(options={"n_products": 40, "n_suppliers": 10},
+                         tasks_per_split={"train": 24, "validation": 8, "test": 16}),
           EnvConfig(), root / "data", root / "metrics" / "build_env.json")
-    tasks = {s: load_tasks(root / "data" / "tasks" / f"{s}.jsonl") for s in ("train", "validation", "test")}
+    world = ShopWorld.load(root / "data" / "env")
+    try:
+        tasks = {s: load_task_file(root / "data" / "tasks" / f"{s}.jsonl", world, validate=False)
+                 for s in ("train", "validation", "test")}
+    finally:
+        world.close()
     return root, tasks
 
 
 def test_flags_on_real_episodes_expert_against_random(world_and_tasks):
     """Real run_episode records: an 'overfit' pair (the expert on train, the random policy on validation) is flagged,
     the expert is rigid (deterministic: the same solution for every seed) and the random policy is not."""
-    from pipeline.envs.shop.core import WorldRuntime
-    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.shop import ShopWorld
     from pipeline.policy.episodes import evaluate
 
     root, tasks = world_and_tasks
-    runtime = WorldRuntime(load_world(root / "data" / "env"))
+    runtime = ShopWorld.load(root / "data" / "env")
     try:
         _, expert_train = evaluate("expert", tasks["train"][:8], runtime, EnvConfig())
         _, random_val = evaluate("random", tasks["validation"], runtime, EnvConfig())
@@ -259,8 +265,13 @@ def project(world_and_tasks):
     from pipeline.policy.model import build_policy, save_policy
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
 
+    from pipeline.envs.shop import ShopWorld
+
     root, _ = world_and_tasks
-    tok = train_tokenizer(corpus_texts(root / "data"), vocab_size=400)
+    world = ShopWorld.load(root / "data" / "env")
+    signatures = [s.signature() for s in world.tools()]
+    world.close()
+    tok = train_tokenizer(corpus_texts(root / "data", signatures), vocab_size=400)
     for seed, folder in ((0, "adapted"), (1, "policy")):
         model = build_policy(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_positions=512, seed=seed), tok)
         save_policy(model, tok, root / "models" / folder, {"note": f"tiny random policy {seed}"})
@@ -292,8 +303,8 @@ def phase_run(project):
 
 
 def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(project, phase_run):
-    from pipeline.envs.shop.core import WorldRuntime
-    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.shop import ShopWorld
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.episodes import evaluate_model
 
     written = json.loads((project / "metrics/evaluate.json").read_text())
@@ -310,10 +321,8 @@ def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(pro
     assert {v["success"] for v in written["validation"].values()} == {1.0} and len(written["validation"]) == 8
     # per-task test successes are keyed by task id and equal an independent greedy evaluation with the same seeds
     cfg_, env_cfg, rollout_cfg = _load_cfgs(project / "params.yaml")
-    from pipeline.envs.shop.core import load_tasks
-
-    test_tasks = load_tasks(project / "data/tasks/test.jsonl")
-    runtime = WorldRuntime(load_world(project / "data/env"))
+    runtime = ShopWorld.load(project / "data/env")
+    test_tasks = load_task_file(project / "data/tasks/test.jsonl", runtime, validate=False)
     try:
         _, records = evaluate_model(project / "models/policy", test_tasks, runtime, env_cfg, rollout_cfg,
                                     seed=cfg_.seed)
@@ -349,13 +358,18 @@ def test_phase_logs_the_report_to_mlflow(phase_run):
 
 
 def test_episodes_that_break_the_evaluation_suite_are_refused(project):
+    from pipeline.envs.shop import ShopWorld
     from pipeline.evaluate.main import validate_episodes
 
     good = episode("t", True)
     good.update(steps=[{"action": "x", "observation": "y"}] * 2, answer="1", ground_truth="1", n_failed=0)
     bad = dict(good, **{"return": 7.5})  # outside the reward's range
-    with pytest.raises(AgentRLError, match=r"(?s)rl/test episodes fail the 'evaluation' suite.*return"):
-        validate_episodes({"rl": {"test": [bad]}}, {}, EnvConfig())
+    world = ShopWorld.load(project / "data/env")
+    try:
+        with pytest.raises(AgentRLError, match=r"(?s)rl/test episodes fail the 'evaluation' suite.*return"):
+            validate_episodes({"rl": {"test": [bad]}}, {}, EnvConfig(), world)
+    finally:
+        world.close()
 
 
 @pytest.mark.parametrize("breakage, message", [
@@ -412,7 +426,7 @@ def test_params_yaml_mirrors_the_evaluate_defaults_and_dvc_declares_the_stage():
     stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["evaluate"]
     assert stage["cmd"] == "agentrl evaluate"
     assert {"models/adapted", "models/policy", "data/tasks", "data/env", "pipeline/evaluate", "pipeline/policy",
-            "pipeline/env", "pipeline/core"} <= set(stage["deps"])
+            "pipeline/envs", "pipeline/core"} <= set(stage["deps"])
     assert set(stage["params"]) == {"evaluate", "env", "rollout"}
     assert stage["metrics"] == [{"metrics/evaluate.json": {"cache": False}}]
     (plot,) = stage["plots"]

@@ -145,10 +145,19 @@ def test_missing_params_file_is_a_config_error(tmp_path):
 @pytest.mark.parametrize("section", SECTIONS)
 def test_params_yaml_holds_every_key_with_the_model_default(section):
     model = SECTIONS[section]
-    raw = read_params(ROOT / "params.yaml")[section]
+    params = read_params(ROOT / "params.yaml")
+    raw = params[section]
     # Same keys, same values, all the way down: params.yaml is the model's defaults written out.
-    assert raw == model().model_dump()
-    assert load_section(model, section, ROOT / "params.yaml") == model()
+    expected = model().model_dump()
+    if section == "build_env":
+        # `build_env.options` belongs to the environment (its Options model checks it when the phase runs; the
+        # config's default {} means "the environment's defaults"): params.yaml writes the chosen environment's
+        # defaults out, key for key.
+        from pipeline.envs.registry import environment_class
+
+        expected["options"] = environment_class(params["env"]["name"]).Options().model_dump()
+    assert raw == expected
+    assert load_section(model, section, ROOT / "params.yaml").model_dump() == expected
 
 
 def test_configuration_page_holds_exactly_the_parameter_table_the_configs_generate():
@@ -224,7 +233,7 @@ def test_every_section_a_phase_reads_is_declared_in_its_stage():
 def test_build_env_stage_declares_its_sections_code_and_outputs():
     (stage,) = [s for s in load_stages(ROOT / "dvc.yaml") if s.name == "build_env"]
     assert {key for _, key in stage.params} == {"env", "build_env"}
-    assert "pipeline/build_env" in stage.deps and "pipeline/env" in stage.deps
+    assert "pipeline/build_env" in stage.deps and "pipeline/envs" in stage.deps
     assert {"data/env", "data/tasks", "data/demos", "metrics/build_env.json"} <= set(stage.outs)
     raw = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["build_env"]
     assert raw["metrics"] == [{"metrics/build_env.json": {"cache": False}}]

@@ -11,7 +11,7 @@ Left out: the loss and the optimizer (:mod:`pipeline.adapt.sft`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,8 @@ class DemoSampler:
     with its entity names replaced by fictitious ones (:func:`augment_names`) with probability `augment_prob`."""
 
     def __init__(self, tokenizer, demos: Sequence[dict], tasks: dict[str, dict], window: int, max_len: int,
-                 augment_prob: float = 0.0, pool: NamePool | None = None, signatures: Sequence[str] = ()):
+                 augment_prob: float = 0.0, pool: NamePool | None = None,
+                 signatures: Mapping[str, Sequence[str]] | None = None):
         missing = [d["demo_id"] for d in demos if d["task_id"] not in tasks]
         if missing:
             raise AgentRLError(f"demonstrations {missing[:5]} refer to tasks that are not in the training tasks")
@@ -35,14 +36,14 @@ class DemoSampler:
             raise AgentRLError("entity augmentation needs a NamePool (data/env/entities.json)")
         self.tokenizer, self.demos, self.tasks = tokenizer, list(demos), tasks
         self.window, self.max_len, self.augment_prob, self.pool = window, max_len, augment_prob, pool
-        self.signatures = list(signatures)  # the environment's tool list, as the prompt shows it
+        self.signatures = signatures or {}  # task_id -> its tool list, as the prompt shows it (prompt_signatures)
         self.truncated = 0  # segments of the plain demonstrations cut at max_len
         self.plain = [self._encode(d, self.tasks[d["task_id"]]["question"], d["steps"], count=True) for d in self.demos]
         self.lengths = [sum(len(e) for e in exs) for exs in self.plain]
 
     def _encode(self, demo: dict, question: str, steps: Sequence[dict], count: bool = False) -> list[Example]:
         out = []
-        for prompt, pairs in demo_segments(question, steps, self.window, self.signatures):
+        for prompt, pairs in demo_segments(question, steps, self.window, self.signatures[demo["task_id"]]):
             ex = encode_segment(self.tokenizer, prompt, pairs, demo["demo_id"], int(demo["level"]))
             if len(ex) > self.max_len:
                 ex = Example(ex.input_ids[: self.max_len], ex.loss_mask[: self.max_len], ex.source, ex.level)

@@ -140,7 +140,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
     from pipeline.envs.registry import open_environment
     from pipeline.adapt import adapters, batching, capability, pretrain, sft
-    from pipeline.policy.demos import NamePool
+    from pipeline.policy.demos import NamePool, prompt_signatures
     from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
                                        resolve_dtype, save_policy)
 
@@ -185,7 +185,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     t = time.perf_counter()
     sampler = batching.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
                               env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool,
-                              signatures=[s.signature() for s in world.tools()])
+                              signatures=prompt_signatures(world, inputs["train"]))
     examples = [e for exs in sampler.plain for e in exs]
     kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
     trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))

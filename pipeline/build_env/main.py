@@ -7,6 +7,10 @@ Outputs (JSON Lines schemas in the README):
 - ``data/demos/train.jsonl``: imperfect expert demonstrations of training tasks;
 - ``metrics/build_env.json``: counts, level mix, checksums, validation summary, expert and random baselines per split.
 
+The environment is checked before it is trusted (:mod:`pipeline.envs.checks`: its class, tools, tasks, and its
+expert replayed to the top return), right after its world is loaded from the staging folder: a broken environment
+stops the phase before demonstrations are made or anything is published.
+
 Everything is written into a staging folder first and checked with Great Expectations (every dataset, plus the
 cross-split rules). Only when every check passes are the old outputs replaced, one rename per folder; data that fails
 validation stops the phase with the failing expectations and rows, and the previous good outputs stay as they were.
@@ -30,7 +34,8 @@ from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.config import SPLITS, EnvConfig
 from pipeline.envs.contract import BuildRequest, Environment
-from pipeline.envs.registry import environment_class
+from pipeline.envs.checks import check_environment
+from pipeline.envs.registry import EnvironmentError_, environment_class
 from pipeline.envs.runner import AgentEnv
 from pipeline.envs.taskfile import write_tasks
 from pipeline.policy.episodes import evaluate, run_episode
@@ -75,17 +80,6 @@ def build_demos(train: list, world: Environment, cfg: BuildEnvConfig, env_cfg: E
     finally:
         env.close()
     return demos
-
-
-def check_split_ids(tasks: dict[str, list]) -> None:
-    """The pipeline's own rule on any environment's tasks: a task id belongs to one split and one task."""
-    seen: dict[str, str] = {}
-    for split, ts in tasks.items():
-        for t in ts:
-            if t.task_id in seen:
-                raise AgentRLError(f"build_env: task id {t.task_id!r} occurs in {seen[t.task_id]} and {split} "
-                                   f"(task ids must be unique across splits); nothing was written")
-            seen[t.task_id] = split
 
 
 def validate_outputs(stage: Path, world: Environment) -> list:
@@ -157,16 +151,16 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
         except ValueError as exc:
             raise AgentRLError(f"build_env: environment {cls.name!r}: {exc}") from None
         tasks = result.tasks
-        if set(tasks) != set(SPLITS) or any(not ts for ts in tasks.values()):
-            raise AgentRLError(f"build_env: environment {cls.name!r} must build tasks for every split {list(SPLITS)}, "
-                               f"got {{{', '.join(f'{k}: {len(v)}' for k, v in tasks.items())}}}")
-        check_split_ids(tasks)
+        world = cls.load(stage / "env")
+        try:  # the class, tools, tasks and expert (pipeline.envs.checks); nothing is written or published otherwise
+            check_environment(world, tasks, env_cfg)
+        except EnvironmentError_ as exc:
+            raise EnvironmentError_(f"build_env: {exc}; nothing was published") from None
         families = {t.family for ts in tasks.values() for t in ts}
         unknown = sorted(set(cfg.demos.family_coverage) - families)
         if unknown:
             raise AgentRLError(f"build_env.demos.family_coverage names task families {unknown} that environment "
                                f"{cls.name!r} does not build; its families: {sorted(families)}")
-        world = cls.load(stage / "env")
         demos = build_demos(tasks["train"], world, cfg, env_cfg)
         t_gen = time.perf_counter() - t0
         for split, ts in tasks.items():

@@ -189,6 +189,16 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, options, r
     t = time.perf_counter()
     task_report = task_drift(ref_tasks, cur_tasks, ref_world, cur_world, cfg)
     checks["task_drift"] = task_report.to_dict()
+    envs = sorted({t.get("env", "") for t in ref_tasks} | {t.get("env", "") for t in cur_tasks})
+    if len(envs) > 1:  # a mixed run: each environment's tasks on their own as well
+        per_env = {}
+        for env in envs:
+            r, c = [t for t in ref_tasks if t.get("env") == env], [t for t in cur_tasks if t.get("env") == env]
+            per_env[env] = (task_drift(r, c, ref_world, cur_world, cfg).to_dict() if r and c else
+                            _skipped(f"no {'reference' if not r else 'current'} tasks of {env}"))
+        failed_envs = [e for e, v in per_env.items() if v["status"] == "fail"]
+        checks["task_drift_per_env"] = {"status": "fail" if failed_envs else "pass", "drifted": failed_envs,
+                                        "environments": per_env}
     seconds["task_drift"] = time.perf_counter() - t
     t = time.perf_counter()
     if cfg.false_alarm_repeats:

@@ -273,12 +273,48 @@ def check_vs_champion(challenger: list[dict], champion: list[dict] | None, champ
                  {"paired_tasks": len(keys), "challenger_success": sa, "champion_success": sb, **res})
 
 
+def env_of(task_id: str) -> str:
+    """The environment of a task id: ``<env>/<id>`` in a mixed run (pipeline.envs.mixed), '' otherwise."""
+    env, sep, _ = str(task_id).partition("/")
+    return env if sep else ""
+
+
+def check_vs_champion_per_env(challenger: list[dict], champion: list[dict] | None, champion_version: str | None,
+                              cfg: DeployGateConfig) -> Check | None:
+    """In a mixed run, the paired test on each environment's tasks alone: a challenger significantly worse on any
+    one environment is refused, even when it is better overall. None when the tasks come from one environment."""
+    envs = sorted({env_of(r["task_id"]) for r in challenger} - {""})
+    if champion_version is None or champion is None or len(envs) < 2:
+        return None
+    per_env, worse_on = {}, []
+    for env in envs:
+        a, b, keys = pair_results([r for r in challenger if env_of(r["task_id"]) == env],
+                                  [r for r in champion if env_of(r["task_id"]) == env])
+        if not keys:
+            per_env[env] = {"paired_tasks": 0}
+            continue
+        res = PAIRED_TESTS[cfg.paired_test](a, b, cfg)
+        per_env[env] = {"paired_tasks": len(keys), "challenger_success": sum(a) / len(a),
+                        "champion_success": sum(b) / len(b), **res}
+        if res["p_value"] < cfg.alpha:
+            worse_on.append(env)
+    detail = "; ".join(f"{e}: {v['challenger_success']:.3f} vs {v['champion_success']:.3f} "
+                       f"(p(worse)={v['p_value']:.4f})" if v["paired_tasks"] else f"{e}: no paired tasks"
+                       for e, v in per_env.items())
+    if worse_on:
+        detail = f"worse than champion v{champion_version} on {', '.join(worse_on)} (alpha {cfg.alpha}): " + detail
+    return Check("vs_champion_per_env", not worse_on, detail, {"per_env": per_env})
+
+
 def decide(version: str, inputs: GateInputs, champion_version: str | None, champion_results: list[dict] | None,
            cfg: DeployGateConfig) -> GateDecision:
     """Every check on the challenger's inputs; pure (no registry access)."""
     checks = [check_capability(inputs.adapt, cfg), check_safety(inputs.quantization, cfg),
               check_drift(inputs.drift, cfg), check_consistency(inputs.drift, cfg), check_parity(inputs.quantization),
               check_vs_champion(inputs.test_results, champion_results, champion_version, cfg)]
+    per_env = check_vs_champion_per_env(inputs.test_results, champion_results, champion_version, cfg)
+    if per_env is not None:
+        checks.append(per_env)
     return GateDecision(version=str(version), champion=champion_version, checks=checks)
 
 

@@ -29,7 +29,7 @@ class RewardWeights(PhaseConfig):
 class EnvConfig(PhaseConfig):
     """Which environment every phase acts in, and how an episode runs."""
 
-    name: str = Field("shop", min_length=1, description="The environment: a built-in name (shop, sql), the name of an installed entry point of the group agentrl.environments, or module:Class (see docs/environments.md; `agentrl envs` lists them).")
+    name: str | dict[str, float] = Field("shop", description="The environment: a built-in name (shop, sql), the name of an installed entry point of the group agentrl.environments, or module:Class (see docs/environments.md; `agentrl envs` lists them); or a mapping {name: weight} of two or more for a mixed run, every task in its own environment.")
     max_steps: int = Field(8, ge=1, le=64, description="Step budget: an episode not answered after this many actions is truncated.")
     max_policy_chars: int = Field(2000, ge=64, description="Budget of policy-written text per episode, in characters (the environment is tokenizer-agnostic); exceeding it truncates the episode.")
     max_action_chars: int = Field(256, ge=16, le=4096, description="Longest accepted action text; longer text is an invalid action (the `params` Text space has this length).")

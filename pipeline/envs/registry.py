@@ -5,7 +5,8 @@
 - a built-in name: ``shop`` (the default) or ``sql`` (the read-only SQL analyst);
 - the name of an entry point in the group ``agentrl.environments`` of an installed package, for example in its
   ``pyproject.toml``: ``[project.entry-points."agentrl.environments"] support = "my_pkg.env:SupportDesk"``;
-- ``module:Class`` for a class importable from the current Python path.
+- ``module:Class`` for a class importable from the current Python path;
+- a mapping ``{name: weight, ...}`` of two or more of these: a mixed run (:mod:`pipeline.envs.mixed`).
 
 A name that resolves to nothing, or to something that is not an :class:`~pipeline.envs.contract.Environment`
 subclass with every required method, raises :class:`EnvironmentError_` naming the name and what is wrong.
@@ -69,8 +70,16 @@ def contract_problems(cls: object) -> list[str]:
     return problems
 
 
-def environment_class(name: str) -> type[Environment]:
-    """The environment class `name` refers to (built-in name, entry point, or module:Class), checked."""
+def environment_class(name) -> type[Environment]:
+    """The environment class `name` refers to (built-in name, entry point, module:Class, or a {name: weight} mix),
+    checked."""
+    if isinstance(name, dict):
+        from pipeline.envs.mixed import mixed_class
+
+        try:
+            return mixed_class(name, environment_class)
+        except ValueError as exc:
+            raise EnvironmentError_(f"env.name: {exc}") from None
     if not isinstance(name, str) or not name.strip():
         raise EnvironmentError_(f"env.name must be a non-empty string, got {name!r}")
     target = BUILTIN.get(name) or _entry_points().get(name) or (name if ":" in name else None)
@@ -85,7 +94,7 @@ def environment_class(name: str) -> type[Environment]:
     return cls
 
 
-def open_environment(name: str, world_dir: str | Path) -> Environment:
+def open_environment(name, world_dir: str | Path) -> Environment:
     """Load environment `name`'s world from `world_dir` (written by its build), as every phase does."""
     cls = environment_class(name)
     try:

@@ -111,7 +111,8 @@ def _group(records: Sequence[dict], cfg: EvaluateConfig, rng: np.random.Generato
 
 
 def split_report(records: Sequence[dict], cfg: EvaluateConfig, rng: np.random.Generator) -> dict:
-    """Metrics with intervals overall and per level (and per seen/unseen template when both occur)."""
+    """Metrics with intervals overall and per level (and per seen/unseen template when both occur, and per
+    environment, overall and per level, in a mixed run)."""
     if not records:
         raise ValueError("no episodes to report")
     out = {"overall": _group(records, cfg, rng), "per_level": {}}
@@ -120,6 +121,14 @@ def split_report(records: Sequence[dict], cfg: EvaluateConfig, rng: np.random.Ge
     if len({r["template_seen"] for r in records}) == 2:
         out["template_seen"] = _group([r for r in records if r["template_seen"]], cfg, rng)
         out["template_unseen"] = _group([r for r in records if not r["template_seen"]], cfg, rng)
+    envs = sorted({r.get("env", "") for r in records})
+    if len(envs) > 1:
+        out["per_env"] = {}
+        for env in envs:
+            mine = [r for r in records if r.get("env", "") == env]
+            out["per_env"][env] = {"overall": _group(mine, cfg, rng), "per_level": {
+                str(lv): _group([r for r in mine if r["level"] == lv], cfg, rng)
+                for lv in sorted({r["level"] for r in mine})}}
     return out
 
 

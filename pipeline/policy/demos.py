@@ -19,7 +19,7 @@ trainer), and continued pre-training's synthetic drills (:mod:`pipeline.adapt.dr
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +44,19 @@ class Example:
         return len(self.input_ids)
 
 
-def demo_segments(question: str, steps: Sequence[dict], window: int, signatures: Sequence[str]) -> list[tuple[str, list[tuple[str, str]]]]:
+def prompt_signatures(world, tasks) -> dict[str, list[str]]:
+    """task_id -> the tool list its prompt shows (a mixed run shows each task its own environment's tools)."""
+    by_tools: dict[tuple, list[str]] = {}
+    out = {}
+    for t in tasks:
+        specs = world.tools_for(t)
+        key = tuple(s.name for s in specs)
+        out[t.task_id] = by_tools.setdefault(key, [s.signature() for s in specs])
+    return out
+
+
+def demo_segments(question: str, steps: Sequence[dict], window: int,
+                  signatures: Sequence[str]) -> list[tuple[str, list[tuple[str, str]]]]:
     """Cut a demonstration into (prompt, [(action, observation), ...]) segments that replay the episode's contexts.
 
     Within one segment the context before step k+1 equals the context before step k plus action k and observation k;
@@ -89,7 +101,7 @@ def encode_segment(tokenizer, prompt: str, pairs: Sequence[tuple[str, str]], sou
 def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], window: int,
                   max_len: int | None = None, *, entities: dict[str, Sequence[str]] | None = None,
                   pool: "NamePool | None" = None, augment_prob: float = 0.0,
-                  rng: np.random.Generator | None = None, signatures: Sequence[str]) -> list[Example]:
+                  rng: np.random.Generator | None = None, signatures: Mapping[str, Sequence[str]]) -> list[Example]:
     """Every demonstration as training sequences; `questions` maps task_id to the task's question.
 
     With `augment_prob` > 0, each demonstration has, with that probability (drawn from `rng`), its entity names
@@ -101,7 +113,6 @@ def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], w
     if augment_prob > 0 and (pool is None or rng is None or entities is None):
         raise AgentRLError("entity augmentation of demonstrations needs a NamePool (data/env/entities.json), the "
                            "tasks' entities and an RNG")
-    sigs = list(signatures)
     out = []
     for d in demos:
         try:
@@ -112,7 +123,7 @@ def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], w
         steps = d["steps"]
         if augment_prob > 0 and rng.random() < augment_prob:
             question, steps, _ = augment_names(question, steps, entities[d["task_id"]], pool, rng)
-        for prompt, pairs in demo_segments(question, steps, window, sigs):
+        for prompt, pairs in demo_segments(question, steps, window, signatures[d["task_id"]]):
             ex = encode_segment(tokenizer, prompt, pairs, d["demo_id"], int(d["level"]))
             if max_len is not None and len(ex) > max_len:
                 ex = Example(ex.input_ids[:max_len], ex.loss_mask[:max_len], ex.source, ex.level)

@@ -68,7 +68,8 @@ def _stats(records: list[dict]) -> dict:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Overall and per-level metrics of episode records (also split by seen/unseen template when both occur)."""
+    """Overall and per-level metrics of episode records (also split by seen/unseen template when both occur, and
+    by environment, overall and per level, when the records come from more than one: a mixed run)."""
     if not records:
         raise ValueError("no episodes to summarize")
     out = {"overall": _stats(records), "per_level": {}}
@@ -78,6 +79,13 @@ def summarize(records: list[dict]) -> dict:
     if len(seen) == 2:
         out["template_seen"] = _stats([r for r in records if r["template_seen"]])
         out["template_unseen"] = _stats([r for r in records if not r["template_seen"]])
+    envs = sorted({r.get("env", "") for r in records})
+    if len(envs) > 1:
+        out["per_env"] = {}
+        for env in envs:
+            mine = [r for r in records if r.get("env", "") == env]
+            out["per_env"][env] = {**_stats(mine), "per_level": {
+                str(lv): _stats([r for r in mine if r["level"] == lv]) for lv in sorted({r["level"] for r in mine})}}
     return out
 
 

@@ -123,13 +123,13 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
     demos = None
     if cfg.bc_coef > 0:
         from pipeline.policy.model import load_policy
-        from pipeline.policy.demos import demo_examples, load_demos
+        from pipeline.policy.demos import demo_examples, load_demos, prompt_signatures
 
         _, tok, _ = load_policy(adapted)
         questions = {t.task_id: t.question for t in train_tasks}
         demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
                               questions, env_cfg.history_window,
-                              signatures=[s.signature() for s in runtime.tools()])
+                              signatures=prompt_signatures(runtime, train_tasks))
     ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
     tracker = Tracker() if dist.is_main else NullTracker()
     t0 = time.perf_counter()

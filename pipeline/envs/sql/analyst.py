@@ -196,6 +196,16 @@ class SqlAnalyst(Environment):
         """`rng` and `randomize_values` are unused: the world is fixed (held-out values test generalisation)."""
         return SqlEpisode(self, task)
 
+    def sample_tasks(self, split: str, n: int, level_mix: dict[int, float], seed: int, options) -> list[Task]:
+        """Fresh tasks drawn as :meth:`build` draws them, with another seed (the drift checks' reference samples)."""
+        opts = options if isinstance(options, SqlOptions) else SqlOptions.model_validate(
+            options.model_dump() if isinstance(options, BuildOptions) else dict(options or {}))
+        conn = W.connect_ro(self.db_path)
+        try:
+            return generate_tasks(conn, self.meta["partition"], split, n, level_mix, seed, opts.train_wordings)
+        finally:
+            conn.close()
+
     def required_tools(self, task: Task) -> list[str]:
         """A correct process queries; describing tables first is the expert's habit, not a requirement."""
         return ["query"]
