@@ -134,8 +134,8 @@ class ScriptedValidation:
 def _train(project: Path, evaluate, ckpt: str, out: str):
     from pipeline.core.config import load_section
     from pipeline.envs.config import EnvConfig
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
-    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.shop import ShopWorld
+    from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
@@ -144,12 +144,12 @@ def _train(project: Path, evaluate, ckpt: str, out: str):
 
     params = project / "params.yaml"
     cfg = load_section(TrainConfig, "train", params)
-    runtime = WorldRuntime(load_world(project / "data" / "env"))
+    runtime = ShopWorld.load(project / "data" / "env")
     tasks = project / "data" / "tasks"
     logs: list[str] = []
     result = train(cfg, load_section(EnvConfig, "env", params), load_section(RolloutConfig, "rollout", params),
-                   policy_dir=project / "models" / "adapted", train_tasks=load_tasks(tasks / "train.jsonl"),
-                   val_tasks=load_tasks(tasks / "validation.jsonl"), runtime=runtime, out_dir=project / out,
+                   policy_dir=project / "models" / "adapted", train_tasks=load_task_file(tasks / "train.jsonl", runtime, validate=False),
+                   val_tasks=load_task_file(tasks / "validation.jsonl", runtime, validate=False), runtime=runtime, out_dir=project / out,
                    ckpt_dir=project / ckpt, dist=init_dist(), run=NullRun("train"),
                    hooks=Hooks(evaluate=evaluate, log=logs.append))
     return result, logs

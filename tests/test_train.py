@@ -18,8 +18,25 @@ import torch
 from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.errors import AgentRLError
+from pipeline.envs.shop import ShopWorld
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def read_tasks(path: str | Path) -> list:
+    """The tasks of a task file of the project's shop world (``data/env``), read as the phases read them."""
+    from pipeline.envs.taskfile import load_task_file
+
+    world = ShopWorld.load(Path(path).parents[1] / "env")
+    try:
+        return load_task_file(path, world, validate=False)
+    finally:
+        world.close()
+
+
+def signatures(world) -> list[str]:
+    """The tool signatures the prompt lists, from the environment."""
+    return [s.signature() for s in world.tools()]
 TRAIN_YAML = """
 env:
   max_steps: 3
@@ -49,9 +66,13 @@ def make_project(root: Path, seed: int = 0, algorithm: str = "rloo", updates: in
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
-    cfg = BuildEnvConfig(n_products=40, n_suppliers=10, tasks_per_split={"train": 24, "validation": 8, "test": 8})
+    cfg = BuildEnvConfig(options={"n_products": 40, "n_suppliers": 10},
+                         tasks_per_split={"train": 24, "validation": 8, "test": 8})
     build(cfg, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
-    tok = train_tokenizer(corpus_texts(root / "data"), vocab_size=400)
+    world = ShopWorld.load(root / "data" / "env")
+    sigs = signatures(world)
+    world.close()
+    tok = train_tokenizer(corpus_texts(root / "data", sigs), vocab_size=400)
     torch.manual_seed(seed)
     model = build_policy(ModelConfig(d_model=d_model, n_layers=1, n_heads=2, d_ff=64, max_positions=512, seed=seed), tok)
     save_policy(model, tok, root / "models" / "adapted", {"note": "tiny random test policy"})
@@ -117,22 +138,20 @@ def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(i
     from mlflow.tracking import MlflowClient
 
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
     from pipeline.envs.shop.tasks import generate_tasks
     from pipeline.envs.taskfile import write_tasks
-    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.train.config import TrainConfig
     from pipeline.train.worker import run_key, run_worker
 
-    world = load_world(Path("data/env"))
-    runtime = WorldRuntime(world)
-    seen = {t.question for t in load_tasks("data/tasks/train.jsonl")}
+    runtime = ShopWorld.load(Path("data/env"))
+    world = runtime.world
+    seen = {t.question for t in read_tasks("data/tasks/train.jsonl")}
     fresh = [t for t in generate_tasks(world, "train", 20, {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}, seed=99,
                                        solver=lambda plan, allowed: runtime.solve(plan, allowed))
              if t.question not in seen][:2]
     runtime.close()
-    held_out = load_tasks("data/tasks/validation.jsonl")[0]  # names validation entities: never trained on
+    held_out = read_tasks("data/tasks/validation.jsonl")[0]  # names validation entities: never trained on
     write_tasks([*fresh, held_out], Path("incoming-worker/batch.jsonl"))
     Path("incoming-worker/README.md").write_text("not tasks\n")
     params = _params_with("params-incoming.yaml", updates=2, incoming_tasks="incoming-worker")
@@ -417,8 +436,6 @@ def test_the_test_evaluation_splits_each_level_by_wording(in_project):
     import dataclasses
 
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
-    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -426,10 +443,10 @@ def test_the_test_evaluation_splits_each_level_by_wording(in_project):
     from pipeline.train.validation import evaluate_greedy
     from pipeline.train.worker import seen_wording_headroom
 
-    tasks = load_tasks("data/tasks/test.jsonl")
+    tasks = read_tasks("data/tasks/test.jsonl")
     tasks = [dataclasses.replace(t, template_seen=False) if i in (1, 5) else t for i, t in enumerate(tasks)]
     model, tok, _ = load_policy("models/adapted")
-    engine = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+    engine = RolloutEngine(model, tok, ShopWorld.load(Path("data/env")), load_section(EnvConfig, "env"),
                            load_section(RolloutConfig, "rollout"))
     summary = evaluate_greedy(engine, tasks, Dist(), seed=20_000)
     seen = summary["per_level_template_seen"]
@@ -494,8 +511,6 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
     (`train.micro_batches`) and, for group baselines, the one-forward on-policy step against the separate π_old
     forward, all move every weight the same way as one forward of the whole batch."""
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
-    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -506,8 +521,8 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
 
     dist = init_dist()
     model, tok, _ = load_policy("models/adapted")
-    tasks = load_tasks("data/tasks/train.jsonl")[:3]
-    engine_r = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+    tasks = read_tasks("data/tasks/train.jsonl")[:3]
+    engine_r = RolloutEngine(model, tok, ShopWorld.load(Path("data/env")), load_section(EnvConfig, "env"),
                              load_section(RolloutConfig, "rollout"))
     records = engine_r.run([t for t in tasks for _ in range(4)], list(range(12)), greedy=False)
     for i, r in enumerate(records):  # random weights never succeed: give every group reward variance
@@ -555,15 +570,13 @@ def test_the_learner_takes_the_same_step_in_one_forward_or_in_length_chunks(in_p
 def _sampled_records(n_tasks: int, group: int) -> tuple:
     """The adapted policy's tokenizer and `group` sampled episodes of each of the first `n_tasks` training tasks."""
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
-    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
 
     model, tok, _ = load_policy("models/adapted")
-    tasks = load_tasks("data/tasks/train.jsonl")[:n_tasks]
-    engine = RolloutEngine(model, tok, WorldRuntime(load_world("data/env")), load_section(EnvConfig, "env"),
+    tasks = read_tasks("data/tasks/train.jsonl")[:n_tasks]
+    engine = RolloutEngine(model, tok, ShopWorld.load(Path("data/env")), load_section(EnvConfig, "env"),
                            load_section(RolloutConfig, "rollout"))
     return tok, engine.run([t for t in tasks for _ in range(group)], list(range(n_tasks * group)), greedy=False)
 
@@ -660,7 +673,6 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
     demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import load_tasks
     from pipeline.policy.demos import demo_examples, load_demos
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
@@ -669,8 +681,12 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     tok, records = _sampled_records(2, 4)
     for i, r in enumerate(records):  # every group's returns equal: no RL signal anywhere
         r["return"], r["group"] = 0.5, i // 4
-    questions = {t.task_id: t.question for t in load_tasks("data/tasks/train.jsonl")}
-    demos = demo_examples(tok, [d for d in load_demos(Path("data/demos/train.jsonl")) if d["success"]], questions, 6)
+    questions = {t.task_id: t.question for t in read_tasks("data/tasks/train.jsonl")}
+    world = ShopWorld.load(Path("data/env"))
+    sigs = signatures(world)
+    world.close()
+    demos = demo_examples(tok, [d for d in load_demos(Path("data/demos/train.jsonl")) if d["success"]], questions, 6,
+                          signatures=sigs)
 
     def step(bc_coef: float) -> tuple[dict, float]:
         cfg = load_section(TrainConfig, "train").model_copy(update={
@@ -714,18 +730,16 @@ def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episo
     against the environment's contexts), segment by segment, also where a short history window folds the context;
     they solve their tasks, and the learner's collate reads them like sampled records."""
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
     from pipeline.envs.shop.expert import ExpertPolicy
-    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.policy.demos import demo_segments, encode_segment
     from pipeline.train.batch import collate_records
     model, tok, _ = load_policy("models/adapted")
-    tasks = load_tasks("data/tasks/train.jsonl")
+    tasks = read_tasks("data/tasks/train.jsonl")
     tasks = [t for t in tasks if len(t.plan) >= 3][:4] + [t for t in tasks if len(t.plan) == 2][:1]
-    runtime = WorldRuntime(load_world("data/env"))
+    runtime = ShopWorld.load(Path("data/env"))
     try:
         for window in (6, 1):
             env_cfg = load_section(EnvConfig, "env").model_copy(update={"history_window": window, "max_steps": 8})
@@ -735,7 +749,7 @@ def test_a_demonstrated_episode_has_the_token_layout_of_sft_and_of_sampled_episo
             for task, rec in zip(tasks, records):
                 assert rec["success"] and rec["demonstrated"] and rec["policy_version"] == 3
                 assert rec["n_calls"] == len(task.plan) and len(rec["steps"]) == len(task.plan)
-                segs = demo_segments(task.question, rec["steps"], window)
+                segs = demo_segments(task.question, rec["steps"], window, signatures(runtime))
                 folded += len(segs) > 1
                 ids, mask, starts = [], [], []
                 for prompt, pairs in segs:
@@ -760,8 +774,6 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     learner trains on the guided groups, the demonstration's tokens at importance weight 1, and its step moves the
     policy's log-probability of the demonstrated actions up."""
     from pipeline.core.config import load_section
-    from pipeline.envs.shop.core import WorldRuntime, load_tasks
-    from pipeline.envs.shop.world import load_world
     from pipeline.policy.config import RolloutConfig
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
@@ -776,8 +788,8 @@ def test_expert_guidance_replaces_one_episode_of_each_failed_group_and_gives_it_
     for i, r in enumerate(records):
         r["group"] = i // 4
     records[0] = {**records[0], "success": True, "return": 1.0}  # group 0 has a success: not guided
-    tasks = {t.task_id: t for t in load_tasks("data/tasks/train.jsonl")}
-    runtime = WorldRuntime(load_world("data/env"))
+    tasks = {t.task_id: t for t in read_tasks("data/tasks/train.jsonl")}
+    runtime = ShopWorld.load(Path("data/env"))
     model = load_policy("models/adapted")[0]
     engine = RolloutEngine(model, tok, runtime, load_section(EnvConfig, "env"), load_section(RolloutConfig, "rollout"))
     guided, counts = guide_failed_groups(records, tasks, engine, version=5)

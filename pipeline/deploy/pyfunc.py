@@ -3,8 +3,9 @@
 What a registered model holds (``mlflow.pyfunc`` flavour, saved by :func:`save_pyfunc`):
 
 - ``artifacts/policy/``: the Hugging Face folder of the policy (fp32 weights, tokenizer, ``policy.json``);
-- ``artifacts/world/``: the world the tools act on (``world.sqlite``, ``corpus.jsonl``, ``entities.json``): a model
-  solves tasks against the database and documents it was trained and tested with, so it is packaged with them;
+- ``artifacts/world/``: the world the tools act on, every file of the folder the environment built (the shop's
+  ``world.sqlite``, ``corpus.jsonl``, ``entities.json``; any environment's own): a model solves tasks against the
+  world it was trained and tested with, so it is packaged with it;
 - ``artifacts/serving.json``: the environment and rollout settings and the serving precision.
 
 Loading needs the installed ``agentrl-pipeline`` package (``pip_requirements`` names it): the environment, the tools
@@ -36,7 +37,6 @@ import mlflow.pyfunc
 from pipeline.core.errors import AgentRLError
 
 SERVING_JSON = "serving.json"
-WORLD_FILES = ("world.sqlite", "corpus.jsonl", "entities.json")
 
 
 class RequestError(ValueError):
@@ -179,15 +179,12 @@ def serving_settings(env_cfg, rollout_cfg, precision: str, quantization, seed: i
 def save_pyfunc(path: str | Path, policy_dir: str | Path, world_dir: str | Path, settings: dict) -> Path:
     """Write the pyfunc model folder at `path` (MLmodel, the pickled wrapper, the artefacts above)."""
     policy_dir, world_dir, path = Path(policy_dir), Path(world_dir), Path(path)
-    missing = [str(world_dir / f) for f in WORLD_FILES if not (world_dir / f).is_file()]
-    if missing:
-        raise AgentRLError(f"cannot package the world: missing {', '.join(missing)}")
+    if not world_dir.is_dir() or not any(world_dir.iterdir()):
+        raise AgentRLError(f"cannot package the world: {world_dir} is missing or empty (run build-env first)")
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp)
         shutil.copytree(policy_dir, staged / "policy")
-        (staged / "world").mkdir()
-        for f in WORLD_FILES:
-            shutil.copy2(world_dir / f, staged / "world" / f)
+        shutil.copytree(world_dir, staged / "world")
         (staged / SERVING_JSON).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
         mlflow.pyfunc.save_model(
             path=str(path), python_model=str(Path(__file__).with_name("pyfunc_entry.py")),
