@@ -94,10 +94,16 @@ def build_project(root: Path) -> Path:
     from pipeline.policy.model import build_policy, save_policy
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
 
-    cfg = BuildEnvConfig(n_products=40, n_suppliers=12, tasks_per_split={"train": 40, "validation": 8, "test": N_TEST},
+    from pipeline.envs.shop import ShopWorld
+
+    cfg = BuildEnvConfig(options={"n_products": 40, "n_suppliers": 12},
+                         tasks_per_split={"train": 40, "validation": 8, "test": N_TEST},
                          demos={"level_coverage": {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.2}})
     build(cfg, EnvConfig(), root / "data", root / "metrics" / "build_env.json")
-    tok = train_tokenizer(corpus_texts(root / "data"), TINY.vocab_size)
+    world = ShopWorld.load(root / "data" / "env")
+    signatures = [s.signature() for s in world.tools()]
+    world.close()
+    tok = train_tokenizer(corpus_texts(root / "data", signatures), TINY.vocab_size)
     save_policy(build_policy(TINY, tok), tok, root / "models" / "policy", {"phase": "train", "step": 0})
     write_metrics(root / "metrics")
     return root

@@ -158,7 +158,7 @@ def test_folded_history_starts_a_new_segment_from_the_folded_context(signatures)
     assert sum(len(p) for _, p in segs) == 5
 
 
-def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(data_dir, demos, tasks, tokenizer):
+def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(data_dir, demos, tasks, tokenizer, signatures):
     entities = json.loads((data_dir / "env" / "entities.json").read_text())
     pool = NamePool.from_entities(entities)
     real = set(entities["products"]) | set(entities["suppliers"])
@@ -174,7 +174,8 @@ def test_entity_augmentation_renames_consistently_and_never_uses_a_real_name(dat
             text = text.replace(fake, name)
         assert text == task.question + "".join(s["action"] + s["observation"] for s in demo["steps"])
     # the sampler's augmented examples keep the mask exact: it decodes to the (renamed) actions
-    sampler = batching.DemoSampler(tokenizer, demos[:10], {t.task_id: t.to_dict() for t in tasks["train"]}, 6, 1024, 1.0, pool)
+    sampler = batching.DemoSampler(tokenizer, demos[:10], {t.task_id: t.to_dict() for t in tasks["train"]}, 6, 1024, 1.0, pool,
+                                   signatures={t.task_id: signatures for t in tasks["train"]})
     for i in range(10):
         (ex,) = sampler(i, rng)
         acts = tokenizer.decode([t for t, m in zip(ex.input_ids, ex.loss_mask) if m], skip_special_tokens=False)
@@ -246,7 +247,7 @@ def test_demo_file_that_breaks_the_schema_is_refused(tmp_path, demos):
 
 def _batch(tokenizer, demos, tasks, signatures, n=8):
     questions = {t.task_id: t.question for t in tasks["train"]}
-    ex = demo_examples(tokenizer, demos[:n], questions, 6, signatures=signatures)
+    ex = demo_examples(tokenizer, demos[:n], questions, 6, signatures={t.task_id: signatures for t in tasks["train"]})
     return batching.collate(ex, tokenizer.pad_token_id)
 
 

@@ -112,6 +112,7 @@ def test_malformed_requests_get_4xx_with_a_reason_and_never_reach_the_model(serv
 
 
 def test_concurrent_requests_share_batches_and_match_one_at_a_time_answers(server, registry_with_champion):
+    from pipeline.deploy.config import ServeConfig
     from pipeline.deploy.pyfunc import load_solver, parse_task
 
     base, project = server
@@ -126,7 +127,7 @@ def test_concurrent_requests_share_batches_and_match_one_at_a_time_answers(serve
     # the same tasks solved one at a time in this process give the same episodes
     solver = load_solver(f"models:/{NAME}@champion")
     for task, reply in zip(tasks, replies):
-        (alone,) = solver.solve_tasks([parse_task(task)], [7])
+        (alone,) = solver.solve_tasks([parse_task(task, ServeConfig().max_question_chars, solver.runtime)], [7])
         assert reply.json()["trajectory"] == alone["trajectory"] and reply.json()["answer"] == alone["answer"]
     solver.close()
 

@@ -673,7 +673,7 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     zero-variance rollouts for it (one dummy row keeps the collective step) and still takes a step on the
     demonstrations' loss when every group's returns are equal; with `bc_coef` 0 the same batch moves nothing."""
     from pipeline.core.config import load_section
-    from pipeline.policy.demos import demo_examples, load_demos
+    from pipeline.policy.demos import demo_examples, load_demos, prompt_signatures
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
 
@@ -681,9 +681,10 @@ def test_behaviour_cloning_trains_on_demonstrations_even_when_no_group_carries_s
     tok, records = _sampled_records(2, 4)
     for i, r in enumerate(records):  # every group's returns equal: no RL signal anywhere
         r["return"], r["group"] = 0.5, i // 4
-    questions = {t.task_id: t.question for t in read_tasks("data/tasks/train.jsonl")}
+    train_tasks = read_tasks("data/tasks/train.jsonl")
+    questions = {t.task_id: t.question for t in train_tasks}
     world = ShopWorld.load(Path("data/env"))
-    sigs = signatures(world)
+    sigs = prompt_signatures(world, train_tasks)
     world.close()
     demos = demo_examples(tok, [d for d in load_demos(Path("data/demos/train.jsonl")) if d["success"]], questions, 6,
                           signatures=sigs)
