@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def load_model(policy: str | None):
+def load_model(policy: str | None, signatures: list[str]):
     from pipeline.policy.model import build_policy, load_policy
 
     for cand in ([policy] if policy else ["models/policy", "models/adapted"]):
@@ -32,7 +32,7 @@ def load_model(policy: str | None):
     from pipeline.policy.config import ModelConfig
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
 
-    tok = train_tokenizer(corpus_texts(ROOT / "data"), ModelConfig().vocab_size)
+    tok = train_tokenizer(corpus_texts(ROOT / "data", signatures), ModelConfig().vocab_size)
     return build_policy(ModelConfig(), tok), tok, "built-in default size, RANDOM weights (no trained policy found)"
 
 
@@ -51,8 +51,7 @@ def main() -> None:
     from pipeline.deploy.config import DeployConfig, QuantizationConfig
     from pipeline.deploy.quantize import make_variant, measure_variant, state_size_bytes
     from pipeline.envs.config import EnvConfig
-    from pipeline.envs.shop.core import WorldRuntime
-    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.registry import open_environment
     from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
 
@@ -61,9 +60,9 @@ def main() -> None:
     cfg = load_section(DeployConfig, "deploy", params)
     roll = load_section(RolloutConfig, "rollout", params).model_copy(
         update={"dtype": "fp32", "num_threads": args.threads, "batch_size": 32})
-    model, tok, source = load_model(args.policy)
-    tasks = load_task_file(ROOT / "data/tasks/test.jsonl")[: args.tasks]
-    runtime = WorldRuntime(load_world(ROOT / "data/env"))
+    runtime = open_environment(env_cfg.name, ROOT / "data/env")
+    model, tok, source = load_model(args.policy, [s.signature() for s in runtime.tools()])
+    tasks = load_task_file(ROOT / "data/tasks/test.jsonl", runtime)[: args.tasks]
     variants = [("fp32", "fp32", None), ("bf16", "bf16", None),
                 ("int8", "int8", cfg.quantization),
                 ("int8/weight_only", "int8", cfg.quantization.model_copy(update={"linear": "weight_only"})),

@@ -28,7 +28,7 @@ from pipeline.check_drift.config import DriftConfig
 from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, hidden_state_features, observation_contexts,
                                      task_features, trajectory_features)
 from pipeline.envs.config import EnvConfig
-from pipeline.envs.shop.core import WorldRuntime
+from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.tasks import Task
 from pipeline.envs.shop.world import generate_world
 from pipeline.policy.episodes import evaluate
@@ -39,7 +39,7 @@ GOAL_S = 10.0
 def base_episodes(world, n_tasks: int, seed: int) -> tuple[list[dict], list[dict], list[dict]]:
     """(tasks, expert episodes, random episodes) with synthetic rollout-sized token fields."""
     tasks = C.make_reference_sample(world, n_tasks, seed).tasks
-    runtime = WorldRuntime(world)
+    runtime = ShopWorld(world.world)
     try:
         objs = [Task.from_dict(t) for t in tasks]
         _, expert = evaluate("expert", objs, runtime, EnvConfig(), seed)
@@ -98,7 +98,7 @@ def main() -> None:
 
     print(f"machine now: {matmul_gflops():.0f} GFLOP/s fp32 matmul (a quiet 2-core machine: about 210)")
     t0 = time.perf_counter()
-    world = generate_world(0, 400, 80, 0.3)
+    world = ShopWorld(generate_world(0, 400, 80, 0.3))
     tasks, expert, rand = base_episodes(world, args.base_tasks, seed=1)
     ref = resample(expert, rand, args.n, 0.8, seed=2)
     cur = resample(expert, rand, args.n, 0.7, seed=3)
@@ -126,8 +126,10 @@ def main() -> None:
     from pipeline.policy.model import build_policy
     from pipeline.policy.tokenizer import train_tokenizer
 
-    contexts_ref = observation_contexts(tasks, ref[: 4 * args.hidden_samples], EnvConfig().history_window)
-    contexts_cur = observation_contexts(tasks, cur[: 4 * args.hidden_samples], EnvConfig().history_window)
+    contexts_ref = observation_contexts(tasks, ref[: 4 * args.hidden_samples], EnvConfig().history_window,
+                                        [t.signature() for t in world.tools()])
+    contexts_cur = observation_contexts(tasks, cur[: 4 * args.hidden_samples], EnvConfig().history_window,
+                                        [t.signature() for t in world.tools()])
     tok = train_tokenizer(contexts_ref[:2000], vocab_size=ModelConfig().vocab_size)
     model = build_policy(ModelConfig(), tok)
     hidden_state_features(model, tok, contexts_ref[:4], dtype=cfg.hidden_dtype)  # warm-up (first-call set-up)

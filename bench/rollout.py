@@ -60,23 +60,25 @@ LABELS = {"engine": "engine", "engine_noprefix": "engine, no prefix", "generate_
 
 def setup_policy(n_episodes: int, policy: str):
     """A trained policy with its world (data/env) and the first validation tasks."""
-    from pipeline.envs.shop.core import WorldRuntime
-    from pipeline.envs.shop.world import load_world
+    from pipeline.core.config import load_section
+    from pipeline.envs.config import EnvConfig
+    from pipeline.envs.registry import open_environment
     from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.model import load_policy
 
     model, tok, _ = load_policy(ROOT / policy)
-    tasks = load_task_file(ROOT / "data/tasks/validation.jsonl")[:n_episodes]
-    return WorldRuntime(load_world(ROOT / "data/env")), tasks, tok, model
+    world = open_environment(load_section(EnvConfig, "env", ROOT / "params.yaml").name, ROOT / "data/env")
+    tasks = load_task_file(ROOT / "data/tasks/validation.jsonl", world)[:n_episodes]
+    return world, tasks, tok, model
 
 
 def setup(n_episodes: int):
     """World, tasks, tokenizer and the random-weight default-size policy (deterministic)."""
-    from pipeline.envs.shop.core import ToolTasksEnv, WorldRuntime
+    from pipeline.envs.runner import AgentEnv
+    from pipeline.envs.shop import ShopWorld
     from pipeline.envs.shop.expert import ExpertPolicy
     from pipeline.envs.prompt import render_header
     from pipeline.envs.shop.tasks import generate_tasks
-    from pipeline.envs.shop.tools import default_tools, signature
     from pipeline.envs.shop.world import generate_world
     from pipeline.policy.episodes import run_episode
     from pipeline.policy.config import ModelConfig
@@ -84,12 +86,12 @@ def setup(n_episodes: int):
     from pipeline.policy.tokenizer import train_tokenizer
 
     world = generate_world(0, 400, 80, 0.3)
-    rt = WorldRuntime(world)
+    rt = ShopWorld(world)
     solve = lambda p, a: rt.solve(p, a)  # noqa: E731
     train = generate_tasks(world, "train", 300, {1: 1, 2: 1, 3: 1, 4: 1}, 0, solve)
-    sigs = [signature(t) for t in default_tools()]
+    sigs = [s.signature() for s in rt.tools()]
     texts = [f"{d['title']}\n{d['text']}" for d in world.corpus] + [render_header(t.question, sigs) for t in train]
-    env = ToolTasksEnv(world=rt, tasks=train)
+    env = AgentEnv(world=rt, tasks=train)
     for i, t in enumerate(train):
         texts += [s["action"] + s["observation"] for s in run_episode(env, ExpertPolicy(), t, i)["steps"]]
     tok = train_tokenizer(texts, ModelConfig().vocab_size)
@@ -118,7 +120,7 @@ def run_generate(model, tok, rt, tasks, seeds, env_cfg, cfg, per_episode: bool) 
     """The baselines: `model.generate` once per turn over the live episodes (or per episode), re-encoding contexts."""
     import torch
 
-    from pipeline.envs.shop.core import ToolTasksEnv
+    from pipeline.envs.runner import AgentEnv
     from pipeline.policy.model import autocast_context
     from pipeline.policy.tokenizer import CALL_CLOSE, EOS, marker_ids
 
@@ -126,7 +128,7 @@ def run_generate(model, tok, rt, tasks, seeds, env_cfg, cfg, per_episode: bool) 
     stops = [ids[CALL_CLOSE], ids[EOS]]
     envs, ctx, live = [], [], []
     for i, (t, s) in enumerate(zip(tasks, seeds)):
-        env = ToolTasksEnv(world=rt, tasks=[t], config=env_cfg)
+        env = AgentEnv(world=rt, tasks=[t], config=env_cfg)
         obs, _ = env.reset(seed=s, options={"task": t})
         envs.append(env)
         ctx.append(obs["context"])

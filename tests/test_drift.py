@@ -25,9 +25,10 @@ from pipeline.check_drift.config import DriftConfig
 from pipeline.check_drift.consistency import check_consistency, probes_from_episodes
 from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, Feature, hidden_state_features,
                                      observation_contexts, task_features, trajectory_features)
-from pipeline.envs import episode_suites as S
+from pipeline.envs.shop import ShopWorld
+from pipeline.envs.shop.environment import ShopOptions
+from pipeline.envs.shop import episode_suites as S
 from pipeline.envs.config import EnvConfig
-from pipeline.envs.shop.core import WorldRuntime
 from pipeline.envs.prompt import SYSTEM_TEMPLATE, render_context, render_header
 from pipeline.envs.shop.tasks import Task
 from pipeline.envs.taskfile import write_tasks
@@ -40,12 +41,13 @@ ALPHA = 0.01
 FA_REPEATS = 20
 FA_BOUND = 0.2  # bound on the false-alarm rate over 20 repeats at alpha=0.01 with Bonferroni (expected: <= 0.01)
 N = 200  # tasks per sample
+SIGS = [s.signature() for s in ShopWorld.default().tools()]  # the shop's tool list, as the prompt shows it
 
 
 # ---------------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def world():
-    return generate_world(0, n_products=400, n_suppliers=80, heldout_fraction=0.3)  # build_env's defaults
+    return ShopWorld(generate_world(0, n_products=400, n_suppliers=80, heldout_fraction=0.3))  # build_env's defaults
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def reference(world):
 def episodes(world):
     """Expert and random episodes (run_episode records) on a few reference tasks."""
     sample = C.make_reference_sample(world, 30, seed=7)
-    runtime = WorldRuntime(world)
+    runtime = ShopWorld(world.world)
     tasks = [Task.from_dict(t) for t in sample.tasks]
     _, expert = evaluate("expert", tasks, runtime, EnvConfig())
     _, rand = evaluate("random", tasks, runtime, EnvConfig())
@@ -72,7 +74,7 @@ def tiny_lm(reference):
 
     from pipeline.policy.tokenizer import marker_ids, train_tokenizer
 
-    tok = train_tokenizer(observation_contexts(reference.tasks, None, 6), vocab_size=400)
+    tok = train_tokenizer(observation_contexts(reference.tasks, None, 6, SIGS), vocab_size=400)
     ids = marker_ids(tok)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
@@ -96,7 +98,7 @@ def test_task_features_one_series_per_declared_feature_and_entities_counted_once
     assert set(feats) == set(TASK_FEATURES)
     assert all(len(feats[f]) == len(reference.tasks) for f, spec in TASK_FEATURES.items() if spec.unit == "task")
     named = {e for t in reference.tasks for e in t["entities"]}
-    products = {p["name"] for p in world.products}
+    products = {p["name"] for p in world.world.products}
     assert len(feats["entity_price"]) == len(named & products)  # one value per distinct product, not per task
     assert task_features(reference.tasks, None)["entity_price"].empty  # no world: the entity features are missing
     numeric = [t for t in reference.tasks if t["answer"].replace(".", "", 1).lstrip("-").isdigit()]
@@ -216,13 +218,13 @@ def test_calibration_samples_use_the_builds_wordings(world):
     from pipeline.check_drift.main import run_checks
 
     mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
-    ref = C.make_reference_sample(world, N, 101, mix, train_wordings=8).tasks
-    cur = C.make_reference_sample(world, N, 102, mix, train_wordings=8).tasks
+    ref = C.make_reference_sample(world, N, 101, mix, options=ShopOptions(train_wordings=8)).tasks
+    cur = C.make_reference_sample(world, N, 102, mix, options=ShopOptions(train_wordings=8)).tasks
     assert {t["template_id"].split("/")[1] for t in ref} >= {"5", "6", "7", "8"}
-    right = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, 8, ref, cur, world, world)
+    right = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, ShopOptions(train_wordings=8), ref, cur, world, world)
     assert right["checks"]["task_drift"]["status"] == "pass"
     assert right["checks"]["calibration"]["status"] == "pass", right["checks"]["calibration"]
-    wrong = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, 4, ref, cur, world, world)["checks"]["calibration"]
+    wrong = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, ShopOptions(train_wordings=4), ref, cur, world, world)["checks"]["calibration"]
     assert wrong["status"] == "fail" and "template" in wrong["alarms_by_feature"]
 
 
@@ -255,7 +257,7 @@ def test_mmd_detects_a_mean_shift_and_not_a_fresh_draw():
 
 def test_hidden_states_batched_equal_one_at_a_time(tiny_lm, reference):
     model, tok = tiny_lm
-    contexts = observation_contexts(reference.tasks[:6], None, 6)
+    contexts = observation_contexts(reference.tasks[:6], None, 6, SIGS)
     batched = hidden_state_features(model, tok, contexts, batch_size=4)
     single = np.stack([hidden_state_features(model, tok, [c], share_prefix=False)[0] for c in contexts])
     assert batched.shape == (6, 32)
@@ -267,7 +269,7 @@ def test_shared_prefix_path_equals_the_plain_forward(tiny_lm, episodes):
 
     model, tok = tiny_lm
     tasks, expert, rand = episodes
-    contexts = observation_contexts(tasks, expert[:5] + rand[:5], 6)  # every step: different lengths and histories
+    contexts = observation_contexts(tasks, expert[:5] + rand[:5], 6, SIGS)  # every step: different lengths and histories
     ids = [default_encode(tok, c) for c in contexts]
     assert shared_prefix_length(ids) >= 16  # the system prompt and tool list
     shared = hidden_states_from_ids(model, ids, batch_size=8, share_prefix=True)
@@ -277,9 +279,9 @@ def test_shared_prefix_path_equals_the_plain_forward(tiny_lm, episodes):
 
 def test_state_check_false_alarm_rate_over_repeated_fresh_samples(tiny_lm, reference, world, capsys):
     model, tok = tiny_lm
-    ref = hidden_state_features(model, tok, observation_contexts(reference.tasks, None, 6))
+    ref = hidden_state_features(model, tok, observation_contexts(reference.tasks, None, 6, SIGS))
     fresh = [C.make_reference_sample(world, 40, 2000 + k) for k in range(FA_REPEATS)]
-    embedded = [hidden_state_features(model, tok, observation_contexts(f.tasks, None, 6)) for f in fresh]
+    embedded = [hidden_state_features(model, tok, observation_contexts(f.tasks, None, 6, SIGS)) for f in fresh]
     fa = C.false_alarm_rate(((ref, x) for x in embedded), lambda a, b: C.mmd_test(a, b, permutations=200, seed=1))
     with capsys.disabled():
         print(f"\n[drift] hidden-state MMD false-alarm rate: {fa.alarms}/{fa.repeats} = {fa.rate:.2f} "
@@ -290,7 +292,7 @@ def test_state_check_false_alarm_rate_over_repeated_fresh_samples(tiny_lm, refer
 def test_state_check_quiet_on_fresh_samples_fires_on_level_shift(tiny_lm, reference, world, capsys):
     model, tok = tiny_lm
     cfg = DriftConfig(max_hidden_samples=N, mmd_permutations=200)
-    ctx = lambda s: observation_contexts(s.tasks, None, 6)  # noqa: E731
+    ctx = lambda s: observation_contexts(s.tasks, None, 6, SIGS)  # noqa: E731
     fresh = C.state_drift(model, tok, ctx(reference), ctx(C.make_reference_sample(world, N, 102)), cfg)
     drifted = C.state_drift(model, tok, ctx(reference), ctx(C.make_drifted_tasks(world, N, "level_shift", 103)), cfg)
     with capsys.disabled():
@@ -312,7 +314,7 @@ def altered_serving(question, signatures, history, window):
 @pytest.fixture(scope="module")
 def probes(episodes):
     tasks, expert, _ = episodes
-    return probes_from_episodes(tasks, expert, window=2, n=24, seed=0)
+    return probes_from_episodes(tasks, expert, window=2, n=24, seed=0, signatures=SIGS)
 
 
 def test_probes_include_folded_histories(probes):
@@ -353,7 +355,7 @@ def test_different_tokenization_or_serving_weights_fail_at_their_stage(probes, t
 
 
 def test_probe_from_a_mapping():
-    probe = {"question": "What is the price of 'Blue Lamp'?", "history": [], "window": 6}
+    probe = {"question": "What is the price of 'Blue Lamp'?", "history": [], "window": 6, "tool_signatures": SIGS}
     assert check_consistency([probe]).passed
 
 
@@ -361,7 +363,6 @@ def test_probe_from_a_mapping():
 @pytest.fixture(scope="module")
 def rollout_like(episodes, tiny_lm):
     """Expert episodes with the token fields a rollout adds (ids, mask, log-probabilities, segments)."""
-    from pipeline.check_drift.features import tool_signatures
     from pipeline.policy.tokenizer import encode_turns
 
     tasks, expert, _ = episodes
@@ -369,7 +370,7 @@ def rollout_like(episodes, tiny_lm):
     questions = {t["task_id"]: t["question"] for t in tasks}
     out = []
     for r in expert[:8]:
-        context = render_context(questions[r["task_id"]], tool_signatures(), [], 6)
+        context = render_context(questions[r["task_id"]], SIGS, [], 6)
         ids, mask = encode_turns(tok, context, [(s["action"], s["observation"]) for s in r["steps"]])
         out.append({**copy.deepcopy(r), "token_ids": ids, "action_mask": mask,
                     "logprobs": [-0.5 * m for m in mask], "segments": [0]})
@@ -425,13 +426,13 @@ def test_require_tokens_refuses_records_without_them(episodes):
 @pytest.fixture
 def project(tmp_path, monkeypatch, world):
     """A project folder with build_env-shaped data (world, train/validation tasks) and a params.yaml."""
-    write_world(world, tmp_path / "data" / "env")
-    runtime = WorldRuntime(world)
+    write_world(world.world, tmp_path / "data" / "env")
+    runtime = ShopWorld(world.world)
     from pipeline.envs.shop.tasks import generate_tasks
 
     mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
     for split, n in (("train", 400), ("validation", 120)):
-        tasks = generate_tasks(world, split, n, mix, 0, solver=lambda p, a: runtime.solve(p, a))
+        tasks = generate_tasks(world.world, split, n, mix, 0, solver=lambda p, a: runtime.solve(p, a))
         write_tasks(tasks, tmp_path / "data" / "tasks" / f"{split}.jsonl")
     runtime.close()
     params = {"check_drift": {"false_alarm_repeats": 5, "false_alarm_sample_size": 100}}
@@ -545,8 +546,9 @@ def expert_and_random_episodes(project, world):
     and random episodes on 40 validation tasks (for current-episode files)."""
     from pipeline.envs.taskfile import load_task_file
 
-    tasks = {s: load_task_file(project / "data" / "tasks" / f"{s}.jsonl") for s in ("train", "validation")}
-    runtime = WorldRuntime(world)
+    runtime = ShopWorld(world.world)
+    tasks = {s: load_task_file(project / "data" / "tasks" / f"{s}.jsonl", runtime, validate=False)
+             for s in ("train", "validation")}
     try:
         _, reference = evaluate("expert", tasks["train"][:60], runtime, EnvConfig())
         _, expert = evaluate("expert", tasks["validation"][:40], runtime, EnvConfig())
@@ -602,7 +604,7 @@ def test_current_world_dir_gives_the_current_tasks_entity_values(project, world)
     from pipeline.check_drift.main import main
 
     shifted = C.make_drifted_tasks(world, 150, "value_shift", seed=5, split="validation")
-    write_world(shifted.world, project / "data" / "env-current")
+    write_world(shifted.world.world, project / "data" / "env-current")
     (project / "data" / "incoming").mkdir()
     write_tasks([Task.from_dict(t) for t in shifted.tasks], project / "data" / "incoming" / "batch-001.jsonl")
     _set_params(project, false_alarm_repeats=0)

@@ -10,7 +10,6 @@ named by ``module:Class``. Nothing here is a stub: the builds, checks, episodes 
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -376,7 +375,8 @@ def test_a_tool_that_raises_is_an_error_observation_and_the_episode_goes_on(site
     env = AgentEnv(world=world, tasks=[task])
     env.reset(seed=0, options={"task": task})
     _, _, terminated, truncated, info = env.step('<call>add {"a": 0, "b": 7}</call>')
-    assert info["outcome"] == "tool_error" and info["observation_text"] == "<obs>error: add failed (RuntimeError)</obs>\n"
+    assert info["outcome"] == "tool_error"
+    assert info["observation_text"] == "<obs>error: add failed (RuntimeError)</obs>\n"
     assert not terminated and not truncated
     _, _, terminated, _, info = env.step('<call>add {"a": 1, "b": 6}</call>')  # the next call works
     assert info["outcome"] == "ok" and info["tool_result"] == "7"
@@ -430,7 +430,8 @@ def test_the_check_leaves_the_shop_build_byte_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(build_env, "check_environment", lambda *a, **k: None)
     unchecked = build(cfg, EnvConfig(max_steps=3), tmp_path / "b" / "data", tmp_path / "b" / "m.json")
     assert tree(tmp_path / "a" / "data") == tree(tmp_path / "b" / "data")
-    assert {k: v for k, v in checked.items() if k != "seconds"} == {k: v for k, v in unchecked.items() if k != "seconds"}
+    drop = lambda m: {k: v for k, v in m.items() if k != "seconds"}  # noqa: E731
+    assert drop(checked) == drop(unchecked)
     assert checked["counts"]["demos"] > 0
 
 
@@ -477,10 +478,13 @@ def _arith_params() -> dict:
 @pytest.mark.slow
 def test_an_environment_from_outside_runs_the_unchanged_command_line(tmp_path):
     from deploy_support import free_port, wait_http, write_metrics
-    from test_flow import agentrl, champion, make_project
+    from test_flow import ROOT, agentrl, champion
 
+    # A user's project: params.yaml and the DeepSpeed configs, the installed library (no copy of it: the training
+    # ranks would import a copy from the working directory), the environment's package on PYTHONPATH.
     site = write_package(tmp_path / "site")
-    root = make_project(tmp_path / "project")
+    root = tmp_path / "project"
+    shutil.copytree(ROOT / "configs", root / "configs")
     (root / "params.yaml").write_text(yaml.safe_dump(_arith_params(), sort_keys=False))
     env = _cli_env(site, root)
     run = lambda *args: agentrl(root, *args, env=env, timeout=600)  # noqa: E731

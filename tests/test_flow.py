@@ -35,7 +35,7 @@ COPIED = ("pipeline", "flows", "configs", "dvc.yaml", ".dvcignore", "prefect.yam
 # Tiny sizes for every phase (merged into the repository's params.yaml, so new keys there keep their defaults).
 TINY = {
     "env": {"max_steps": 3},
-    "build_env": {"n_products": 40, "n_suppliers": 12, "tasks_per_split": {"train": 120, "validation": 24, "test": 24},
+    "build_env": {"options": {"n_products": 40, "n_suppliers": 12}, "tasks_per_split": {"train": 120, "validation": 24, "test": 24},
                   "demos": {"level_coverage": {1: 0.3, 2: 0.3, 3: 0.3, 4: 0.3}}},
     "model": {"vocab_size": 400, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_positions": 512,
               "dtype": "fp32"},
@@ -156,9 +156,9 @@ def stage_lines(stdout: str) -> dict[str, str]:
 def write_tasks(root: Path, name: str, kind: str | None, n: int = 120, seed: int = 7) -> Path:
     """A batch of incoming tasks: a fresh sample of the reference generator (kind None) or a drifted one."""
     from pipeline.check_drift.checks import make_drifted_tasks, make_reference_sample
-    from pipeline.envs.shop.world import load_world
+    from pipeline.envs.shop import ShopWorld
 
-    world = load_world(root / "data" / "env")
+    world = ShopWorld.load(root / "data" / "env")
     if kind is None:
         mix = yaml.safe_load((root / "params.yaml").read_text())["build_env"]["level_mix"]
         sample = make_reference_sample(world, n, seed, mix)

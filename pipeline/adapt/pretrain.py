@@ -102,7 +102,8 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_di
                    autocast=autocast, log=lambda s, m: progress("pretrain", s, cfg.pretrain.steps, m,
                                                                 cfg.sft.log_every, log),
                    log_every=cfg.sft.log_every,
-                   stop=copied_enough if cfg.pretrain.copy_target is not None else None,
+                   # without entity names there is nothing to probe copying on: the steps run in full
+                   stop=copied_enough if cfg.pretrain.copy_target is not None and probe else None,
                    stop_every=cfg.pretrain.check_every)
     word_probe = drills.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
     summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,

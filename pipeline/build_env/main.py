@@ -156,6 +156,10 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
             check_environment(world, tasks, env_cfg)
         except EnvironmentError_ as exc:
             raise EnvironmentError_(f"build_env: {exc}; nothing was published") from None
+        over = sum(t.min_calls > env_cfg.max_steps for ts in tasks.values() for t in ts)
+        if over:  # the expert check runs with the budget raised; the run's own budget would truncate these
+            print(f"build_env: warning: {over} tasks need more calls than env.max_steps={env_cfg.max_steps} allows; "
+                  f"no policy can solve them in this run's episodes", flush=True)
         families = {t.family for ts in tasks.values() for t in ts}
         unknown = sorted(set(cfg.demos.family_coverage) - families)
         if unknown:
@@ -188,6 +192,7 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
                   stage / "demos" / "train.jsonl"]}
         metrics = {
             "environment": cls.name,
+            "tasks_over_step_budget": over,
             "counts": {**result.counts, **{f"tasks_{s}": len(ts) for s, ts in tasks.items()}, "demos": len(demos)},
             "level_mix": {s: dict(sorted(Counter(str(t.level) for t in ts).items())) for s, ts in tasks.items()},
             "family_mix": {s: dict(sorted(Counter(t.family for t in ts).items())) for s, ts in tasks.items()},

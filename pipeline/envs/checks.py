@@ -35,9 +35,11 @@ import re
 
 import jsonschema
 
+from pipeline.envs import reward as R
 from pipeline.envs.config import SPLITS, EnvConfig
 from pipeline.envs.contract import ANSWER_TOOL, Environment, ToolSpec
 from pipeline.envs.registry import EnvironmentError_, contract_problems
+from pipeline.envs.runner import AgentEnv
 from pipeline.envs.taskfile import TASK_KEYS, record_problem
 
 EXPERT_SAMPLE = 20  # tasks per split the expert is replayed on
@@ -184,16 +186,13 @@ def _replay(env, policy, task, seed: int) -> tuple[dict, list[tuple[str, str]]]:
 def check_expert(world: Environment, tasks: dict[str, list], env_cfg: EnvConfig,
                  per_split: int = EXPERT_SAMPLE) -> int:
     """Replay the expert on a sample of every split (see the module docstring); returns the episodes checked."""
-    from pipeline.envs import reward as R
-    from pipeline.envs.runner import AgentEnv
-
-    if world.expert() is None:
+    chosen = [(split, t) for split, ts in tasks.items() for t in sample(ts, per_split)]
+    if world.expert() is None or not chosen:
         return 0
     name = _name(world)
-    chosen = [(split, t) for split, ts in tasks.items() for t in sample(ts, per_split)]
     cfg = env_cfg.model_copy(update={
         "tool_latency_s": 0.0, "tool_failure_rate": 0.0, "max_policy_chars": 10**9,
-        "max_steps": max(env_cfg.max_steps, max(t.min_calls for _, t in chosen))})
+        "max_steps": max([env_cfg.max_steps, *(t.min_calls for _, t in chosen)])})
     top = R.composite(R.RewardComponents(correctness=1.0, user_experience=1.0), cfg.reward)
     env = AgentEnv(world=world, tasks=[t for _, t in chosen], config=cfg)
     try:
