@@ -27,8 +27,8 @@ class DemoSampler:
     with its entity names replaced by fictitious ones (:func:`augment_names`) with probability `augment_prob`."""
 
     def __init__(self, tokenizer, demos: Sequence[dict], tasks: dict[str, dict], window: int, max_len: int,
-                 augment_prob: float = 0.0, pool: NamePool | None = None,
-                 signatures: Mapping[str, Sequence[str]] | None = None):
+                 augment_prob: float = 0.0, pool: NamePool | None = None, *,
+                 signatures: Mapping[str, Sequence[str]]):
         missing = [d["demo_id"] for d in demos if d["task_id"] not in tasks]
         if missing:
             raise AgentRLError(f"demonstrations {missing[:5]} refer to tasks that are not in the training tasks")
@@ -36,7 +36,7 @@ class DemoSampler:
             raise AgentRLError("entity augmentation needs a NamePool (data/env/entities.json)")
         self.tokenizer, self.demos, self.tasks = tokenizer, list(demos), tasks
         self.window, self.max_len, self.augment_prob, self.pool = window, max_len, augment_prob, pool
-        self.signatures = signatures or {}  # task_id -> its tool list, as the prompt shows it (prompt_signatures)
+        self.signatures = signatures  # task_id -> its tool list, as the prompt shows it (prompt_signatures)
         self.truncated = 0  # segments of the plain demonstrations cut at max_len
         self.plain = [self._encode(d, self.tasks[d["task_id"]]["question"], d["steps"], count=True) for d in self.demos]
         self.lengths = [sum(len(e) for e in exs) for exs in self.plain]

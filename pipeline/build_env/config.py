@@ -62,6 +62,19 @@ class BuildEnvConfig(PhaseConfig):
     )
     demos: DemoConfig = Field(default_factory=DemoConfig, description="Demonstration generation.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        """A key of an environment's own options written at the top of the section (params files from before the
+        environment contract) is named as moved, rather than as merely unknown."""
+        if isinstance(data, dict):
+            moved = sorted(k for k in data if k in {"n_products", "n_suppliers", "heldout_entity_fraction",
+                                                     "train_wordings"})
+            if moved:
+                raise ValueError(f"{', '.join(moved)}: moved under build_env.options (the environment's own build "
+                                 f"options), e.g. options: {{{moved[0]}: ...}}")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "BuildEnvConfig":
         if set(self.tasks_per_split) != set(SPLITS):

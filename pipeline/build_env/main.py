@@ -124,11 +124,9 @@ def publish(stage: Path, data_dir: Path) -> None:
             shutil.rmtree(old)
 
 
-def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run=None,
-          validator=validate_outputs) -> dict:
-    """Generate, validate (with `validator(stage, world) -> reports`) and publish; returns the metrics written to
-    `metrics_path`."""
-    t0 = time.perf_counter()
+def resolve_request(cfg: BuildEnvConfig, env_cfg: EnvConfig) -> tuple[type[Environment], BuildRequest]:
+    """The environment class and what to ask it to build: `build_env.options` checked by its Options model and
+    `level_mix` against its levels (AgentRLError naming the key otherwise)."""
     cls = environment_class(env_cfg.name)
     try:
         options = cls.Options.model_validate(cfg.options)
@@ -138,7 +136,15 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
     if bad:
         raise AgentRLError(f"build_env.level_mix names levels {bad} that environment {cls.name!r} does not have "
                            f"(its levels: {list(cls.levels)})")
-    request = BuildRequest(cfg.seed, dict(cfg.tasks_per_split), dict(cfg.level_mix), options)
+    return cls, BuildRequest(cfg.seed, dict(cfg.tasks_per_split), dict(cfg.level_mix), options)
+
+
+def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run=None,
+          validator=validate_outputs) -> dict:
+    """Generate, validate (with `validator(stage, world) -> reports`) and publish; returns the metrics written to
+    `metrics_path`."""
+    t0 = time.perf_counter()
+    cls, request = resolve_request(cfg, env_cfg)
     data_dir.mkdir(parents=True, exist_ok=True)
     stage = data_dir / ".staging-build_env"
     if stage.exists():
@@ -245,6 +251,7 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", metrics_path:
 
     env_cfg = load_section(EnvConfig, "env", params_path)
     cfg = load_section(BuildEnvConfig, "build_env", params_path)
+    resolve_request(cfg, env_cfg)  # a bad option or level fails here, before an MLflow run is opened
     with Tracker().run("build_env", params={"env": env_cfg.model_dump(), "build_env": cfg.model_dump()}) as run:
         metrics = build(cfg, env_cfg, Path(data_dir), Path(metrics_path), run)
     c, b = metrics["counts"], metrics["baselines"]
