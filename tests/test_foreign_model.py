@@ -153,6 +153,18 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_tokenizer(
     assert str(bad) in str(err.value) and what in str(err.value) and "first difference at token" in str(err.value)
 
 
+TOOLLESS = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_template_that_does_not_render_the_tools_is_refused(tiny_dir, tmp_path):
+    """Append-only but blind to `tools`: the prompt would list no tools at all (tools that silently never fire)."""
+    bad = with_template(tiny_dir, tmp_path / "toolless", TOOLLESS)
+    with pytest.raises(AgentRLError, match="does not render the tools") as err:
+        load_base_tokenizer(ModelConfig(base=str(bad)), tools=TOOLS)
+    assert str(bad) in str(err.value)
+
+
 def test_a_saved_policy_keeps_its_tools_and_is_checked_again_on_load(tiny_dir, tok, tmp_path):
     model = build_policy(ModelConfig(base=str(tiny_dir), dtype="fp32"), tok)
     save_policy(model, tok, tmp_path / "policy", {"phase": "test"})

@@ -24,6 +24,7 @@ own draws, injected faults), so the same seed gives the same episode.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import gymnasium as gym
 import jsonschema
@@ -71,24 +72,32 @@ class AgentEnv(gym.Env):
     ``gymnasium.make("agentrl/ToolTasks-v0", world=..., tasks=..., config=...)``.
 
     Args:
-        world: a loaded :class:`Environment`, or None for the built-in shop's small default world.
-        tasks: the tasks to draw from (objects of `world`'s task type or their dicts); None: the default world's.
+        world: a loaded :class:`Environment`, a world folder written by `build_env` (opened as `config.name`), or None
+            for the small default world of `config.name`'s environment.
+        tasks: the tasks to draw from (objects of `world`'s task type or their dicts), a task file, or None for the
+            default world's.
         config: an :class:`EnvConfig` or a mapping of its keys.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
-    def __init__(self, world: Environment | None = None, tasks=None, config: EnvConfig | dict | None = None,
-                 render_mode: str | None = None):
-        self.config = config if isinstance(config, EnvConfig) else EnvConfig.model_validate(config or {})
-        self._owns_world = world is None
-        if world is None:
-            from pipeline.envs.registry import environment_class
+    def __init__(self, world: Environment | str | Path | None = None, tasks=None,
+                 config: EnvConfig | dict | None = None, render_mode: str | None = None):
+        from pipeline.envs.registry import environment_class, open_environment
 
+        self.config = config if isinstance(config, EnvConfig) else EnvConfig.model_validate(config or {})
+        self._owns_world = not isinstance(world, Environment)
+        if world is None:
             world = environment_class(self.config.name).default()
+        elif isinstance(world, (str, Path)):
+            world = open_environment(self.config.name, world)
         self.world = world
         if tasks is None:
             tasks = getattr(world, "builtin_tasks", {}).get("train", [])
+        elif isinstance(tasks, (str, Path)):
+            from pipeline.envs.taskfile import load_task_file
+
+            tasks = load_task_file(tasks, world, validate=False)
         self.tasks = [t if not isinstance(t, dict) else world.task_from_dict(t) for t in tasks]
         if not self.tasks:
             raise ValueError("the environment needs at least one task")

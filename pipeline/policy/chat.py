@@ -167,6 +167,7 @@ class ChatFormat:
         docstring): the delta-built probe must equal the template's rendering after every turn."""
         messages = [_msg("system", PROBE_SYSTEM), _msg("user", PROBE_USER)]
         built = self.render_ids(messages, generation=True)
+        first = list(built)
         for k, (action, obs) in enumerate(PROBE_TURNS, 1):
             a = self.action_ids(action)
             messages.append(_msg("assistant", action))
@@ -181,6 +182,13 @@ class ChatFormat:
                 raise AgentRLError(self._mismatch(f"after tool turn {k} the template's rendering of the whole "
                                                   "conversation differs from the prompt plus the turns' deltas",
                                                   built, rendered))
+        if self.tools:  # bound tools replace the system line's own list: a template that drops them hides the tools
+            shown = self.tokenizer.decode(first)
+            missing = [t["function"]["name"] for t in self.tools if t["function"]["name"] not in shown]
+            if missing:
+                raise AgentRLError(f"tokenizer {self.name!r}: its chat template does not render the tools passed to "
+                                   f"it (missing from the prompt: {', '.join(missing)}); the policy would never see "
+                                   f"them. Use a template that renders `tools`, or remove the chat template")
 
     def _mismatch(self, what: str, built: list[int], rendered: list[int]) -> str:
         i = next((i for i, (x, y) in enumerate(zip(built, rendered)) if x != y), min(len(built), len(rendered)))

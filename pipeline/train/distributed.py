@@ -87,11 +87,19 @@ def init_dist() -> Dist:
     import deepspeed
     import torch.distributed as dist
 
-    if "WORLD_SIZE" not in os.environ:  # one process started directly (tests, `--num-ranks 1`)
+    alone = "WORLD_SIZE" not in os.environ
+    if alone:  # one process started directly (tests, `--num-ranks 1`)
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(free_port())})
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=None)
+    for attempt in range(5):
+        if dist.is_initialized():
+            break
+        try:
+            deepspeed.init_distributed(dist_backend=None)
+        except RuntimeError as exc:  # DistNetworkError: the free port was taken between choosing and binding it
+            if not alone or "EADDRINUSE" not in str(exc) or attempt == 4:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu"
