@@ -91,8 +91,12 @@ def make_project(root: Path) -> Path:
 
 
 def clean_env(root: Path) -> dict[str, str]:
-    """The environment of a user in `root`: no MLflow store of the test run, Prefect settings or parent run."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_"))}
+    """The environment of a user in `root`: no MLflow store of the test run, Prefect settings, parent run or rank
+    variables (a process group of this test process)."""
+    from pipeline.train.distributed import RANK_VARS  # a test that trained in-process leaves its rank variables set
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_")) and k not in RANK_VARS}
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     return env

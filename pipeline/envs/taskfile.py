@@ -44,12 +44,10 @@ def record_problem(rec: dict) -> str | None:
     return None
 
 
-def load_task_file(path: str | Path, world, *, validate: bool = True) -> list:
-    """The tasks of `path` for the environment `world` (see the module docstring).
-
-    A missing or empty file, a line that is not a JSON object, a record without the task keys or with a key of the
-    wrong type, and a record the environment cannot read raise :class:`TaskFileError` naming the file and the line.
-    """
+def read_task_records(path: str | Path) -> list[tuple[int, dict]]:
+    """(line, record) of every task of `path`, checked for what any environment's task needs (the task keys and
+    their JSON types); :class:`TaskFileError` naming the file and the line otherwise. No environment is needed, so an
+    entry point can refuse a bad file before it opens a world."""
     path = Path(path)
     records = []
     try:
@@ -64,6 +62,17 @@ def load_task_file(path: str | Path, world, *, validate: bool = True) -> list:
         raise TaskFileError(str(exc)) from None
     if not records:
         raise TaskFileError(f"{path}: no tasks in file")
+    return records
+
+
+def load_task_file(path: str | Path, world, *, validate: bool = True) -> list:
+    """The tasks of `path` for the environment `world` (see the module docstring).
+
+    A missing or empty file, a line that is not a JSON object, a record without the task keys or with a key of the
+    wrong type, and a record the environment cannot read raise :class:`TaskFileError` naming the file and the line.
+    """
+    path = Path(path)
+    records = read_task_records(path)
     if validate:
         from pipeline.core.validation import DataValidationError
 

@@ -23,7 +23,7 @@ from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
 from pipeline.envs.registry import open_environment
 from pipeline.envs.runner import AgentEnv
-from pipeline.envs.taskfile import load_task_file
+from pipeline.envs.taskfile import load_task_file, read_task_records
 from pipeline.core.errors import AgentRLError
 
 COMPONENTS = ("correctness", "efficiency", "safety", "user_experience")
@@ -130,6 +130,7 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
         rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
         if not Path(policy).is_dir():
             raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
+    read_task_records(tasks)  # a malformed task file is refused before any world is opened
     runtime = open_environment(env_cfg.name, world_dir)
     try:
         task_list = load_task_file(tasks, runtime)
