@@ -15,7 +15,8 @@ from pipeline.core import validation as V
 FLAWS = ("none", "redundant_call", "wrong_order", "wrong_value")
 
 
-def _derive(df: pd.DataFrame) -> dict[str, list]:
+def derive_demo_columns(df: pd.DataFrame) -> dict[str, list]:
+    """`n_steps` and `steps_well_formed` of each demonstration (shared with the environments' own demo suites)."""
     steps = V.column_values(df, "steps")
 
     def well_formed(step: Any) -> bool:
@@ -52,5 +53,5 @@ def demonstrations_suite(task_ids: Collection[str] | None = None) -> list:
 def register() -> str:
     """Register the suite once (idempotent); its name."""
     if "demonstrations" not in V.SUITES:
-        V.register_suite("demonstrations", id_column="demo_id", derive=_derive)(demonstrations_suite)
+        V.register_suite("demonstrations", id_column="demo_id", derive=derive_demo_columns)(demonstrations_suite)
     return "demonstrations"

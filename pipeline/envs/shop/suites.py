@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.core import validation as V
+from pipeline.envs.demo_suite import derive_demo_columns
 from pipeline.envs.config import LEVELS, SPLITS
 from pipeline.envs.shop.expert import FLAWS
 from pipeline.envs.shop.tasks import FAMILIES
@@ -97,16 +98,9 @@ def tasks_suite(split: str | None = None) -> list:
 # ------------------------------------------------------------------------------------------------------- demos
 
 
-def _derive_demos(df: pd.DataFrame) -> dict[str, list]:
-    steps = V.column_values(df, "steps")
-
-    def well_formed(step: Any) -> bool:
-        return isinstance(step, dict) and all(isinstance(step.get(k), str) for k in ("action", "observation"))
-
-    return {
-        "n_steps": [V.list_len(s) for s in steps],
-        "steps_well_formed": [isinstance(s, list) and all(well_formed(x) for x in s) for s in steps],
-    }
+# the columns derived from a demonstration's steps are the generic suite's (pipeline.envs.demo_suite); the shop's
+# suite adds its own families, levels and step bound on top
+_derive_demos = derive_demo_columns
 
 
 def demos_suite(task_ids: Collection[str] | None = None) -> list:
