@@ -44,6 +44,12 @@ def _cmd_adapt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reward_model(args: argparse.Namespace) -> int:
+    from pipeline.reward_model import main as reward_model
+    reward_model.main(args.params)
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from pipeline.train import main as train
     train.main(args.params)
@@ -206,6 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params_option(p)
     p.set_defaults(func=_cmd_adapt)
+
+    p = sub.add_parser(
+        "reward-model",
+        help="train the learned verifier (success and process soundness) on demonstrations and the policy's rollouts",
+        description="Replay the demonstrations and sample rollouts of the adapted policy on training tasks, label them "
+        "with the rule verifier and reward, fit the learned verifier, and save models/reward_model and "
+        "metrics/reward_model.json (held-out AUC, accuracy, calibration). Reads `reward_model`, `env`, `rollout`.",
+    )
+    params_option(p)
+    p.set_defaults(func=_cmd_reward_model)
 
     p = sub.add_parser(
         "train",

@@ -18,6 +18,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
                   "demos.success_rate", "validation.expectations_failed", "seconds.total"),
     "adapt": ("gate.enabled", "gate.passed", "capability.eval/greedy/success", "capability.eval/greedy/tool_first_acc",
               "capability.eval/greedy/param_acc", "sft.loss_final", "seconds.total"),
+    "reward_model": ("heldout.success.auc", "heldout.sound.auc", "heldout.success.ece", "heldout.sound.ece",
+                     "episodes.demos", "episodes.rollouts", "seconds.total"),
     "train": ("algorithm", "updates", "best_update", "best_val_success", "test.sft.overall.success_rate",
               "test.rl.overall.success_rate", "delta_rl_minus_sft.overall_success",
               "delta_rl_minus_sft.level_4_success", "seen_wording_headroom.overall",

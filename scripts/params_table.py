@@ -32,11 +32,12 @@ from pipeline.evaluate.config import EvaluateConfig  # noqa: E402
 from pipeline.policy.config import ModelConfig, RolloutConfig  # noqa: E402
 from pipeline.adapt.config import AdaptConfig  # noqa: E402
 from pipeline.train.config import TrainConfig  # noqa: E402
+from pipeline.reward_model.config import RewardModelConfig  # noqa: E402
 
 # params.yaml section -> model; a new phase adds its section here.
 SECTIONS: dict[str, type[BaseModel]] = {
     "env": EnvConfig, "build_env": BuildEnvConfig, "model": ModelConfig, "rollout": RolloutConfig,
-    "adapt": AdaptConfig, "train": TrainConfig, "check_drift": DriftConfig, "evaluate": EvaluateConfig,
+    "adapt": AdaptConfig, "reward_model": RewardModelConfig, "train": TrainConfig, "check_drift": DriftConfig, "evaluate": EvaluateConfig,
     "deploy": DeployConfig,
 }
 

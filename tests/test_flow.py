@@ -45,6 +45,7 @@ TINY = {
               "sft": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "max_len": 256, "log_every": 1,
                       "compile": False, "select_every": 0},
               "eval": {"max_tasks": 4, "sampled_per_task": 1}, "gate": {"enabled": False}},
+    "reward_model": {"rollout_tasks": 4, "rollouts_per_task": 1, "epochs": 20},
     "train": {"updates": 2, "tasks_per_update": 2, "group_size": 2, "num_ranks": 1, "checkpoint_every": 2,
               "eval_every": 2, "eval_tasks": 4, "test_tasks": 4},
     "evaluate": {"train_tasks": 4, "max_tasks": 6, "bootstrap_samples": 100, "diversity_tasks": 2, "diversity_seeds": 2},
@@ -279,7 +280,8 @@ def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
     (parent,) = runs(root, "pipeline")
     assert parent.info.status == "FINISHED" and parent.data.tags["git.commit"] == head
     produced = lineage.data_versions(root)
-    assert set(produced) == {"data/env", "data/tasks", "data/demos", "models/adapted", "models/policy"}
+    assert set(produced) == {"data/env", "data/tasks", "data/demos", "models/adapted", "models/reward_model",
+                             "models/policy"}
     assert lineage.versions_from_tags(parent.data.tags) == produced
     client = mlflow_client(root)
     children = client.search_runs([parent.info.experiment_id],
@@ -327,7 +329,8 @@ def test_a_failing_phase_stops_the_flow_and_the_rerun_resumes_there(trained):
     assert "error: stage 'train' failed" in failed.stderr and "corrupt.jsonl" in failed.stderr
     assert "breaks the task schema" in failed.stderr + failed.stdout
     statuses = stage_lines(failed.stdout)
-    assert statuses == {"build_env": "up to date", "adapt": "up to date", "train": "FAILED"}  # nothing after it ran
+    assert statuses == {"build_env": "up to date", "adapt": "up to date", "reward_model": "up to date",
+                        "train": "FAILED"}  # nothing after it ran
     # the failed command's own time is stage time in the cost line, not orchestration overhead
     assert float(re.search(r"stage commands ([0-9.]+) s", failed.stdout).group(1)) > 0
     assert versions(root) == before_versions and champion(root) == before_champion
@@ -342,7 +345,8 @@ def test_a_failing_phase_stops_the_flow_and_the_rerun_resumes_there(trained):
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     # DVC removed train's outputs before the failed command; with its deps back as they were, DVC restores them from
     # its run cache ("ran", no command time) to the same version, so evaluate is up to date
-    assert stage_lines(rerun.stdout) == {"build_env": "up to date", "adapt": "up to date", "train": "ran",
+    assert stage_lines(rerun.stdout) == {"build_env": "up to date", "adapt": "up to date", "reward_model": "up to date",
+                                         "train": "ran",
                                          "evaluate": "up to date", "check_drift": "ran", "deploy": "ran"}
     assert yaml.safe_load((root / "dvc.lock").read_text())["stages"]["train"] == lock_before["train"]
     assert versions(root) == [*before_versions, str(len(before_versions) + 1)]

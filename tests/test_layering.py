@@ -7,7 +7,9 @@ Rules (each import anywhere in a file counts, inside functions too, relative imp
 - the packages form layers: ``core`` imports no other pipeline package, ``envs`` only ``core``, ``policy`` only
   ``core`` and ``envs``; a phase package imports those three and never another phase. One exception is listed by
   name (:data:`CONFIG_READS`): ``check_drift`` reads the ``build_env`` section through ``pipeline.build_env.config``,
-  because its fresh reference samples must be drawn with the settings the build drew the training tasks with;
+  because its fresh reference samples must be drawn with the settings the build drew the training tasks with; and
+  ``train`` reads the learned verifier through ``pipeline.reward_model.config`` and ``pipeline.reward_model.reward``
+  (``train.learned_reward``: the model scores episodes as a reward component);
 - the built-in environments are private to themselves (:data:`PRIVATE_ENVS`): no module outside
   ``pipeline/envs/shop/`` imports ``pipeline.envs.shop``, and none outside ``pipeline/envs/sql/`` imports
   ``pipeline.envs.sql``; the registry names them by string (``module:Class``), so phases reach them only through
@@ -28,10 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("prefect", "flows")
 MLFLOW_MODULES = frozenset({"core/tracking.py", "deploy/registry.py", "deploy/pyfunc.py", "deploy/pyfunc_entry.py"})
 SHARED = ("core", "envs", "policy")
-PHASES = ("build_env", "adapt", "train", "evaluate", "check_drift", "deploy")
+PHASES = ("build_env", "adapt", "reward_model", "train", "evaluate", "check_drift", "deploy")
 ALLOWED = {"core": set(), "envs": {"core"}, "policy": {"core", "envs"}, **{p: set(SHARED) for p in PHASES}}
 # A phase that must read another phase's params section the way that phase does: (reader, "phase.config").
-CONFIG_READS = frozenset({("check_drift", "build_env.config")})  # a fresh reference sample uses the build's settings
+CONFIG_READS = frozenset({
+    ("check_drift", "build_env.config"),  # a fresh reference sample uses the build's settings
+    ("train", "reward_model.config"), ("train", "reward_model.reward"),  # the learned verifier as a reward component
+})
 # Environments only their own package may import (the registry names them by string): dotted package -> its folder.
 PRIVATE_ENVS = {"pipeline.envs.shop": "envs/shop/", "pipeline.envs.sql": "envs/sql/"}
 

@@ -185,7 +185,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     t = time.perf_counter()
     sampler = batching.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
                               env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool,
-                              signatures=prompt_signatures(world, inputs["train"]))
+                              signatures=prompt_signatures(world, inputs["train"], env_cfg.context_actions))
     examples = [e for exs in sampler.plain for e in exs]
     kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
     trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))

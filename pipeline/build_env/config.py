@@ -42,6 +42,15 @@ class DemoConfig(PhaseConfig):
         return self
 
 
+class ProbesConfig(PhaseConfig):
+    """Reward-hacking probes (:mod:`pipeline.envs.probes`): degenerate policies played with the configured reward on
+    a sample of the training tasks; one that earns more than `floor` × the expert's mean return stops the build."""
+
+    enabled: bool = Field(True, description="Play the probes on every build (a winning probe stops the phase before anything is published).")
+    tasks: int = Field(100, ge=1, le=4000, description="Training tasks each probe and the expert play (the first of every level and family, then evenly spaced ones).")
+    floor: float = Field(0.5, gt=0, le=1, description="A probe fails the build when its mean return exceeds floor × the expert's mean return (when the expert's is not positive: when it reaches it).")
+
+
 class BuildEnvConfig(PhaseConfig):
     """What the `build_env` phase generates: the world, the task splits and the demonstrations."""
 
@@ -61,6 +70,7 @@ class BuildEnvConfig(PhaseConfig):
                     "{} takes the environment's defaults.",
     )
     demos: DemoConfig = Field(default_factory=DemoConfig, description="Demonstration generation.")
+    probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Reward-hacking probes run before anything is published.")
 
     @model_validator(mode="before")
     @classmethod

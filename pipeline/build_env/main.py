@@ -5,11 +5,14 @@ Outputs (JSON Lines schemas in the README):
 - ``data/env/``: ``world.sqlite`` (tables `products`, `suppliers`), ``corpus.jsonl``, ``entities.json`` (entity split);
 - ``data/tasks/{train,validation,test}.jsonl``;
 - ``data/demos/train.jsonl``: imperfect expert demonstrations of training tasks;
-- ``metrics/build_env.json``: counts, level mix, checksums, validation summary, expert and random baselines per split.
+- ``metrics/build_env.json``: counts, level mix, checksums, validation summary, expert and random baselines per split,
+  and the reward-hacking probes' scores (``reward_hacking_probes``).
 
 The environment is checked before it is trusted (:mod:`pipeline.envs.checks`: its class, tools, tasks, and its
 expert replayed to the top return), right after its world is loaded from the staging folder: a broken environment
-stops the phase before demonstrations are made or anything is published.
+stops the phase before demonstrations are made or anything is published. So does a reward that a degenerate policy
+can hack (:mod:`pipeline.envs.probes`, `build_env.probes`): the probes play right after the checks, with the run's
+reward, and one that earns more than `floor` × the expert's mean return stops the phase with one error line naming it.
 
 Everything is written into a staging folder first and checked with Great Expectations (every dataset, plus the
 cross-split rules). Only when every check passes are the old outputs replaced, one rename per folder; data that fails
@@ -34,7 +37,8 @@ from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.config import SPLITS, EnvConfig
 from pipeline.envs.contract import BuildRequest, Environment
-from pipeline.envs.checks import check_environment
+from pipeline.envs.checks import check_environment, sample
+from pipeline.envs.probes import run_probes
 from pipeline.envs.registry import EnvironmentError_, environment_class
 from pipeline.envs.runner import AgentEnv
 from pipeline.envs.taskfile import write_tasks
@@ -80,6 +84,30 @@ def build_demos(train: list, world: Environment, cfg: BuildEnvConfig, env_cfg: E
     finally:
         env.close()
     return demos
+
+
+def probe_rewards(world: Environment, train: list, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> dict:
+    """The reward-hacking probes (:mod:`pipeline.envs.probes`) on a sample of the training tasks: their metrics
+    (``reward_hacking_probes`` of metrics/build_env.json; the time they took goes under ``seconds.probes``), or an
+    AgentRLError naming the first probe that earns more than the rule allows (the caller publishes nothing then)."""
+    pc = cfg.probes
+    if not pc.enabled:
+        return {"enabled": False}
+    chosen = sample(train, pc.tasks)
+    out = run_probes(world, train, env_cfg, chosen, pc.floor, seed=cfg.seed)
+    if not out:
+        return {"enabled": True, "skipped": f"environment {world.name!r} has no expert to compare with"}
+    expert, results = out["expert"], out["probes"]
+    for r in results.values():
+        if not r.passed:
+            ratio = f"{r.ratio:.2f} of it" if r.ratio is not None else "the expert's is not positive"
+            raise AgentRLError(
+                f"build_env: reward hacking: probe {r.name!r} earns mean return {r.mean_return:.3f} (success "
+                f"{r.success_rate:.2f}) on {r.n} training tasks against the expert's {r.expert_return:.3f} "
+                f"({ratio}; build_env.probes.floor {pc.floor:g}): the reward of env.reward pays a degenerate policy; "
+                f"change its weights or shaping; nothing was published")
+    return {"enabled": True, "tasks": len(chosen), "floor": pc.floor, "expert": expert,
+            "probes": {name: r.as_dict() for name, r in results.items()}}
 
 
 def validate_outputs(stage: Path, world: Environment) -> list:
@@ -171,8 +199,11 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
         if unknown:
             raise AgentRLError(f"build_env.demos.family_coverage names task families {unknown} that environment "
                                f"{cls.name!r} does not build; its families: {sorted(families)}")
+        t_probe = time.perf_counter()
+        probes = probe_rewards(world, tasks["train"], cfg, env_cfg)  # a winning probe stops the phase here
+        t_probe = time.perf_counter() - t_probe
         demos = build_demos(tasks["train"], world, cfg, env_cfg)
-        t_gen = time.perf_counter() - t0
+        t_gen = time.perf_counter() - t0 - t_probe
         for split, ts in tasks.items():
             write_tasks(ts, stage / "tasks" / f"{split}.jsonl")
         (stage / "demos").mkdir(parents=True)
@@ -218,8 +249,9 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
                 "expectations_evaluated": sum(len(r.results) for r in reports),
                 "expectations_failed": sum(len(r.failures) for r in reports),
             },
+            "reward_hacking_probes": probes,
             "checksums": {name: sha256(p) for name, p in files.items()},
-            "seconds": {"generate": round(t_gen, 3), "validate": round(t_val, 3),
+            "seconds": {"generate": round(t_gen, 3), "validate": round(t_val, 3), "probes": round(t_probe, 3),
                         "total": round(time.perf_counter() - t0, 3)},
         }
         world.close()
@@ -239,6 +271,8 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
         flat["data/demo_success_rate"] = metrics["demos"]["success_rate"]
         flat.update({f"sys/{k}_seconds": v for k, v in metrics["seconds"].items()})
         flat.update({f"data/validation_{k}": v for k, v in metrics["validation"].items()})
+        for name, r in probes.get("probes", {}).items():  # a skipped probe (no write tool) has no numbers
+            flat.update({f"env/probe_{name}_{k}": r[k] for k in ("mean_return", "ratio") if r.get(k) is not None})
         run.log_metrics(flat)
         run.log_dict(metrics["checksums"], "checksums.json")
         run.log_artifact(str(metrics_path))

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.core.config import PhaseConfig
+from pipeline.envs.context_actions import ContextActionsConfig
 
 LEVELS = (1, 2, 3, 4)
 SPLITS = ("train", "validation", "test")
@@ -39,3 +40,4 @@ class EnvConfig(PhaseConfig):
     tool_failure_rate: float = Field(0.0, ge=0, lt=1, description="Chance that a tool call fails with a transient 'temporarily unavailable' error (fault injection; the policy should retry).")
     randomize_values: bool = Field(False, description="Redraw the numeric attributes of the task's products in every episode's private copy of the database (ground truth recomputed), so a policy must read its tool results instead of memorising them.")
     reward: RewardWeights = Field(default_factory=RewardWeights, description="Composite reward weights.")
+    context_actions: ContextActionsConfig = Field(default_factory=ContextActionsConfig, description="Context management and task decomposition as actions: note, remember/recall (long-term memory), plan (pipeline.envs.context_actions); off by default.")

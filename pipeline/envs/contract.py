@@ -284,6 +284,12 @@ class Environment(ABC):
         """Whether the world gives a task from outside its stated answer (False drops it from training)."""
         return True
 
+    def generate_tasks(self, weakness: dict, n: int, seed: int, options: BuildOptions | None = None) -> list | None:
+        """Up to `n` fresh training tasks of the slice `weakness` ({"family", "level", "template_id"}, any subset),
+        drawn with `seed` (same seed, same tasks), naming only training entities and never a test-only wording
+        (adversarial task generation, `train.task_generation`); None when the environment cannot generate."""
+        return None
+
     # drift checks (pipeline.check_drift): each optional; a check the environment cannot feed is skipped, saying so
     def sample_tasks(self, split: str, n: int, level_mix: dict[int, float], seed: int, options: BuildOptions) -> list:
         """`n` fresh tasks of `split` drawn as :meth:`build` draws them, with another `seed` (the drift checks'

@@ -231,6 +231,15 @@ class MixedEnvironment(Environment):
     def verify_task(self, task) -> bool:
         return self._of(task).verify_task(task.task)
 
+    def generate_tasks(self, weakness: dict, n: int, seed: int, options: BuildOptions | None = None):
+        """The member named by ``weakness["env"]`` generates (its tasks tagged); None when it cannot."""
+        env = weakness.get("env")
+        if env not in self.worlds:
+            raise ValueError(f"a weakness of a mixed run names its environment in 'env', one of {list(self.worlds)}")
+        opts = self.member_options(options)[env] if options is not None else None
+        got = self.worlds[env].generate_tasks({k: v for k, v in weakness.items() if k != "env"}, n, seed, opts)
+        return None if got is None else [Tagged(env, t) for t in got]
+
     def request_task(self, request: dict):
         env = request.get("env")
         if env not in self.worlds:

@@ -10,6 +10,12 @@ result (the short-term window plus a compact summary), so the context stays boun
 While no folding happens, the context only grows by appending each action and its observation. That is what lets the
 rollout engine keep its KV cache across turns: the context after a step equals the context before it plus
 `info["action_text"] + info["observation_text"]` (the environment sets `info["context_folded"]` when that stops holding).
+
+With the context actions on (:mod:`pipeline.envs.context_actions`), their tools follow the environment's in the tool
+list (measured: a separate "Context tools:" line after or before the task line costs the adapted policy more than
+this), and the agent's latest ``note`` replaces the turns up to and including it by one ``Note: <text>`` line after
+the header; the turns after the note are the history the window and the summary line apply to. Without a note the
+text is exactly what it was before notes existed.
 """
 
 from __future__ import annotations
@@ -47,9 +53,14 @@ def summarize(pairs: list[tuple[str, str]]) -> str:
     return line[:MAX_SUMMARY_CHARS]
 
 
-def render_context(question: str, tool_signatures: list[str], history: list[tuple[str, str]], window: int) -> str:
-    """The policy's full input text for a task and its history of (action_text, observation_text) pairs."""
+def render_context(question: str, tool_signatures: list[str], history: list[tuple[str, str]], window: int,
+                   note: tuple[str, int] | None = None) -> str:
+    """The policy's full input text for a task and its history of (action_text, observation_text) pairs; `note`
+    (text, n) replaces the first n pairs by the line ``Note: text``."""
     text = render_header(question, tool_signatures)
+    if note is not None:
+        text += f"Note: {note[0]}\n"
+        history = history[note[1]:]
     folded, recent = history[:-window] if len(history) > window else [], history[-window:]
     if folded:
         text += f"State: earlier calls and results: {summarize(folded)}\n"

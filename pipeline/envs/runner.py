@@ -13,7 +13,10 @@ What happens here, whatever the environment (the environment only executes calls
   sees, and any other exception a tool failure (the episode goes on);
 - the reward is the composite of :mod:`pipeline.envs.reward`, paid per step as its change; the rule verifier
   (:mod:`pipeline.envs.verifier`) judges the process at the end;
-- the context is :func:`pipeline.envs.prompt.render_context` over the tools this task's environment offers.
+- the context is :func:`pipeline.envs.prompt.render_context` over the tools this task's environment offers;
+- with ``env.context_actions.enabled``, the pipeline's own actions (note, remember, recall, plan:
+  :mod:`pipeline.envs.context_actions`) join every task's tools; they are executed here, never by the environment,
+  and each step's info then carries ``events`` (the episode's end also ``context_actions``, its counts).
 
 Contract (Gymnasium 1.x): action space ``Dict(tool=Discrete(N), params=Text(max_action_chars))``; `step` also accepts
 the policy's raw text. Observation ``Dict(context=Text(8192), memory=Box(0, 1, (8,)))``. ``terminated``: the agent
@@ -33,6 +36,7 @@ from gymnasium import spaces
 
 from pipeline.envs import reward as R
 from pipeline.envs.config import EnvConfig
+from pipeline.envs.context_actions import ContextState, context_specs
 from pipeline.envs.contract import ANSWER_TOOL, Environment, SafetyViolation, ToolError
 from pipeline.envs.prompt import render_context
 from pipeline.envs.protocol import (CHARSET, InvalidAction, ParsedAction, format_action, format_observation,
@@ -57,9 +61,10 @@ class ToolSet:
         self.signatures = [s.signature() for s in self.specs]
 
 
-def toolset(world: Environment, task) -> ToolSet:
-    """The tools `task`'s environment offers, cached on the world (one ToolSet per distinct tool list)."""
-    specs = world.tools_for(task)
+def toolset(world: Environment, task, extra: tuple = ()) -> ToolSet:
+    """The tools `task`'s environment offers, then the pipeline's `extra` ones (the context actions), cached on the
+    world (one ToolSet per distinct tool list)."""
+    specs = list(world.tools_for(task)) + list(extra)
     cache = world.__dict__.setdefault("_agentrl_toolsets", {})
     key = tuple(s.name for s in specs)
     if key not in cache:
@@ -102,7 +107,9 @@ class AgentEnv(gym.Env):
         if not self.tasks:
             raise ValueError("the environment needs at least one task")
         self.render_mode = render_mode
-        self.tools = toolset(world, self.tasks[0])
+        ctx_cfg = self.config.context_actions
+        self._extra_tools = tuple(context_specs(ctx_cfg)) if ctx_cfg.enabled else ()
+        self.tools = toolset(world, self.tasks[0], self._extra_tools)
         charset = "".join(sorted(CHARSET))
         self.action_space = spaces.Dict({
             "tool": spaces.Discrete(len(self.tools.names)),
@@ -114,6 +121,7 @@ class AgentEnv(gym.Env):
         })
         self._episode = None
         self._task = None
+        self._ctx: ContextState | None = None
         self._done = True
 
     # ------------------------------------------------------------------------------------------------ gym interface
@@ -125,7 +133,7 @@ class AgentEnv(gym.Env):
         if self._episode is not None:
             self._episode.close()
             self._episode = None
-        self._task, self.tools = task, toolset(self.world, task)
+        self._task, self.tools = task, toolset(self.world, task, self._extra_tools)
         self._episode = self.world.open_episode(task, self.np_random, randomize_values=self.config.randomize_values)
         self._truth = self._episode.truth
         self._history: list[tuple[str, str]] = []
@@ -134,9 +142,13 @@ class AgentEnv(gym.Env):
         self._answer: str | None = None
         self._wrote = False
         self._components = R.RewardComponents()
+        self._ctx = ContextState(self.config.context_actions, task.task_id) if self._extra_tools else None
         self._done = False
         info = {"task_id": task.task_id, "level": task.level, "family": task.family, "env": _env_name(self.world, task),
                 "min_calls": task.min_calls, "reward_components": self._components.as_dict()}
+        if self._ctx is not None:  # what a scripted expert needs to demonstrate the context actions
+            info["context_actions"] = {"tools": list(self.config.context_actions.tools),
+                                       "history_window": self.config.history_window}
         return self._obs(), info
 
     def step(self, action):
@@ -159,6 +171,10 @@ class AgentEnv(gym.Env):
                                         or self._policy_chars >= self.config.max_policy_chars)
         observation_text = format_observation(sanitize(result)[:MAX_RESULT_CHARS])
         self._history.append((action_text, observation_text))
+        folded = len(self._history) > self.config.history_window
+        if self._ctx is not None:
+            events, noted = self._ctx.after_step(tool, outcome, self._calls, len(self._history))
+            folded = noted or len(self._history) - self._ctx.note_upto > self.config.history_window
 
         before = R.composite(self._components, self.config.reward)
         self._components = self._score(terminated)
@@ -169,9 +185,11 @@ class AgentEnv(gym.Env):
             "task_id": task.task_id, "level": task.level, "family": task.family, "tool": tool,
             "env": _env_name(self.world, task), "outcome": outcome, "tool_result": result,
             "action_text": action_text, "observation_text": observation_text,
-            "context_folded": len(self._history) > self.config.history_window,
+            "context_folded": folded,
             "n_calls": len(self._calls), "reward_components": self._components.as_dict(),
         }
+        if self._ctx is not None:
+            info["events"] = events
         if self._done:
             report = verify(self._calls, self.world.required_tools(task))
             info.update({
@@ -182,6 +200,8 @@ class AgentEnv(gym.Env):
                 "n_failed": sum(c["outcome"] in FAILED for c in self._calls),
                 "calls": list(self._calls),
             })
+            if self._ctx is not None:
+                info["context_actions"] = self._ctx.finish(info["is_success"])
         return self._obs(), float(reward), terminated, truncated, info
 
     def render(self):
@@ -228,6 +248,8 @@ class AgentEnv(gym.Env):
         if parsed.name == ANSWER_TOOL:
             self._answer = str(parsed.params["value"])
             return ANSWER, self._answer
+        if self._ctx is not None and parsed.name in self._ctx.names:  # the pipeline's own: no faults, no latency
+            return OK, self._ctx.execute(parsed.name, parsed.params)
         cfg = self.config
         if cfg.tool_failure_rate > 0 and self.np_random.random() < cfg.tool_failure_rate:
             return TOOL_ERROR, f"error: {parsed.name} is temporarily unavailable, try again"
@@ -250,7 +272,7 @@ class AgentEnv(gym.Env):
         return OK, result
 
     def _score(self, answered: bool) -> R.RewardComponents:
-        n = len(self._calls)
+        n = len(self._calls) if self._ctx is None else self._ctx.env_calls(self._calls)
         right = answered and self._answer is not None and bool(self._episode.correct(self._answer))
         return R.RewardComponents(
             correctness=R.correctness(right),
@@ -260,7 +282,9 @@ class AgentEnv(gym.Env):
         )
 
     def _context(self) -> str:
-        return render_context(self._task.question, self.tools.signatures, self._history, self.config.history_window)
+        note = (self._ctx.note, self._ctx.note_upto) if self._ctx is not None and self._ctx.note is not None else None
+        return render_context(self._task.question, self.tools.signatures, self._history, self.config.history_window,
+                              note)
 
     def _obs(self) -> dict:
         cfg, calls = self.config, self._calls

@@ -4,11 +4,21 @@ of one episode.
 It reads the episode's call log (what the runner recorded per step) and the tools the task requires, in order. It judges the process,
 not the answer: correctness is the reward's job. Deliberately left out: the design document's *model* verifier (a
 learned judge of process soundness and style); the rule verifier is the only verifier here.
+
+Plans (the ``plan`` context action, :mod:`pipeline.envs.context_actions`): a plan is a list of sub-goals, each a tool
+name optionally followed by words, e.g. ``"lookup"`` or ``"lookup wild torch"``. :func:`match_plan` completes them in
+the declared order: sub-goal j is done by the first call after the one that did sub-goal j-1 (after the plan for the
+first) that succeeded (outcome ``ok``, or ``answer`` for the answer), calls sub-goal j's tool, and whose parameters
+contain every word of the sub-goal (compared as :func:`pipeline.envs.memory.terms`). A plan thereby checks the order
+of the agent's own decomposition, as :func:`verify` checks the order the task requires.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+
+from pipeline.envs.memory import terms
 
 # Outcome of one step, as the environment records it.
 OK, ANSWER = "ok", "answer"
@@ -62,3 +72,28 @@ def verify(calls: list[dict], required_tools: list[str]) -> VerifierReport:
     if unsafe:
         problems.append(f"safety violations at steps {unsafe}")
     return VerifierReport(order_ok=order_ok, params_ok=not bad, safety_ok=not unsafe, problems=problems)
+
+
+def plan_step_done(step: str, call: dict) -> bool:
+    """Whether `call` ({"tool", "params", "outcome"}) completes the sub-goal `step` (see the module docstring).
+
+    >>> call = {"tool": "lookup", "params": {"name": "Wild Torch", "field": "price"}, "outcome": OK}
+    >>> plan_step_done("lookup", call), plan_step_done("lookup wild torch", call), plan_step_done("lookup lamp", call)
+    (True, True, False)
+    """
+    words = str(step).split()
+    if not words or call.get("tool") != words[0] or call.get("outcome") not in (OK, ANSWER):
+        return False
+    have = set(terms(json.dumps(call.get("params") or {})))
+    return all(t in have for t in terms(" ".join(words[1:])))
+
+
+def match_plan(steps: list[str], calls: list[dict]) -> list[int | None]:
+    """For each sub-goal, the index in `calls` (the calls after the plan) of the call that completed it, or None."""
+    done: list[int | None] = [None] * len(steps)
+    j = 0
+    for i, call in enumerate(calls):
+        if j < len(steps) and plan_step_done(steps[j], call):
+            done[j] = i
+            j += 1
+    return done

@@ -27,6 +27,7 @@ import numpy as np
 
 from pipeline.core.errors import AgentRLError
 from pipeline.core.jsonl import read_jsonl
+from pipeline.envs.context_actions import note_of
 from pipeline.envs.prompt import render_context
 from pipeline.policy.tokenizer import encode_action, encode_context, encode_observation
 
@@ -44,12 +45,16 @@ class Example:
         return len(self.input_ids)
 
 
-def prompt_signatures(world, tasks) -> dict[str, list[str]]:
-    """task_id -> the tool list its prompt shows (a mixed run shows each task its own environment's tools)."""
+def prompt_signatures(world, tasks, context_actions=None) -> dict[str, list[str]]:
+    """task_id -> the tool list its prompt shows (a mixed run shows each task its own environment's tools), followed
+    by the context actions' when `context_actions` (``env.context_actions``) is enabled, as the runner lists them."""
+    from pipeline.envs.context_actions import context_specs
+
+    extra = context_specs(context_actions) if context_actions is not None and context_actions.enabled else []
     by_tools: dict[tuple, list[str]] = {}
     out = {}
     for t in tasks:
-        specs = world.tools_for(t)
+        specs = list(world.tools_for(t)) + extra
         key = tuple(s.name for s in specs)
         out[t.task_id] = by_tools.setdefault(key, [s.signature() for s in specs])
     return out
@@ -60,7 +65,8 @@ def demo_segments(question: str, steps: Sequence[dict], window: int,
     """Cut a demonstration into (prompt, [(action, observation), ...]) segments that replay the episode's contexts.
 
     Within one segment the context before step k+1 equals the context before step k plus action k and observation k;
-    when the environment folds the history (more than `window` steps) a new segment starts from the folded context.
+    when the environment folds the history (more than `window` steps), or a ``note`` action replaces the earlier
+    turns (``env.context_actions``), a new segment starts from the context the policy then sees.
 
     >>> segs = demo_segments("Q?", [{"action": "<call>answer {}</call>", "observation": "<obs>1</obs>\\n"}], 6, ["answer(value)"])
     >>> len(segs), segs[0][1]
@@ -71,7 +77,7 @@ def demo_segments(question: str, steps: Sequence[dict], window: int,
     history: list[tuple[str, str]] = []
     expected = None
     for step in steps:
-        context = render_context(question, sigs, history, window)
+        context = render_context(question, sigs, history, window, note_of(history))
         if context != expected:
             segments.append((context, []))
         action, obs = step["action"], step["observation"]

@@ -4,6 +4,9 @@
   model saw them (known tokens have log-probability 0 and mask 0).
 - :class:`EnvEpisode`: one episode of the pipeline's runner over an environment; ``step(action text)`` returns what the engine needs next (done,
   observation text, whether the history was folded, the new context) and ``record()`` the episode record.
+  With the context actions on (``env.context_actions``), the record also carries ``step_events`` (per step, the
+  list of the step's events from the runner's info, e.g. ``["subgoal_done"]``; aligned with ``steps`` and
+  ``step_rewards``) and ``context_actions`` (the episode's counts); without them the record is unchanged.
 - :class:`OneAction`: an "episode" of one action from a given context (:meth:`RolloutEngine.complete`).
 
 No model and no tensors here: batching, sampling and the cache are the engine's (:mod:`pipeline.policy.rollout`).
@@ -48,12 +51,15 @@ class EnvEpisode:
         self.steps: list[dict] = []
         self.actions: list[dict] = []
         self.rewards: list[float] = []
+        self.events: list[list[str]] | None = [] if "context_actions" in info else None
 
     def step(self, text: str) -> tuple[bool, str, bool, str]:
         """Returns (done, observation text, folded, new context)."""
         obs, reward, terminated, truncated, info = self.env.step(text)
         self.obs, self.last_info = obs, info
         self.rewards.append(float(reward))
+        if self.events is not None:
+            self.events.append(list(info.get("events", [])))
         self.steps.append({"action": info["action_text"], "observation": info["observation_text"]})
         parsed = parse_action(text, self.tool_names, self.max_chars)
         self.actions.append({"tool": None, "params": None, "error": parsed.reason} if isinstance(parsed, InvalidAction)
@@ -66,7 +72,7 @@ class EnvEpisode:
 
     def record(self) -> dict:
         task, info = self.task, self.info
-        return {
+        rec = {
             "task_id": task.task_id, "env": info["env"], "level": task.level, "family": task.family,
             "template_seen": task.template_seen,
             "success": bool(info["is_success"]), "return": float(info["return"]), "truncated": bool(self.truncated),
@@ -75,6 +81,9 @@ class EnvEpisode:
             "answer": info["answer"], "ground_truth": info["ground_truth"], "steps": self.steps, "calls": info["calls"],
             "actions": self.actions, "step_rewards": self.rewards, "seed": self.seed,
         }
+        if self.events is not None:
+            rec.update(step_events=self.events, context_actions=dict(info["context_actions"]))
+        return rec
 
 
 class OneAction:

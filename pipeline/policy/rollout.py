@@ -42,7 +42,9 @@ plus): ``token_ids`` (the whole episode as the model saw it, prompt included), `
 ``action_mask`` (1 exactly on sampled tokens), ``segments`` (start offset of each token segment, see below),
 ``policy_version``, ``actions`` (each step's parsed call: ``{"tool", "params"}``, or ``{"tool": None, "params":
 None, "error": reason}`` for text the protocol rejects), ``step_rewards`` (the reward the environment paid at each
-step, the change of R, so they sum to ``return``; per-turn credit reads them) and ``seed``.
+step, the change of R, so they sum to ``return``; per-turn credit reads them) and ``seed``. With
+``env.context_actions`` on, also ``step_events`` (per step its events, e.g. ``["subgoal_done"]``) and
+``context_actions`` (:mod:`pipeline.policy.episode_drivers`); a note re-bases the episode like a fold.
 
 Decisions:
 
@@ -127,6 +129,7 @@ class RolloutEngine:
             raise AgentRLError(f"the model's max_position_embeddings ({self.max_positions}) leaves no room for a "
                                f"prompt and rollout.max_new_tokens={self.cfg.max_new_tokens}")
         self.stats: dict = {}
+        self.tool_noise = None  # pipeline.policy.sampling.ToolChoiceNoise (train.exploration), sampled rows only
 
     # ------------------------------------------------------------------------------------------------------ public
     def run(self, tasks: list, seeds: list[int], greedy: bool | None = None,
@@ -358,7 +361,10 @@ class RolloutEngine:
                 if n_sampled[e] >= len(uniforms[e]):  # more samples than the turn budget foresaw: draw more
                     uniforms[e] += torch.rand(n_uniforms, generator=generators[e], dtype=torch.float64).tolist()
             u = torch.tensor([uniforms[e][n_sampled[e]] for e in eps], dtype=torch.float64)
-            toks, lps = sample_tokens(logits.cpu(), u, cfg.temperature, cfg.top_p, greedy)
+            toks, lps = (sample_tokens(logits.cpu(), u, cfg.temperature, cfg.top_p, greedy)
+                         if self.tool_noise is None or greedy else self.tool_noise.sample(
+                             logits.cpu(), u, cfg.temperature, cfg.top_p, [streams[e] for e in eps],
+                             [episodes[e] for e in eps]))
             st["sampled_tokens"] += len(rows)
             ended: list[tuple[int, int, str]] = []  # (row, episode, action text) of the actions this forward ended
             for b, e, t, lp in zip(rows, eps, toks.tolist(), lps.tolist()):

@@ -9,6 +9,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipeline.core.config import PhaseConfig
+from pipeline.reward_model.config import LearnedRewardConfig
+from pipeline.train.exploration import ExplorationConfig
+from pipeline.train.population import PopulationConfig
+from pipeline.train.replay import SamplingConfig
+from pipeline.train.reward_weights import RewardConfig
+from pipeline.train.task_generator import TaskGenerationConfig
 
 
 class TrainConfig(PhaseConfig):
@@ -65,6 +71,12 @@ class TrainConfig(PhaseConfig):
     early_stopping_metric: Literal["success", "mean_return", "level_mean_success"] = Field("success", description="Validation metric that picks the best policy (the stage's output) and that early stopping watches: overall success, mean return, or the mean of per-level success rates.")
     early_stopping_patience: int | None = Field(4, ge=1, description="Stop after this many consecutive evaluations without improvement (design document 5.2.2); null never stops early (the best policy is still the output).")
     early_stopping_min_delta: float = Field(0.0, ge=0, description="An evaluation improves only when it beats the best value so far by more than this; a tie keeps the earlier policy.")
+    exploration: ExplorationConfig = Field(default_factory=ExplorationConfig, description="Annealed tool-choice noise of RL rollouts (pipeline/train/exploration.py); off by default.")
+    population: PopulationConfig = Field(default_factory=PopulationConfig, description="A population of policies (different seeds or entropy settings), trained one after another, the best on validation kept (pipeline/train/population.py); size 1 is off.")
+    task_generation: TaskGenerationConfig = Field(default_factory=TaskGenerationConfig, description="Adversarial task generation: new training tasks in the slices (wording, family or level) of lowest recent success join the RL pool every few updates (pipeline/train/task_generator.py); off by default.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sample reuse (prioritised replay with the mixing ratio β), trajectory slicing and adversarial task sampling (pipeline/train/replay.py, pipeline/train/sampling.py); all off by default.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Returns from the reward components (fixed, softmax-weighted or Lagrangian-constrained) and their credit (episode, turn or event-discounted) (pipeline/train/reward_weights.py); fixed and episode by default.")
+    learned_reward: LearnedRewardConfig = Field(default_factory=LearnedRewardConfig, description="The learned verifier (models/reward_model) as a reward component, extra_reward = coef·score, with the reward-hacking guard (pipeline/reward_model/reward.py); coef 0 is off.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

@@ -135,11 +135,12 @@ def turn_advantages(turn_returns: torch.Tensor, turn_mask: torch.Tensor, group_i
     return adv * turn_mask, zero_var
 
 
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float | torch.Tensor,
                 lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over action tokens only.
 
-    Args: rewards, values, mask: (batch, seq). Positions with mask 0 (prompt, observations, padding) are skipped: the
+    Args: rewards, values, mask: (batch, seq); gamma a float or a (batch, seq) discount per token (applied from the
+    token to the next action token, :func:`turn_end_discounts`). Positions with mask 0 (prompt, observations, padding) are skipped: the
     recursion jumps from one action token to the next action token, so an observation in between neither
     discounts nor bootstraps. After the last action token the episode is over (value 0).
     Returns: (advantages, returns), both (batch, seq), zero where mask is 0.
@@ -150,8 +151,9 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
     lastgaelam = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
     m = mask.to(rewards.dtype)
     for t in reversed(range(seq)):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        gae_t = delta + gamma * lam * lastgaelam
+        g = gamma[:, t] if isinstance(gamma, torch.Tensor) else gamma
+        delta = rewards[:, t] + g * next_value - values[:, t]
+        gae_t = delta + g * lam * lastgaelam
         # Where the token is not an action, carry the running quantities through unchanged.
         lastgaelam = m[:, t] * gae_t + (1 - m[:, t]) * lastgaelam
         next_value = m[:, t] * values[:, t] + (1 - m[:, t]) * next_value
@@ -174,7 +176,7 @@ def last_rows(episode: torch.Tensor) -> torch.Tensor:
 
 
 def compute_gae_over_segments(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, episode: torch.Tensor,
-                              gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+                              gamma: float | torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`compute_gae` for episodes that span several rows (token segments, in row order within an episode): the
     recursion runs over each episode's action tokens across its rows, so the last action of a segment bootstraps from
     the first action of the next segment instead of ending the episode there.
@@ -193,7 +195,8 @@ def compute_gae_over_segments(rewards: torch.Tensor, values: torch.Tensor, mask:
     width = int(counts.max()) if ep.numel() else 0
     flat = lambda x: torch.zeros(n_ep, width, dtype=rewards.dtype, device=rewards.device).index_put_(  # noqa: E731
         (ep, pos), x[rows, t_idx].to(rewards.dtype))
-    adv_e, ret_e = compute_gae(flat(rewards), flat(values), flat(m), gamma, lam)
+    adv_e, ret_e = compute_gae(flat(rewards), flat(values), flat(m),
+                               flat(gamma) if isinstance(gamma, torch.Tensor) else gamma, lam)
     adv, returns = torch.zeros_like(rewards), torch.zeros_like(rewards)
     adv[rows, t_idx] = adv_e[ep, pos]
     returns[rows, t_idx] = ret_e[ep, pos]
@@ -240,6 +243,46 @@ def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
         running = rewards[..., t] + gamma * running
         out[..., t] = running
     return out
+
+
+def stepwise_discounted_returns(rewards: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+    """G_t = r_t + γ_t·G_{t+1} along the last dimension, with a discount of its own after every step (event-based
+    credit, design document 2.2: the discount applies at key decisions). γ_t ≡ γ is :func:`discounted_returns`.
+
+    >>> stepwise_discounted_returns(torch.tensor([1.0, 0.0, 2.0, 3.0]), torch.tensor([1.0, 0.5, 1.0, 1.0])).tolist()
+    [3.5, 2.5, 5.0, 3.0]
+    """
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[..., t] + gammas[..., t] * running
+        out[..., t] = running
+    return out
+
+
+def event_discounts(events: torch.Tensor, gamma: float, event_gamma: float) -> torch.Tensor:
+    """The discount after each step: γ·γ_e where the step carries a key event, γ elsewhere (bool in, float out).
+
+    >>> event_discounts(torch.tensor([False, True, True]), 1.0, 0.5).tolist()
+    [1.0, 0.5, 0.5]
+    """
+    return torch.where(events, gamma * event_gamma, gamma).to(torch.float32)
+
+
+def turn_end_discounts(turn_gammas: torch.Tensor, episode: torch.Tensor, turn: torch.Tensor, mask: torch.Tensor,
+                       gamma: float) -> torch.Tensor:
+    """Per-token discounts for GAE over action tokens with a per-turn discount: each turn's γ_t on its last action
+    token (the step to the next turn's first token), `gamma` on every other token.
+
+    Args: turn_gammas (episodes, turns); episode (rows,); turn (rows, seq) as :func:`turn_token_rewards`; mask (rows,
+    seq). Returns (rows, seq).
+
+    >>> turn_end_discounts(torch.tensor([[0.5, 1.0]]), torch.tensor([0]), torch.tensor([[-1, 0, 0, -1, 1]]),
+    ...                    torch.tensor([[0, 1, 1, 0, 1]]), 1.0).tolist()
+    [[1.0, 1.0, 0.5, 1.0, 1.0]]
+    """
+    ends = turn_token_rewards(turn_gammas - gamma, episode, turn, mask)
+    return torch.full(mask.shape, float(gamma), dtype=turn_gammas.dtype) + ends
 
 
 def truncated_importance_weights(logp_train: torch.Tensor, logp_sample: torch.Tensor, mask: torch.Tensor,

@@ -32,17 +32,23 @@ import torch
 
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.config import EnvConfig
+from pipeline.envs.context_actions import context_metrics
 from pipeline.envs.contract import Environment as WorldRuntime
 from pipeline.envs.contract import TaskFields as Task
+from pipeline.reward_model.reward import make_learned_reward
 from pipeline.train.actor import ActorCritic
 from pipeline.train.async_pool import AsyncRollouts
 from pipeline.train.checkpoint import BEST, fingerprint, load_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import collapse_alarms, rollout_metrics
 from pipeline.train.early_stopping import EarlyStopping
+from pipeline.train.exploration import attach_tool_noise, begin_update, exploration_metrics
 from pipeline.train.guidance import guidance_metrics, guide_failed_groups
 from pipeline.train.learner import Learner, learn
-from pipeline.train.sampling import SamplerState, make_sampler_state, plan_update
+from pipeline.train.replay import mix_replay
+from pipeline.train.reward_weights import make_reward_weighting, write_tool_names
+from pipeline.train.sampling import SamplerState, make_sampler_state, observe_tasks, plan_update
+from pipeline.train.task_generator import TaskGenerator
 from pipeline.train.validation import Validation, WeightEnsemble, evaluate_greedy
 
 
@@ -82,6 +88,8 @@ class Loop:
     start: int = 0
     history: list = field(default_factory=list)
     worker: AsyncRollouts | None = None
+    task_gen: TaskGenerator | None = None  # train.task_generation.enabled: adds generated tasks to the pool
+    learned_reward: Any = None  # train.learned_reward.coef > 0: pipeline.reward_model.reward.LearnedReward
 
 
 def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
@@ -96,6 +104,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     hooks = hooks or Hooks()
     loop = setup(cfg, env_cfg, rollout_cfg, policy_dir=policy_dir, train_tasks=train_tasks, val_tasks=val_tasks,
                  runtime=runtime, ckpt_dir=ckpt_dir, dist=dist, run=run, demo_examples=demo_examples, hooks=hooks)
+    loop.task_gen = TaskGenerator(cfg.task_generation, cfg.seed, runtime) if cfg.task_generation.enabled else None
+    loop.learned_reward = make_learned_reward(cfg.learned_reward, env_cfg.name, dist)  # None when coef is 0
     resume(loop)
     loop.worker = AsyncRollouts(loop.new_engine, loop.policy, cfg.rollout_workers) if cfg.async_rollouts else None
     if loop.worker is not None and loop.start < cfg.updates:
@@ -106,6 +116,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             if (hooks.stop_after is not None and done_here >= hooks.stop_after) or loop.validation.stopper.stopped:
                 break
             t0 = time.perf_counter()
+            begin_update(loop.rollout, cfg, u)  # ε_t of the tool-choice noise (train.exploration)
             records, t_rollout, idle = collect(loop, u, t0)
             if hooks.before_learn is not None:
                 hooks.before_learn(u + 1)
@@ -113,6 +124,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             t1 = time.perf_counter()
             metrics = learn_or_drop(loop, records, u, staleness)
             t_learn = time.perf_counter() - t1
+            if loop.task_gen is not None:  # weakness statistics; every few updates new tasks join the pool
+                metrics.update(loop.task_gen.step(loop, records, u))
             n_tokens = sum(sum(r["action_mask"]) for r in records)
             metrics.update({
                 "sys/rollout_s": t_rollout, "sys/learn_s": t_learn, "sys/idle_s": idle,
@@ -121,13 +134,19 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 "charts/sampled_tokens_per_s": n_tokens * dist.world_size / max(1e-9, t_rollout),
                 "offpolicy/staleness": staleness,
                 **rollout_metrics(records, outcomes, loop.sampler),
+                **context_metrics(records),  # env.context_actions: {} when off
+                **exploration_metrics(loop.rollout, dist),
             })
             for warning in collapse_alarms(metrics, cfg.entropy_alarm):
                 if dist.is_main:
                     hooks.log(f"warning: update {u}: {warning}")
             loop.history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
-            if loop.validation.due(u + 1):
+            hacked = loop.learned_reward is not None and loop.learned_reward.watch(  # the reward-hacking guard
+                loop.history, metrics, u + 1, hooks.log if dist.is_main else None)
+            if loop.validation.due(u + 1) or (hacked and loop.validation.best["update"] is None):
                 metrics.update(evaluate_and_keep(loop, u))
+            if hacked:  # stops like early stopping: the best validated policy is the output
+                loop.learned_reward.halt(loop.validation.stopper, u + 1)
             if dist.is_main:
                 log_update(loop, u, metrics, t_rollout, t_learn)
             done_here += 1
@@ -176,15 +195,17 @@ def setup(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     policy = engine.module.policy
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
     rollout = new_engine(policy)
+    attach_tool_noise(rollout, cfg)  # train.exploration (None when off)
     ensemble = WeightEnsemble(start_weights, policy, new_engine, cfg.merge_alpha) if start_weights is not None else None
     sampler = make_sampler_state(cfg, sorted({t.level for t in train_tasks}))
+    sampler.reward_weights = make_reward_weighting(cfg.reward, env_cfg.reward)  # train.reward.weighting (None: fixed)
     fp = fingerprint(engine.module, meta)
     tasks_by_level: dict[int, list[Task]] = {}
     for t in train_tasks:
         tasks_by_level.setdefault(t.level, []).append(t)
     stopper = EarlyStopping(cfg.early_stopping_metric, cfg.early_stopping_patience, cfg.early_stopping_min_delta)
     learner = Learner(cfg, engine, ref, pad_id, rollout_cfg.temperature, dist, autocast_context, demo_examples,
-                      bc_rng=np.random.default_rng([cfg.seed, 11, dist.rank]))
+                      bc_rng=np.random.default_rng([cfg.seed, 11, dist.rank]), write_tools=write_tool_names(runtime))
 
     def save_best(kept: torch.nn.Module, info: dict) -> None:
         save_policy(kept, tokenizer, ckpt_dir / BEST, {
@@ -207,6 +228,8 @@ def resume(loop: Loop) -> None:
     loop.sampler.load_state_dict(client["sampler"])
     if client.get("bc_rng") is not None:  # which demonstrations behaviour cloning draws next (one per rank)
         loop.learner.bc_rng.bit_generator.state = client["bc_rng"][loop.dist.rank]
+    if loop.task_gen is not None:  # its state, and its generated tasks back into the pool
+        loop.task_gen.load_state_dict(client["sampler"].get("task_generation"), loop)
     torch.set_rng_state(torch.tensor(client["torch_rng"], dtype=torch.uint8))
     loop.start, loop.history = client["update"], client["history"]
     loop.validation.evals, loop.validation.best = client["evals"], client["best"]
@@ -219,6 +242,8 @@ def plan(loop: Loop, u: int) -> tuple[list[Task], list[int]]:
     cfg, rank = loop.cfg, loop.dist.rank
     per_rank_tasks = cfg.tasks_per_update // loop.dist.world_size
     tasks = plan_update(loop.sampler, loop.tasks_by_level, cfg)
+    if loop.task_gen is not None:  # a share of the update goes to the generated tasks
+        tasks = loop.task_gen.mix_in(tasks, loop.sampler.curriculum.open_levels, loop.tasks_by_id)
     mine = tasks[rank * per_rank_tasks:(rank + 1) * per_rank_tasks]
     ep_tasks = [t for t in mine for _ in range(cfg.group_size)]
     base = (cfg.seed * 1_000_003 + u * 7919) * 64 + rank * per_rank_tasks * cfg.group_size
@@ -259,6 +284,7 @@ def learn_or_drop(loop: Loop, records: list[dict], u: int, staleness: int) -> di
     from pipeline.policy.model import release_free_memory
 
     cfg, dist = loop.cfg, loop.dist
+    sampling_metrics = observe_tasks(loop.sampler, records, dist)  # train.sampling.adversarial ({} when off)
     if any(dist.all_gather(staleness > cfg.max_staleness)):  # too old to correct reliably: drop it, count it
         if dist.is_main:
             loop.hooks.log(f"update {u + 1}: dropped a batch {staleness} versions old "
@@ -267,7 +293,10 @@ def learn_or_drop(loop: Loop, records: list[dict], u: int, staleness: int) -> di
     learn_records, guided = records, None
     if cfg.guide_failed_groups:  # after the curriculum saw the policy's own outcomes
         learn_records, guided = guide_failed_groups(records, loop.tasks_by_id, loop.rollout, u)
+    extra = loop.learned_reward.apply(learn_records, records) if loop.learned_reward is not None else {}  # extra_reward
+    learn_records, replay_metrics = mix_replay(loop.sampler, learn_records, u, cfg, dist)  # train.sampling.replay
     metrics = learn(loop.learner, learn_records, loop.sampler, u)
+    metrics.update({**extra, **sampling_metrics, **replay_metrics})
     if guided is not None:
         metrics.update(guidance_metrics(guided, dist))
     release_free_memory()  # the learner's freed activations back to the OS (why: see the function)
@@ -298,7 +327,10 @@ def log_update(loop: Loop, u: int, metrics: dict, t_rollout: float, t_learn: flo
 
 def checkpoint(loop: Loop, update: int) -> None:
     v = loop.validation
-    save_checkpoint(loop.learner.engine, loop.ckpt_dir, update, sampler=loop.sampler.state_dict(),
+    sampler = loop.sampler.state_dict()
+    if loop.task_gen is not None:
+        sampler["task_generation"] = loop.task_gen.state_dict()
+    save_checkpoint(loop.learner.engine, loop.ckpt_dir, update, sampler=sampler,
                     fingerprint=loop.fingerprint, history=loop.history, evals=v.evals, best=v.best,
                     early_stopping=v.stopper.state_dict(), bc_rng=loop.learner.bc_rng, dist=loop.dist)
 

@@ -8,7 +8,11 @@ trains), keeps the best policy (by the validation metric ``train.early_stopping_
 ``metrics/train.json`` (SFT against RL on the test split, per level, the seen-wording headroom that bounds RL's
 gain (:func:`seen_wording_headroom`), the early-stopping decision with its reason, and ``incoming``: the incoming
 tasks used and dropped) and ``metrics/train_curve.csv`` (the learning curve for ``dvc plots
-show``).
+show``; the ``explore/*`` columns when the tool-choice noise of :mod:`pipeline.train.exploration` is on).
+
+With ``train.population.size`` > 1 the members are trained one after the other (:mod:`pipeline.train.population`),
+the best on validation becomes ``models/policy`` and ``metrics/train.json`` gets ``population``: every member's
+validation figures and the pairwise behaviour diversity between members.
 """
 
 from __future__ import annotations
@@ -30,10 +34,21 @@ from pipeline.envs.taskfile import load_task_file
 from pipeline.core.errors import AgentRLError
 from pipeline.train.config import TrainConfig
 from pipeline.train.incoming import DROP_REASONS, load_incoming
+from pipeline.train.reward_weights import REWARD_CURVE_KEYS
 
 CURVE_KEYS = ("update", "rollout/success", "rollout/return", "policy/entropy", "losses/total", "losses/approx_kl",
               "rollout/zero_variance_group_share", "sys/rollout_s", "sys/learn_s", "sys/idle_s", "sys/update_s",
               "train/batch_tokens")
+# columns a switch adds when it is on (the default curve keeps its columns)
+OPTIONAL_CURVE_KEYS = ("explore/epsilon", "explore/tool_choices", "explore/noised_action_share")
+OPTIONAL_CURVE_KEYS += ("reward_model/score", "reward_model/rule_return", "alarms/reward_hacking")  # learned_reward
+OPTIONAL_CURVE_KEYS += REWARD_CURVE_KEYS  # train.reward: weights, multipliers, constraint means, credit events
+OPTIONAL_CURVE_KEYS += ("replay/replayed", "replay/share_new", "replay/priority_weight_mean", "replay/mean_age",
+                        "replay/dropped_stale", "sampling/slice_rows", "sampling/adversarial_planned_weight")  # train.sampling
+OPTIONAL_CURVE_KEYS += ("taskgen/generated", "taskgen/accepted", "taskgen/mixed_in", "taskgen/pool_generated",
+                        "taskgen/weakest_success")  # train.task_generation
+OPTIONAL_CURVE_KEYS += ("context/episodes_with_actions_share", "context/plan_completion", "context/memory_notes",
+                        "context/memory_utility")  # env.context_actions
 
 
 def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, dist) -> dict:
@@ -129,7 +144,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         questions = {t.task_id: t.question for t in train_tasks}
         demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
                               questions, env_cfg.history_window,
-                              signatures=prompt_signatures(runtime, train_tasks))
+                              signatures=prompt_signatures(runtime, train_tasks, env_cfg.context_actions))
     ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
     tracker = Tracker() if dist.is_main else NullTracker()
     t0 = time.perf_counter()
@@ -140,9 +155,24 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         run.set_tags({"incoming.dir": incoming.summary["dir"] or "null"})
         rl_rollout_cfg = (rollout_cfg if cfg.rollout_temperature is None
                           else rollout_cfg.model_copy(update={"temperature": cfg.rollout_temperature}))
-        result = train(cfg, env_cfg, rl_rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks + incoming.tasks,
-                       val_tasks=val_tasks, runtime=runtime, out_dir=Path(out), ckpt_dir=ckpt_dir, dist=dist,
-                       run=run, demo_examples=demos, hooks=Hooks(stop_after=stop_after, before_learn=before_learn))
+        hooks = Hooks(stop_after=stop_after, before_learn=before_learn)
+
+        def train_one(c: TrainConfig, out_dir: Path, ckpt_dir: Path, run) -> dict:
+            return train(c, env_cfg, rl_rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks + incoming.tasks,
+                         val_tasks=val_tasks, runtime=runtime, out_dir=out_dir, ckpt_dir=ckpt_dir, dist=dist, run=run,
+                         demo_examples=demos, hooks=hooks)
+
+        if cfg.population.size > 1:  # members one after the other, each in its own checkpoint folder
+            from pipeline.train.population import member_features, train_population
+            from pipeline.train.validation import VAL_SEED
+
+            result = train_population(
+                cfg, train_one, lambda c: Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, c, dist.world_size,
+                                                              incoming.digest),
+                Path(out), run, dist, lambda d: member_features(d, val_tasks[:cfg.eval_tasks], runtime, env_cfg,
+                                                                rollout_cfg, dist, VAL_SEED))
+        else:
+            result = train_one(cfg, Path(out), ckpt_dir, run)
         result["incoming"] = incoming.summary
         if not result["completed"]:
             dist.close()
@@ -161,13 +191,16 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                 "early_stopping": result["early_stopping"],
                 "incoming": incoming.summary,
             }
+            if "population" in result:  # every member's validation figures and their pairwise diversity
+                metrics["population"] = result["population"]
             Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
             Path(metrics_path).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
             with open(curve_path, "w", newline="") as fh:
                 w = csv.writer(fh)
-                w.writerow([k.replace("/", "_") for k in CURVE_KEYS])
+                keys = CURVE_KEYS + tuple(k for k in OPTIONAL_CURVE_KEYS if any(k in h for h in result["history"]))
+                w.writerow([k.replace("/", "_") for k in keys])
                 for h in result["history"]:
-                    w.writerow([h.get(k, "") for k in CURVE_KEYS])
+                    w.writerow([h.get(k, "") for k in keys])
             flat = {f"test/{name}_success": c["overall"]["success_rate"] for name, c in comparison.items()}
             flat.update({f"test/delta_{k}": v for k, v in metrics["delta_rl_minus_sft"].items() if v is not None})
             es = result["early_stopping"]
@@ -208,7 +241,8 @@ def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_d
 
 
 # The train stage's code, as `dvc.yaml` lists it in the stage's deps (a test keeps the two lists equal).
-TRAIN_SOURCES = ("pipeline/train", "pipeline/policy", "pipeline/envs", "pipeline/core")
+TRAIN_SOURCES = ("pipeline/train", "pipeline/policy", "pipeline/envs", "pipeline/core",
+                 "pipeline/reward_model")  # train.learned_reward scores episodes with it
 
 
 def source_digest() -> str:

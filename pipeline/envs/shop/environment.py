@@ -34,6 +34,8 @@ class ShopOptions(BuildOptions):
                     "more); the held-out fifth wording stays test-only, and test draws from the original five, so the "
                     "test split does not depend on this.",
     )
+    long_task_share: float = Field(0.0, ge=0, le=1, description="Share of every split's tasks drawn from the long family (long_sum: the total price or stock of many products; needs env.max_steps above long_task_lookups + 2, and notes to keep the values in the context); 0 keeps the splits unchanged.")
+    long_task_lookups: int = Field(20, ge=2, le=24, description="Products a long task adds up (at most the split's products).")
 
 
 class ShopEpisode(Episode):
@@ -88,7 +90,8 @@ class ShopWorld(Environment):
         shop = cls(world)
         tasks = {split: generate_tasks(world, split, request.tasks_per_split[split], request.level_mix, request.seed,
                                        solver=lambda plan, allowed: shop.solve(plan, allowed),
-                                       train_wordings=o.train_wordings)
+                                       train_wordings=o.train_wordings, long_share=o.long_task_share,
+                                       long_lookups=o.long_task_lookups)
                  for split in SPLITS}
         return world, shop, tasks
 
@@ -179,7 +182,8 @@ class ShopWorld(Environment):
     def sample_tasks(self, split: str, n: int, level_mix: dict[int, float], seed: int, options: ShopOptions) -> list:
         return generate_tasks(self.world, split, n, dict(level_mix), seed,
                               solver=lambda plan, allowed: self.solve(plan, allowed),
-                              train_wordings=options.train_wordings)
+                              train_wordings=options.train_wordings, long_share=options.long_task_share,
+                              long_lookups=options.long_task_lookups)
 
     def value_shifted(self, seed: int) -> "ShopWorld":
         """Every product's price redrawn uniformly from the upper half (500..999) of the range the schema allows."""
@@ -214,6 +218,16 @@ class ShopWorld(Environment):
         except (ToolError, KeyError, IndexError, ValueError):  # an entity the world lacks, a reference past the plan
             return False
         return answers_match(truth, task.answer)
+
+    def generate_tasks(self, weakness: dict, n: int, seed: int, options: ShopOptions | None = None) -> list[Task]:
+        from pipeline.envs.shop.generate import weak_spot_tasks
+
+        conn = self.episode_db()  # a private copy: rollout threads may be copying the master meanwhile
+        try:
+            return weak_spot_tasks(self.world, weakness, n, seed, lambda plan, allowed: self.solve(plan, allowed, conn),
+                                   train_wordings=(options or ShopOptions()).train_wordings)
+        finally:
+            conn.close()
 
     def vocabulary(self) -> list[str]:
         from pipeline.envs.shop.tasks import FIELD_WORDS, UNIT_WORDS

@@ -36,8 +36,11 @@ import pandas as pd
 from pipeline.core.validation import BOOL_TYPES, FLOAT_TYPES, INT_TYPES, NON_BLANK, STR_TYPES
 from pipeline.envs.config import LEVELS, EnvConfig, RewardWeights
 from pipeline.envs.protocol import InvalidAction, parse_action, sanitize
-from pipeline.envs.shop.tasks import FAMILIES
-from pipeline.envs.shop.tools import TOOL_NAMES
+from pipeline.envs.shop.tasks import ALL_FAMILIES
+from pipeline.envs.context_actions import CONTEXT_TOOLS
+from pipeline.envs.shop.tools import TOOL_NAMES as SHOP_TOOLS
+
+TOOL_NAMES = SHOP_TOOLS + CONTEXT_TOOLS  # the context actions (env.context_actions) are the pipeline's tools
 from pipeline.envs.verifier import ANSWER, INVALID_ACTION, OUTCOMES
 
 OK = "ok"  # value of a derived *_problem column for a record without the problem
@@ -202,7 +205,7 @@ def _episode_expectations(gxe, env_cfg: EnvConfig | None) -> list:
         *present("level", INT_TYPES),
         gxe.ExpectColumnValuesToBeInSet(column="level", value_set=list(LEVELS)),
         *present("family", STR_TYPES),
-        gxe.ExpectColumnValuesToBeInSet(column="family", value_set=list(FAMILIES)),
+        gxe.ExpectColumnValuesToBeInSet(column="family", value_set=list(ALL_FAMILIES)),
         *present("success", BOOL_TYPES),
         *present("return", FLOAT_TYPES),
         gxe.ExpectColumnValuesToBeBetween(column="return", min_value=lo, max_value=hi),

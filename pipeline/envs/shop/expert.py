@@ -11,6 +11,11 @@ flaw injected per demonstration, each drawn with the probability in `build_env.d
 - ``wrong_order``: a later step is tried first with its inputs still unknown, fails, and the expert recovers
   (costs efficiency and user experience);
 - ``wrong_value``: the answer copies a wrong value (the demonstration fails);
+- context actions (``env.context_actions.enabled``; the runner's reset info says which and the history window): on a
+  task whose plan has more calls before the answer than the window keeps, the expert first declares its ``plan``
+  (the plan's tools, consecutive repeats collapsed: ``["lookup", "calc", "answer"]``), and before a step whose
+  pair would push a result out of the window it writes a ``note`` holding every result so far (``"price so far: 320,
+  536"``), so the values it needs stay in the context. On shorter tasks it acts as without them.
 - partial coverage: only the share `level_coverage[level]` of training tasks of a level gets a demonstration at all,
   so the hard levels are scarce but present (scarce-but-present hard demonstrations gave RL its large gains; noise
   everywhere did not).
@@ -57,6 +62,8 @@ class ExpertPolicy:
         self.results: list[str] = []
         self.queue: list[tuple[str, dict, bool]] = []  # (tool, params, is_plan_step)
         self._last_was_plan = False
+        self.ctx: dict | None = None  # the context actions on offer (the reset info's `context_actions`)
+        self.planned, self.since_note, self._acted, self._last_note = False, 0, False, False
         plan = task.plan
         self.extra_at: dict[int, tuple[str, dict]] = {}
         if self.flaw == "redundant_call":
@@ -78,9 +85,33 @@ class ExpertPolicy:
             params = {"value": _wrong(params["value"], self.rng)}
         return step["tool"], params
 
+    def _context_action(self) -> str | None:
+        """A plan or a note when the context actions are on and the task outgrows the window (module docstring)."""
+        ctx, plan = self.ctx, self.task.plan
+        if ctx is None or len(plan) - 1 <= ctx["history_window"]:
+            return None
+        if not self.planned and "plan" in ctx["tools"]:
+            self.planned = True
+            steps = [s["tool"] for i, s in enumerate(plan) if i == 0 or plan[i - 1]["tool"] != s["tool"]]
+            return format_action("plan", {"steps": steps})
+        k = len(self.results)
+        if "note" in ctx["tools"] and self.results and self.since_note >= ctx["history_window"] and k < len(plan) - 2:
+            what = plan[0]["params"].get("field", "results")
+            return format_action("note", {"text": f"{what} so far: {', '.join(self.results)}"[:200]})
+        return None
+
     def act(self, obs: dict, info: dict) -> str:
+        if not self._acted and info.get("context_actions") is not None:
+            self.ctx = info["context_actions"]
+        if self._acted:  # the pairs the context holds after the latest note (a note replaces itself too)
+            self.since_note = 0 if self._last_note else self.since_note + 1
+        self._acted, self._last_note = True, False
         if info.get("outcome") is not None and self._last_was_plan and info["outcome"] == OK:
             self.results.append(info["tool_result"])
+        ctx_action = self._context_action()
+        if ctx_action is not None:
+            self._last_was_plan, self._last_note = False, ctx_action.startswith("<call>note")
+            return ctx_action
         k = len(self.results)
         extra = self.extra_at.pop(k, None)
         if extra is not None:

@@ -8,7 +8,7 @@ import hashlib
 import json
 from typing import Any
 
-from pipeline.envs.shop.tasks import FAMILIES, FAMILY_LEVEL, Task
+from pipeline.envs.shop.tasks import ALL_FAMILIES, FAMILY_LEVEL, Task
 from pipeline.envs.shop.tools import TOOL_NAMES
 
 REQUEST_KEYS = ("question", "task_id", "allowed_writes", "answer")
@@ -76,8 +76,8 @@ def _check_record(obj: dict) -> None:
                for st in obj["plan"]):
         raise ValueError("task field 'plan' must be a list of {tool, params} steps")
     _check_writes(obj["allowed_writes"])
-    if obj["family"] not in FAMILIES:
-        raise ValueError(f"task field 'family' must be one of {list(FAMILIES)}, got {obj['family'][:40]!r}")
+    if obj["family"] not in ALL_FAMILIES:
+        raise ValueError(f"task field 'family' must be one of {list(ALL_FAMILIES)}, got {obj['family'][:40]!r}")
     if obj["level"] != FAMILY_LEVEL[obj["family"]]:
         raise ValueError(f"task field 'level' is {obj['level']}, but family {obj['family']!r} is level "
                            f"{FAMILY_LEVEL[obj['family']]}")

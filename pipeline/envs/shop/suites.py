@@ -27,7 +27,7 @@ from pipeline.core import validation as V
 from pipeline.envs.demo_suite import derive_demo_columns
 from pipeline.envs.config import LEVELS, SPLITS
 from pipeline.envs.shop.expert import FLAWS
-from pipeline.envs.shop.tasks import FAMILIES
+from pipeline.envs.shop.tasks import ALL_FAMILIES, LONG_FAMILY
 from pipeline.envs.shop.tools import TOOL_NAMES as TOOLS
 
 # ------------------------------------------------------------------------------------------------------- tasks
@@ -65,6 +65,7 @@ def _derive_tasks(df: pd.DataFrame) -> dict[str, list]:
 def tasks_suite(split: str | None = None) -> list:
     """Task records (data/tasks/{split}.jsonl); `split` pins the `split` column to the file's split."""
     import great_expectations.expectations as gxe
+    from great_expectations.expectations.row_conditions import Column
 
     if split is not None and split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; splits are {list(SPLITS)}")
@@ -72,7 +73,7 @@ def tasks_suite(split: str | None = None) -> list:
         *V.non_empty_table(gxe),
         *V.text(gxe, "task_id", unique=True),
         *V.one_of(gxe, "split", [split] if split else SPLITS),
-        *V.one_of(gxe, "family", FAMILIES),
+        *V.one_of(gxe, "family", ALL_FAMILIES),  # the long family only in builds with long_task_share > 0
         *V.one_of(gxe, "level", LEVELS, V.INT_TYPES),
         *V.text(gxe, "template_id"),
         *V.present(gxe, "template_seen", V.BOOL_TYPES),
@@ -86,7 +87,9 @@ def tasks_suite(split: str | None = None) -> list:
         *V.all_true(gxe, "plan_steps_have_params"),
         gxe.ExpectColumnPairValuesToBeEqual(column_A="plan_len", column_B="min_calls"),
         *V.text(gxe, "answer"),
-        *V.number(gxe, "min_calls", 2, 8),
+        *V.present(gxe, "min_calls", V.INT_TYPES),  # long tasks (build option long_task_share) are bounded by their plan
+        gxe.ExpectColumnValuesToBeBetween(column="min_calls", min_value=2, max_value=8,
+                                          row_condition=Column("family") != LONG_FAMILY),
         *V.present(gxe, "allowed_writes", V.STR_TYPES),
         gxe.ExpectColumnValuesToBeBetween(column="n_allowed_writes", min_value=0),
         *V.all_true(gxe, "allowed_writes_well_formed"),
@@ -106,6 +109,7 @@ _derive_demos = derive_demo_columns
 def demos_suite(task_ids: Collection[str] | None = None) -> list:
     """Demonstrations (data/demos/train.jsonl); `task_ids`, when given, are the tasks a demo may refer to."""
     import great_expectations.expectations as gxe
+    from great_expectations.expectations.row_conditions import Column
 
     return [
         *V.non_empty_table(gxe),
@@ -113,10 +117,11 @@ def demos_suite(task_ids: Collection[str] | None = None) -> list:
         *V.text(gxe, "task_id"),
         *V.in_known(gxe, "task_id", task_ids),
         *V.one_of(gxe, "level", LEVELS, V.INT_TYPES),
-        *V.one_of(gxe, "family", FAMILIES),
+        *V.one_of(gxe, "family", ALL_FAMILIES),
         *V.one_of(gxe, "flaw", FLAWS),
         *V.present(gxe, "steps", V.STR_TYPES),
-        gxe.ExpectColumnValuesToBeBetween(column="n_steps", min_value=1, max_value=16),
+        gxe.ExpectColumnValuesToBeBetween(column="n_steps", min_value=1, max_value=16,  # long tasks: up to ~30
+                                          row_condition=Column("family") != LONG_FAMILY),
         *V.all_true(gxe, "steps_well_formed"),
         *V.present(gxe, "success", V.BOOL_TYPES),
         *V.number(gxe, "return", -5, 5, types=V.FLOAT_TYPES),

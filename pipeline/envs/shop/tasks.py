@@ -19,6 +19,14 @@ level  family                plan                                          min_c
 4      search_lookup_calc    search → lookup → calc → answer                4
 =====  ====================  ===========================================  =========
 
+Long tasks (optional, build option ``long_task_share``, 0 by default): the family ``long_sum`` (level 4) asks for the
+total price or stock of K products (``long_task_lookups``, at most the split's products): K lookups → calc → answer,
+min_calls K + 2. With K above ``env.history_window`` the early lookups leave the verbatim window, and with K well above
+it (20 against the default window of 6) they overflow the summary line too, so a policy that does not keep them in a
+``note`` (:mod:`pipeline.envs.context_actions`) no longer sees them when it must add them up. They are drawn after the
+regular tasks from their own random stream, so the regular tasks of a build with long tasks are those of a build
+without them (the first ones), and with a share of 0 nothing changes.
+
 Generalisation: every family has nine question templates (wordings). Index 4 is *held out*: it never appears in train
 or validation and is used only in test (`template_seen` = False), next to the seen ones. Train and validation draw from
 the first `train_wordings` of the training wordings :data:`TRAIN_TEMPLATES` (0-3, then 5-8); test always draws from
@@ -43,6 +51,11 @@ from pipeline.envs.shop.world import World
 FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_lookup", "update", "search_lookup_calc")
 FAMILY_LEVEL = {"lookup": 1, "lookup_calc": 2, "lookup_convert": 2, "search_lookup": 2, "two_lookup": 3, "update": 3,
                 "search_lookup_calc": 4}
+LONG_FAMILY = "long_sum"  # not in FAMILIES: the regular draw must not change when long tasks exist
+ALL_FAMILIES = FAMILIES + (LONG_FAMILY,)
+FAMILY_LEVEL[LONG_FAMILY] = 4
+MAX_QUESTION_CHARS = 400
+LONG_TEMPLATES = ("What is the total {f} of {items}?", "Add up the {f} of {items}.")
 HELDOUT_TEMPLATE = 4  # index of the test-only template in every family
 TEST_TEMPLATES = HELDOUT_TEMPLATE + 1  # test draws from templates 0..4: four training wordings and the held-out one
 TRAIN_TEMPLATES = (0, 1, 2, 3, 5, 6, 7, 8)  # train/validation draw from the first `train_wordings` of these
@@ -249,7 +262,8 @@ def _slots(family: str, split: str, world: World, rng: np.random.Generator) -> t
 
 
 def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float], seed: int,
-                   solver: Callable[[list[dict], list[dict]], str], train_wordings: int = 4) -> list[Task]:
+                   solver: Callable[[list[dict], list[dict]], str], train_wordings: int = 4,
+                   long_share: float = 0.0, long_lookups: int = 20) -> list[Task]:
     """Generate `n` tasks of `split`; `solver(plan, allowed_writes)` returns the ground-truth answer on the world.
 
     Train and validation questions use the first `train_wordings` (1-8) of :data:`TRAIN_TEMPLATES`; test questions
@@ -266,7 +280,8 @@ def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float]
     by_level = {lv: [f for f in FAMILIES if FAMILY_LEVEL[f] == lv] for lv in levels}
     tasks, seen = [], set()
     attempts = 0
-    while len(tasks) < n:
+    n_long = int(round(n * long_share))
+    while len(tasks) < n - n_long:
         attempts += 1
         if attempts > 50 * n + 1000:
             raise ValueError(f"could not draw {n} distinct {split} tasks; the world is too small for this many")
@@ -289,7 +304,40 @@ def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float]
             template_id=f"{family}/{template}", template_seen=template != HELDOUT_TEMPLATE, question=question,
             entities=entities, plan=plan, answer=solver(plan, allowed), min_calls=len(plan), allowed_writes=allowed,
         ))
+    if n_long:
+        tasks += _long_tasks(world, split, n_long, seed, solver, long_lookups, len(tasks), seen)
     return tasks
+
+
+def _long_tasks(world: World, split: str, n: int, seed: int, solver: Callable, lookups: int, start: int,
+                seen: set) -> list[Task]:
+    """`n` tasks of the long family (see the module docstring), numbered from `start`."""
+    rng = np.random.default_rng([seed, 3, ("train", "validation", "test").index(split)])
+    names = [p["name"] for p in world.products_in(split)]
+    k = min(lookups, len(names))
+    if k < 2:
+        raise ValueError(f"long tasks need at least 2 {split} products, the world has {len(names)}")
+    out: list[Task] = []
+    for _ in range(50 * n + 100):
+        if len(out) == n:
+            break
+        picked = [names[i] for i in rng.choice(len(names), size=k, replace=False)]
+        fld = ("price", "stock")[int(rng.integers(2))]
+        template = int(rng.integers(len(LONG_TEMPLATES)))
+        items = ", ".join(f'"{p}"' for p in picked[:-1]) + f' and "{picked[-1]}"'
+        question = LONG_TEMPLATES[template].format(f=FIELD_WORDS[fld], items=items)
+        if question in seen or len(question) > MAX_QUESTION_CHARS:  # the tasks suite's bound
+            continue
+        seen.add(question)
+        plan = ([_step("lookup", name=p, field=fld) for p in picked]
+                + [_step("calc", expr="+".join(f"{{{i}}}" for i in range(k))), _step("answer", value=f"{{{k}}}")])
+        out.append(Task(task_id=f"{split}-{start + len(out):06d}", split=split, family=LONG_FAMILY,
+                        level=FAMILY_LEVEL[LONG_FAMILY], template_id=f"{LONG_FAMILY}/{template}", template_seen=True,
+                        question=question, entities=picked, plan=plan, answer=solver(plan, []), min_calls=len(plan),
+                        allowed_writes=[]))
+    if len(out) < n:
+        raise ValueError(f"could not draw {n} distinct long {split} tasks; the world is too small for this many")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------ answers

@@ -206,6 +206,18 @@ class SqlAnalyst(Environment):
         finally:
             conn.close()
 
+    def generate_tasks(self, weakness: dict, n: int, seed: int, options=None) -> list[Task]:
+        """Fresh training tasks of a weak slice (:mod:`pipeline.envs.sql.generate`); wordings as the world was built."""
+        from pipeline.envs.sql.generate import weak_spot_tasks
+
+        wordings = (options.train_wordings if isinstance(options, SqlOptions)
+                    else int(self.meta.get("options", {}).get("train_wordings", 4)))
+        conn = W.connect_ro(self.db_path)
+        try:
+            return weak_spot_tasks(conn, self.meta["partition"], weakness, n, seed, wordings)
+        finally:
+            conn.close()
+
     def required_tools(self, task: Task) -> list[str]:
         """A correct process queries; describing tables first is the expert's habit, not a requirement."""
         return ["query"]

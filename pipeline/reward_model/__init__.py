@@ -1,0 +1,7 @@
+"""Phase `reward_model`: a learned verifier beside the rule verifier (design document, sections 3.1.2 and 3.6.2).
+
+:mod:`~pipeline.reward_model.features` turns a trajectory into hashed features, :mod:`~pipeline.reward_model.model`
+is the model (two logistic heads: success and process soundness) with its metrics, :mod:`~pipeline.reward_model.main`
+is the stage, :mod:`~pipeline.reward_model.reward` applies the model as a reward component in `train`, and
+:mod:`~pipeline.reward_model.guard` is the reward-hacking alarm.
+"""

@@ -1,0 +1,162 @@
+"""Phase `reward_model`: train the learned verifier on the pipeline's own trajectories and report how well it agrees
+with the rules on held-out tasks.
+
+Reads the `reward_model`, `env` and `rollout` sections. Steps:
+
+1. **Demonstrations** (``data/demos/train.jsonl``): each is replayed action by action through the pipeline's runner
+   (:class:`pipeline.policy.episode_drivers.EnvEpisode`), so it gets the same record as a rollout: the observations,
+   the call log and the rule verifier's report, in any environment.
+2. **Rollouts** of ``reward_model.policy`` (the adapted policy) on ``rollout_tasks`` random training tasks,
+   ``rollouts_per_task`` sampled episodes each (:class:`pipeline.policy.rollout.RolloutEngine`): the policy's own
+   mistakes, which the demonstrations (mostly successful) lack.
+3. **Labels** from the rules (:func:`pipeline.reward_model.features.rule_labels`): success, and soundness (verifier
+   passed, no failed call, no redundant call).
+4. **Fit** the two logistic heads on the tasks outside the held-out share (a hash of the task id), and report on the
+   held-out tasks: AUC, accuracy, Brier score and expected calibration error per head, overall and for rollouts and
+   demonstrations apart, in ``metrics/reward_model.json``; the model goes to ``models/reward_model``; MLflow run
+   ``reward_model`` gets the params, the flat metrics and both as artefacts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.core.config import load_section
+from pipeline.core.errors import AgentRLError
+from pipeline.envs.config import EnvConfig
+from pipeline.reward_model.config import RewardModelConfig
+from pipeline.reward_model.features import featurize, rule_labels
+from pipeline.reward_model import model as M
+
+OUT_DIR = Path("models/reward_model")
+METRICS_PATH = Path("metrics/reward_model.json")
+
+
+def replay_demos(demos: list[dict], tasks_by_id: dict, runtime, env_cfg: EnvConfig) -> list[dict]:
+    """Each demonstration replayed through the runner (episode seed = its index): a record like a rollout's. A
+    demonstration whose task is unknown or that does not end within its actions is skipped."""
+    from pipeline.policy.episode_drivers import EnvEpisode
+
+    out = []
+    for i, demo in enumerate(demos):
+        task = tasks_by_id.get(demo["task_id"])
+        if task is None:
+            continue
+        ep, done = EnvEpisode(runtime, env_cfg, task, seed=i), False
+        for step in demo["steps"]:
+            done = ep.step(step["action"])[0]
+            if done:
+                break
+        if not done:
+            ep.env.close()
+            continue
+        out.append({**ep.record(), "source": "demo"})
+    return out
+
+
+def holdout(task_id: str, fraction: float, seed: int) -> bool:
+    """Whether a task is held out: CRC-32 of ``seed:task_id`` in the lowest `fraction` of its range."""
+    return zlib.crc32(f"{seed}:{task_id}".encode()) < fraction * 2 ** 32
+
+
+def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, *, data_dir: Path = Path("data"),
+                       out_dir: Path = OUT_DIR, metrics_path: Path = METRICS_PATH, tracker=None) -> dict:
+    """Run the phase (see the module docstring); returns what it wrote to `metrics_path`."""
+    from pipeline.core.tracking import NullTracker, flatten
+    from pipeline.envs.registry import open_environment
+    from pipeline.envs.taskfile import load_task_file
+    from pipeline.policy.demos import load_demos
+    from pipeline.policy.model import load_policy
+    from pipeline.policy.rollout import RolloutEngine
+
+    t0 = time.perf_counter()
+    data_dir, out_dir, metrics_path = Path(data_dir), Path(out_dir), Path(metrics_path)
+    if metrics_path.resolve() in {(out_dir / f).resolve() for f in (M.WEIGHTS_FILE, M.META_FILE)}:
+        raise AgentRLError(f"reward_model: the metrics file {metrics_path} would overwrite the model's own file; "
+                           f"write it outside {out_dir}")
+    metrics_path.unlink(missing_ok=True)
+    if not Path(cfg.policy).is_dir():
+        raise AgentRLError(f"reward_model: the policy folder {cfg.policy} does not exist; run the `adapt` stage first "
+                           f"(reward_model.policy)")
+    try:
+        runtime = open_environment(env_cfg.name, data_dir / "env")
+        tasks = load_task_file(data_dir / "tasks" / "train.jsonl", runtime, validate=False)
+    except (FileNotFoundError, ValueError) as exc:
+        raise AgentRLError(f"reward_model: {exc}; run the `build_env` stage first") from None
+    demos = load_demos(data_dir / "demos" / "train.jsonl")[:cfg.max_demos]
+    tracker = tracker or NullTracker()
+    with tracker.run("reward_model", params={"reward_model": cfg.model_dump(), "env": env_cfg.model_dump(),
+                                             "rollout": rollout_cfg.model_dump()}) as run:
+        records = replay_demos(demos, {t.task_id: t for t in tasks}, runtime, env_cfg)
+        t_demos = time.perf_counter() - t0
+        rng = np.random.default_rng([cfg.seed, 17])
+        chosen = [tasks[i] for i in rng.choice(len(tasks), size=min(cfg.rollout_tasks, len(tasks)), replace=False)]
+        ep_tasks = [t for t in chosen for _ in range(cfg.rollouts_per_task)]
+        t1 = time.perf_counter()
+        if ep_tasks:
+            policy, tok, _ = load_policy(cfg.policy)
+            engine = RolloutEngine(policy, tok, runtime, env_cfg,
+                                   rollout_cfg.model_copy(update={"temperature": cfg.rollout_temperature}))
+            seeds = [cfg.seed * 1_000_003 + 500_000 + i for i in range(len(ep_tasks))]
+            records += [{**r, "source": "rollout"} for r in engine.run(ep_tasks, seeds, greedy=False)]
+        t_rollouts = time.perf_counter() - t1
+        runtime.close()
+        if not records:
+            raise AgentRLError("reward_model: no trajectories to train on (no usable demonstrations, rollout_tasks 0)")
+        t2 = time.perf_counter()
+        X = [featurize(r["steps"], cfg.hash_dim) for r in records]
+        Y = np.array([rule_labels(r) for r in records], dtype=np.int64)
+        held = np.array([holdout(r["task_id"], cfg.holdout_fraction, cfg.seed) for r in records])
+        source = np.array([r["source"] for r in records])
+        fit_idx = np.flatnonzero(~held)
+        model, losses = M.fit([X[i] for i in fit_idx], Y[fit_idx], cfg.hash_dim, epochs=cfg.epochs, lr=cfg.lr,
+                              l2=cfg.l2, seed=cfg.seed)
+        t_fit = time.perf_counter() - t2
+        P = model.predict(X)
+
+        def report(mask: np.ndarray) -> dict:
+            return {h: M.head_metrics(P[mask, k], Y[mask, k], cfg.calibration_bins) for k, h in enumerate(M.HEADS)}
+
+        result = {
+            "env": env_cfg.name, "policy": cfg.policy,
+            "episodes": {"demos": int((source == "demo").sum()), "rollouts": int((source == "rollout").sum()),
+                         "fit": int(len(fit_idx)), "heldout": int(held.sum())},
+            "label_rates": {src: {h: float(Y[source == src, k].mean()) if (source == src).any() else None
+                                  for k, h in enumerate(M.HEADS)} for src in ("demo", "rollout")},
+            "heldout": report(held), "heldout_rollouts": report(held & (source == "rollout")),
+            "heldout_demos": report(held & (source == "demo")), "fit": report(~held),
+            "final_loss": losses[-1],
+            "seconds": {"demos": round(t_demos, 2), "rollouts": round(t_rollouts, 2), "fit": round(t_fit, 2),
+                        "total": round(time.perf_counter() - t0, 2)},
+        }
+        M.save(model, out_dir, {"env": env_cfg.name, "config": cfg.model_dump(), "heldout": result["heldout"]})
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        flat = {f"reward_model/{k}": v for k, v in flatten({k: result[k] for k in
+                ("episodes", "heldout", "heldout_rollouts", "fit", "seconds")}, sep="/").items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        run.log_metrics({**flat, "reward_model/final_loss": result["final_loss"]})
+        run.log_artifact(metrics_path)
+        run.log_artifact(out_dir, "reward_model")
+    return result
+
+
+def main(params_path: str = "params.yaml") -> dict:
+    from pipeline.core.tracking import Tracker
+    from pipeline.policy.config import RolloutConfig
+
+    cfg = load_section(RewardModelConfig, "reward_model", params_path)
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    result = train_reward_model(cfg, env_cfg, rollout_cfg, tracker=Tracker())
+    h = result["heldout"]
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    print(f"reward_model: {result['episodes']['demos']} demonstrations + {result['episodes']['rollouts']} rollouts; "
+          f"held-out AUC success {fmt(h['success'].get('auc'))}, sound {fmt(h['sound'].get('auc'))}; ECE success "
+          f"{fmt(h['success'].get('ece'))}, sound {fmt(h['sound'].get('ece'))}; {result['seconds']['total']:.1f}s")
+    return result

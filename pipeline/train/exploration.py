@@ -1,0 +1,77 @@
+"""Exploration noise of the `train` phase (design document 3.2): annealed action noise on the tool an action calls.
+
+**What it does.** With ``train.exploration.tool_noise`` = ε_max > 0, every RL rollout (never a greedy validation or
+test episode) draws the tool of each action from the mixture (1 − ε_t)·π + ε_t·uniform(the episode's tools): right
+after the policy samples ``<call>``, with probability ε_t the engine writes the name tokens of a uniformly chosen
+tool, and the policy goes on with the parameters (:class:`pipeline.policy.sampling.ToolChoiceNoise`). ε_t anneals
+linearly over the run's updates, ε_t = ε_max·(1 − t/T) with t the 0-based update and T = ``train.updates``
+(:func:`annealed_epsilon`); ``anneal: false`` keeps ε_max.
+
+**Why the learner needs no other change.** The rollout records, for every token of the tool name, the log-probability
+of the marginal mixture's conditional q (not π's), so the recorded log-probabilities are those of the distribution
+actually sampled from. The learner's policy term is always the clipped surrogate of π_θ/π_old times the truncated
+importance weight w = min(``train.is_clip``, π_old/q) computed from those recorded log-probabilities: in the one-forward
+step π_old is π_θ's own detached value (its ratio is exactly 1, and w = min(c, π_θ/q) carries the correction), with
+several epochs or minibatches π_old is a no-grad forward before the first step. A noised action the policy would rarely
+have taken gets w ≈ π_θ/(ε_t/K) ≪ 1; the policy's own tool choice gets w ≈ 1/(1 − ε_t) at most (truncated at c).
+
+**Reported per update** (metrics, MLflow and ``train_curve.csv``): ``explore/epsilon`` (ε_t), ``explore/tool_choices``
+(actions that opened a tool choice over all ranks) and ``explore/noised_action_share`` (the share of them whose tool
+the noise drew).
+
+Asynchronous rollouts (``train.async_rollouts``) with tool noise are refused: their batches are generated for the next
+update while the current one learns, and their engines are built by the worker; not wired here.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from pipeline.core.config import PhaseConfig
+from pipeline.core.errors import AgentRLError
+
+
+class ExplorationConfig(PhaseConfig):
+    """Annealed tool-choice noise of RL rollouts (design document 3.2)."""
+
+    tool_noise: float = Field(0.0, ge=0, le=1, description="ε_max: probability that an RL rollout's action calls a tool drawn uniformly from the task's tools instead of the policy's choice (recorded log-probabilities are the mixture's, so the importance weights correct for it); 0 disables.")
+    anneal: bool = Field(True, description="ε_t = ε_max·(1 − t/T) over the run's updates (t the 0-based update, T = train.updates); false keeps ε_max throughout.")
+
+
+def annealed_epsilon(eps_max: float, t: int, T: int, anneal: bool = True) -> float:
+    """ε_t = ε_max·(1 − t/T) for update t in 0..T−1 (clamped at 0 beyond T); ε_max without annealing."""
+    if not anneal:
+        return float(eps_max)
+    return float(eps_max) * max(0.0, 1.0 - t / T)
+
+
+def attach_tool_noise(engine, cfg) -> None:
+    """Give the RL rollout engine its tool-choice noise when ``cfg.exploration.tool_noise`` > 0 (`cfg`: the
+    TrainConfig); nothing otherwise, so the default run samples exactly as before."""
+    if cfg.exploration.tool_noise <= 0:
+        return
+    if cfg.async_rollouts:
+        raise AgentRLError("train.exploration.tool_noise is not supported with train.async_rollouts: set one of them "
+                           "off")
+    from pipeline.policy.sampling import ToolChoiceNoise
+    from pipeline.policy.tokenizer import CALL_OPEN, encode_continuation, marker_ids
+
+    tok = engine.tokenizer  # a name's plain-text tokens (a chat template's action delta would add its turn tokens)
+    engine.tool_noise = ToolChoiceNoise(marker_ids(tok)[CALL_OPEN], lambda name: encode_continuation(tok, name))
+
+
+def begin_update(engine, cfg, u: int) -> None:
+    """Set ε_t of update `u` (0-based) before its rollouts and reset the counts."""
+    if engine.tool_noise is not None:
+        engine.tool_noise.reset(annealed_epsilon(cfg.exploration.tool_noise, u, cfg.updates, cfg.exploration.anneal))
+
+
+def exploration_metrics(engine, dist) -> dict:
+    """The update's ε_t and the counts of its tool choices over all ranks; {} without noise."""
+    noise = engine.tool_noise
+    if noise is None:
+        return {}
+    parts = dist.all_gather((noise.stats["actions"], noise.stats["noised"]))
+    actions, noised = sum(a for a, _ in parts), sum(n for _, n in parts)
+    return {"explore/epsilon": noise.epsilon, "explore/tool_choices": actions,
+            "explore/noised_action_share": noised / actions if actions else 0.0}
