@@ -119,7 +119,7 @@ def run_train(params: dict, tmp: Path, name: str) -> dict:
         head, last = curve[0].split(","), curve[-1].split(",")
         out["last_update"] = {k: v for k, v in zip(head, last) if v and k.split("_")[0] in
                               {"reward", "replay", "explore", "taskgen", "reward_model", "population", "credit",
-                               "sampling", "context"}}
+                               "sampling", "context", "alarms"}}
     return out
 
 

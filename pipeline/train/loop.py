@@ -14,6 +14,14 @@
 6. **Checkpoint** (:func:`checkpoint`, :mod:`pipeline.train.checkpoint`): every `checkpoint_every` updates, so a
    killed run resumes and continues as if it had not stopped.
 
+Optional capabilities (``docs/rl-options.md``; each off by default) join these steps through one call each: the
+tool-choice noise's ε_t is set before collecting (:mod:`pipeline.train.exploration`); generated tasks are mixed into
+the plan and a generation round follows learning (:mod:`pipeline.train.task_generator`); before learning, the learned
+verifier adds its reward (:mod:`pipeline.reward_model.reward`) and replayed episodes join the batch
+(:mod:`pipeline.train.replay`); the reward weighting and credit act inside the learner's scoring
+(:mod:`pipeline.train.reward_weights`); after logging, the reward-hacking guard may stop the run as early stopping
+does.
+
 The best policy lives in ``<checkpoint folder>/best`` while the run goes and is copied to the output folder when the
 run completes. Reading params, data and writing the phase's metrics is :mod:`pipeline.train.worker`'s job.
 """
