@@ -45,6 +45,15 @@ def test_mixing_ratio_and_replayed_count():
         SamplingConfig(beta_min=0.8, beta_max=0.6)
 
 
+def test_ppo_replay_with_a_dynamic_reward_weighting_is_refused():
+    from pipeline.train.config import TrainConfig
+
+    with pytest.raises(ValidationError, match="recorded return"):
+        TrainConfig(algorithm="ppo", sampling={"replay": True}, reward={"weighting": "softmax"})
+    TrainConfig(algorithm="rloo", sampling={"replay": True}, reward={"weighting": "softmax"})  # keeps its advantages
+    TrainConfig(algorithm="ppo", sampling={"replay": True})  # fixed weights: the recorded return is the return
+
+
 def test_episode_deltas_average_absolute_advantage_over_all_rows_of_an_episode():
     adv = torch.tensor([[0.5, -1.5, 9.0], [2.0, 0.0, 0.0], [-4.0, 4.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])

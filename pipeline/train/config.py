@@ -92,4 +92,9 @@ class TrainConfig(PhaseConfig):
                              f"{self.max_staleness}); otherwise every such batch would be dropped")
         if self.entropy_target is not None and self.entropy_coef_max < self.entropy_coef:
             raise ValueError("entropy_coef_max must be at least entropy_coef")
+        if self.sampling.replay and self.algorithm == "ppo" and self.reward.weighting != "fixed":
+            raise ValueError(f"train.sampling.replay with algorithm 'ppo' recomputes a replayed episode's GAE from its "
+                             f"recorded return, which train.reward.weighting={self.reward.weighting!r} would have "
+                             f"weighted differently: use weighting 'fixed', or a group baseline (grpo/rloo), whose "
+                             f"replayed episodes keep the advantage they were trained with")
         return self
