@@ -212,19 +212,24 @@ def test_false_alarm_rate_over_repeated_fresh_samples(world, capsys):
     assert fa.repeats == FA_REPEATS and fa.rate <= FA_BOUND
 
 
-def test_calibration_samples_use_the_builds_wordings(world):
-    """With `build_env.train_wordings: 8` the reference tasks use eight wordings; the false-alarm calibration must draw
+@pytest.mark.parametrize("built, other", [
+    (ShopOptions(train_wordings=8, wordings="templates"), ShopOptions(train_wordings=4, wordings="templates")),
+    (ShopOptions(wordings="grammar"), ShopOptions(wordings="templates")),
+])
+def test_calibration_samples_use_the_builds_wordings(world, built, other):
+    """With eight fixed wordings, or the grammar's, the reference tasks use them; the false-alarm calibration must draw
     its fresh samples the same way, or the `template` feature alarms on every repeat."""
     from pipeline.check_drift.main import run_checks
 
     mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
-    ref = C.make_reference_sample(world, N, 101, mix, options=ShopOptions(train_wordings=8)).tasks
-    cur = C.make_reference_sample(world, N, 102, mix, options=ShopOptions(train_wordings=8)).tasks
-    assert {t["template_id"].split("/")[1] for t in ref} >= {"5", "6", "7", "8"}
-    right = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, ShopOptions(train_wordings=8), ref, cur, world, world)
+    ref = C.make_reference_sample(world, N, 101, mix, options=built).tasks
+    cur = C.make_reference_sample(world, N, 102, mix, options=built).tasks
+    assert {t["template_id"].split("/")[1] for t in ref} >= ({"5", "6", "7", "8"} if built.train_wordings == 8
+                                                             else {"9", "10", "11"})
+    right = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, built, ref, cur, world, world)
     assert right["checks"]["task_drift"]["status"] == "pass"
     assert right["checks"]["calibration"]["status"] == "pass", right["checks"]["calibration"]
-    wrong = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, ShopOptions(train_wordings=4), ref, cur, world, world)["checks"]["calibration"]
+    wrong = run_checks(DriftConfig(alpha=ALPHA), EnvConfig(), mix, other, ref, cur, world, world)["checks"]["calibration"]
     assert wrong["status"] == "fail" and "template" in wrong["alarms_by_feature"]
 
 
@@ -432,7 +437,8 @@ def project(tmp_path, monkeypatch, world):
 
     mix = {1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25}
     for split, n in (("train", 400), ("validation", 120)):
-        tasks = generate_tasks(world.world, split, n, mix, 0, solver=lambda p, a: runtime.solve(p, a))
+        tasks = generate_tasks(world.world, split, n, mix, 0, solver=lambda p, a: runtime.solve(p, a),
+                               train_wordings=ShopOptions().train_wordings, grammar=ShopOptions().wordings == "grammar")
         write_tasks(tasks, tmp_path / "data" / "tasks" / f"{split}.jsonl")
     runtime.close()
     params = {"check_drift": {"false_alarm_repeats": 5, "false_alarm_sample_size": 100}}

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import Field
 
 from pipeline.envs.contract import (ANSWER_SPEC, BuildOptions, BuildRequest, BuildResult, Environment, Episode,
@@ -33,6 +35,12 @@ class ShopOptions(BuildOptions):
         description="Question wordings per family that train and validation draw from (the original four, then four "
                     "more); the held-out fifth wording stays test-only, and test draws from the original five, so the "
                     "test split does not depend on this.",
+    )
+    wordings: Literal["grammar", "templates"] = Field(
+        "grammar",
+        description="Where train and validation questions come from: grammar (the train_wordings fixed wordings and a "
+                    "compositional grammar of frames, synonyms, openers and closers, pipeline.envs.shop.wordings) or "
+                    "templates (the fixed wordings only); test is the same either way.",
     )
     long_task_share: float = Field(0.0, ge=0, le=1, description="Share of every split's tasks drawn from the long family (long_sum: the total price or stock of many products; needs env.max_steps above long_task_lookups + 2, and notes to keep the values in the context); 0 keeps the splits unchanged.")
     long_task_lookups: int = Field(20, ge=2, le=24, description="Products a long task adds up (at most the split's products).")
@@ -91,6 +99,7 @@ class ShopWorld(Environment):
         tasks = {split: generate_tasks(world, split, request.tasks_per_split[split], request.level_mix, request.seed,
                                        solver=lambda plan, allowed: shop.solve(plan, allowed),
                                        train_wordings=o.train_wordings, long_share=o.long_task_share,
+                                       grammar=o.wordings == "grammar",
                                        long_lookups=o.long_task_lookups)
                  for split in SPLITS}
         return world, shop, tasks
@@ -183,7 +192,7 @@ class ShopWorld(Environment):
         return generate_tasks(self.world, split, n, dict(level_mix), seed,
                               solver=lambda plan, allowed: self.solve(plan, allowed),
                               train_wordings=options.train_wordings, long_share=options.long_task_share,
-                              long_lookups=options.long_task_lookups)
+                              long_lookups=options.long_task_lookups, grammar=options.wordings == "grammar")
 
     def value_shifted(self, seed: int) -> "ShopWorld":
         """Every product's price redrawn uniformly from the upper half (500..999) of the range the schema allows."""
@@ -225,7 +234,8 @@ class ShopWorld(Environment):
         conn = self.episode_db()  # a private copy: rollout threads may be copying the master meanwhile
         try:
             return weak_spot_tasks(self.world, weakness, n, seed, lambda plan, allowed: self.solve(plan, allowed, conn),
-                                   train_wordings=(options or ShopOptions()).train_wordings)
+                                   train_wordings=(options or ShopOptions()).train_wordings,
+                                   grammar=(options or ShopOptions()).wordings == "grammar")
         finally:
             conn.close()
 

@@ -27,7 +27,9 @@ it (20 against the default window of 6) they overflow the summary line too, so a
 regular tasks from their own random stream, so the regular tasks of a build with long tasks are those of a build
 without them (the first ones), and with a share of 0 nothing changes.
 
-Generalisation: every family has nine question templates (wordings). Index 4 is *held out*: it never appears in train
+Generalisation: every family has nine fixed question templates (wordings), and with the build option
+``wordings: grammar`` (the default) train and validation draw from a compositional grammar around the training ones
+(:mod:`pipeline.envs.shop.wordings`, hundreds of wordings per family). Index 4 is *held out*: it never appears in train
 or validation and is used only in test (`template_seen` = False), next to the seen ones. Train and validation draw from
 the first `train_wordings` of the training wordings :data:`TRAIN_TEMPLATES` (0-3, then 5-8); test always draws from
 the original five (0-4), so the test split is the same whatever `train_wordings` is, and results stay comparable.
@@ -46,6 +48,7 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.envs.shop.wordings import draw as draw_wording
 from pipeline.envs.shop.world import World
 
 FAMILIES = ("lookup", "lookup_calc", "lookup_convert", "search_lookup", "two_lookup", "update", "search_lookup_calc")
@@ -263,12 +266,14 @@ def _slots(family: str, split: str, world: World, rng: np.random.Generator) -> t
 
 def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float], seed: int,
                    solver: Callable[[list[dict], list[dict]], str], train_wordings: int = 4,
-                   long_share: float = 0.0, long_lookups: int = 20) -> list[Task]:
+                   long_share: float = 0.0, long_lookups: int = 20, grammar: bool = False) -> list[Task]:
     """Generate `n` tasks of `split`; `solver(plan, allowed_writes)` returns the ground-truth answer on the world.
 
     Train and validation questions use the first `train_wordings` (1-8) of :data:`TRAIN_TEMPLATES`; test questions
     use templates 0-4 whatever `train_wordings` is, so the same seed gives the same test split. With 4 (the original
-    setting) every split is byte-identical to what this function drew before the extra wordings existed.
+    setting) every split is byte-identical to what this function drew before the extra wordings existed. With
+    `grammar`, train and validation questions come from the compositional grammar of
+    :mod:`pipeline.envs.shop.wordings` (those `train_wordings` fixed wordings and its frames); test is unchanged.
     """
     if not 1 <= train_wordings <= len(TRAIN_TEMPLATES):
         raise ValueError(f"train_wordings must be 1-{len(TRAIN_TEMPLATES)}, got {train_wordings}")
@@ -290,10 +295,13 @@ def generate_tasks(world: World, split: str, n: int, level_mix: dict[int, float]
         family = fams[int(rng.integers(len(fams)))]
         if split == "test":
             template = int(rng.integers(TEST_TEMPLATES))
-        else:
+        elif not grammar:
             template = seen_ids[int(rng.integers(len(seen_ids)))]
         slots, entities = _slots(family, split, world, rng)
-        question = TEMPLATES[family][template].format(**slots)
+        if grammar and split != "test":
+            question, template = draw_wording(family, slots, list(seen_ids), TEMPLATES[family], rng)
+        else:
+            question = TEMPLATES[family][template].format(**slots)
         if question in seen:
             continue
         seen.add(question)
