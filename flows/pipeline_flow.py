@@ -10,7 +10,9 @@ of the data/ and models/ versions involved (``agentrl.data.<path>``, read from `
 stage's deps and outs, the parent every output). A Prefect markdown artifact ``agentrl-pipeline-summary`` summarises
 each phase's headline figures, the gate's decision and where to look next; a progress artifact and a ``[k/n]`` line per
 stage show how far the run is. At the end the flow prints the wall time, the orchestration overhead (wall time minus
-the stages' own command time, which each ``agentrl`` command reports through ``AGENTRL_STAGE_TIMES``) and peak memory.
+the stages' own command time, which each ``agentrl`` command reports through ``AGENTRL_STAGE_TIMES``) and peak memory,
+and writes them to ``metrics/pipeline_run.json`` (no stage's output, so DVC does not track it; ``bench/targets.py``
+reads it).
 
 Retries only where a failure is transient: MLflow tracking and registry calls made by the flow, and ``dvc push``.
 Deliberately left out: retrying a stage (a phase that fails is a bug or bad data, and training is too expensive to
@@ -42,6 +44,7 @@ TAIL_LINES = 40
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # flows.cli appends each command's own wall time here
 STAGE_TAG = "agentrl.flow_stage"  # set by the flow on the phase runs it has tagged
 SUMMARY_KEY = "agentrl-pipeline-summary"
+RUN_RECORD = "metrics/pipeline_run.json"  # the last run's stage times, peak memory and status (git, not DVC)
 
 
 class StageFailed(AgentRLError):
@@ -232,6 +235,7 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
     finally:
         cost = summary.cost_figures(time.time() - wall0, results)
         out["cost"] = cost
+        summary.write_run_record(root / RUN_RECORD, results, cost, error)
         print(_timing_table(results, cost["total_s"]), flush=True)
         print(summary.describe_cost(cost), flush=True)
         figures = {s: summary.headlines(s, root / by_name[s].metrics[0]) for s in results if by_name[s].metrics}

@@ -123,6 +123,15 @@ def cost_figures(total_s: float, stages: dict[str, dict[str, Any]]) -> dict[str,
             "peak_rss_self_mib": mem["self"], "peak_rss_children_mib": max([mem["children"], *stage_peaks])}
 
 
+def write_run_record(path: Path, stages: dict[str, dict[str, Any]], cost: dict[str, float], error: str | None) -> None:
+    """The run's stages (status, wall seconds, command seconds, peak MiB), its cost and outcome, as JSON at `path`."""
+    record = {"stages": {name: {k: r.get(k) for k in ("status", "seconds", "command_s", "peak_mib")}
+                         for name, r in stages.items()},
+              "cost": cost, "failed": error.splitlines()[0] if error else None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
 def describe_cost(c: dict[str, float]) -> str:
     return (f"wall time {c['total_s']:.1f} s; stage commands {c['stage_commands_s']:.1f} s; orchestration overhead "
             f"{c['overhead_s']:.1f} s ({100 * c['overhead_share']:.1f} %); peak memory {c['peak_rss_children_mib']:.0f} "

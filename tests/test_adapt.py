@@ -267,6 +267,37 @@ def test_a_step_in_length_chunks_equals_one_forward_of_the_batch(tokenizer, demo
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-7, rtol=1e-4), n
 
 
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_a_step_with_the_shared_prefix_computed_once_equals_the_step_without(micro_batches, tokenizer, demos, tasks,
+                                                                            signatures):
+    """adapt.sft.shared_prefix: every demonstration starts with the same system line and tool list; running it once
+    per chunk gives the same loss and gradients as running it once per row (float rounding aside)."""
+    batch = _batch(tokenizer, demos, tasks, signatures)
+    P = sft.shared_prefix_len(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    assert P >= sft.MIN_SHARED_PREFIX
+    runs = []
+    for shared in (False, True):
+        model = build_policy(TINY, tokenizer)  # TINY's seed: the same weights both times
+        res = sft.train_lm(model, iter([batch]), steps=1, lr=1e-3, micro_batches=micro_batches, shared_prefix=shared)
+        runs.append((res, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (off, g_off), (on, g_on) = runs
+    assert off.shared_tokens == 0 and on.shared_tokens >= P * (len(batch["input_ids"]) - micro_batches)
+    assert on.tokens == off.tokens and on.loss_tokens == off.loss_tokens
+    assert on.losses[0] == pytest.approx(off.losses[0], rel=1e-5)
+    assert g_off.keys() == g_on.keys() and g_off
+    for n in g_off:
+        assert torch.allclose(g_on[n], g_off[n], atol=1e-6, rtol=1e-4), n
+
+
+def test_no_prefix_is_shared_when_a_loss_token_lies_inside_it():
+    ids = torch.tensor([[1, 5, 6, 7, 9, 9], [1, 5, 6, 7, 9, 8]])
+    att = torch.ones_like(ids)
+    labels = torch.full_like(ids, batching.IGNORE)
+    assert sft.shared_prefix_len(ids, att, labels) == 5
+    labels[:, 2] = ids[:, 2]
+    assert sft.shared_prefix_len(ids, att, labels) == 0
+    assert sft.shared_prefix_len(ids[:1], att[:1], labels[:1]) == 0  # a single row shares nothing
+
 def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks, signatures):
     """torch.compile (adapt.sft.compile) trains the module itself and gives the same steps as eager PyTorch (fp32, up
     to the fused kernels' rounding), over batches of two different lengths (the second runs the dynamic graph)."""

@@ -50,6 +50,7 @@ class SFTConfig(PhaseConfig):
     batch_size: int = Field(32, ge=1, description="Sequences (demonstration segments) per step.")
     micro_batches: int = Field(1, ge=1, le=64, description="Chunks each batch is forwarded in, their gradients accumulated into one step (the same step up to bf16 rounding, the activation memory of one chunk); 1 is bit-identical to the unchunked loop.")
     compile: bool = Field(True, description="torch.compile the training forward (Inductor, dynamic shapes; needs a C++ compiler; about 1.5x faster than eager on the default), under deterministic algorithms so runs reproduce; false: eager PyTorch.")
+    shared_prefix: bool = Field(True, description="Compute the tokens every row of a batch starts with (the system line and tool list) once per batch instead of once per row; the same loss and gradients up to float rounding.")
     lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on matrices (not on biases and norms).")

@@ -206,7 +206,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                        cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
                        grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
                        micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
-                       stop=selector, stop_every=cfg.sft.select_every or 100)
+                       shared_prefix=cfg.sft.shared_prefix, stop=selector, stop_every=cfg.sft.select_every or 100)
     selection = selector.finish(res.steps) if selector is not None else None
     model = adapters.finalize(trainable_model)
     sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,

@@ -27,6 +27,7 @@ from pipeline.adapt.batching import IGNORE
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.model import HeapTrimmer
 
+MIN_SHARED_PREFIX = 8  # a shorter common prefix is not worth a second forward call
 TRIM_HEADROOM_MIB = 1024  # train_lm trims the C heap once its resident size grew this much since the last trim
 
 
@@ -58,12 +59,13 @@ class TrainResult:
     loss_tokens: int  # tokens inside the loss
     seconds: float
     steps: int
+    shared_tokens: int = 0  # tokens not recomputed because the rows shared them (shared_prefix)
 
     def summary(self, tail: int = 20) -> dict:
         first = float(np.mean(self.losses[: min(tail, len(self.losses))])) if self.losses else float("nan")
         last = float(np.mean(self.losses[-tail:])) if self.losses else float("nan")
         return {"loss_first": first, "loss_final": last, "steps": self.steps, "tokens": self.tokens,
-                "loss_tokens": self.loss_tokens, "seconds": self.seconds,
+                "loss_tokens": self.loss_tokens, "seconds": self.seconds, "shared_prefix_tokens": self.shared_tokens,
                 "tokens_per_s": self.tokens / self.seconds if self.seconds > 0 else 0.0}
 
 
@@ -83,7 +85,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
              weight_decay: float = 0.0, grad_clip: float = 1.0, autocast: Callable | None = None,
              log: Callable[[int, dict], None] | None = None, log_every: int = 10,
              stop: Callable[[int], bool] | None = None, stop_every: int = 100, micro_batches: int = 1,
-             compile: bool = False) -> TrainResult:
+             compile: bool = False, shared_prefix: bool = False) -> TrainResult:
     """AdamW on the trainable parameters for `steps` batches of `data`; the loss is :func:`masked_lm_loss`.
 
     `micro_batches` > 1 forwards each batch in that many chunks of rows (each trimmed to its own longest row) and
@@ -99,6 +101,10 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     kernels around the matmuls; dynamic shapes after the first new sequence length). The first steps pay for the
     compilation (about 30 s on 2 cores for the default model, on a cold cache); the module itself is trained, so the
     weights, ``stop`` checks and everything after see the same parameters.
+
+    `shared_prefix` computes the tokens every row of a chunk starts with once per chunk instead of once per row
+    (:func:`prefix_once_forward`); in SFT every row starts with the same system line and tool list (67 of a
+    demonstration's ~160 tokens on the shop), which is then paid once per batch.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -113,7 +119,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     forward = torch.compile(model, dynamic=True) if compile else model
     with _deterministic(compile):
         return _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log, log_every,
-                           stop, stop_every, micro_batches)
+                           stop, stop_every, micro_batches, shared_prefix)
 
 
 @contextlib.contextmanager
@@ -135,9 +141,38 @@ def _deterministic(on: bool):
         torch.use_deterministic_algorithms(before, warn_only=warn)
 
 
+def shared_prefix_len(ids: torch.Tensor, att: torch.Tensor, labels: torch.Tensor) -> int:
+    """Tokens at the start that every row shares (at most each row's length − 1), when none of them but the last is
+    in the loss; 0 otherwise (a single row, or a loss token inside the common prefix).
+
+    >>> ids = torch.tensor([[1, 5, 6, 7, 9], [1, 5, 6, 8, 0]]); att = torch.tensor([[1] * 5, [1, 1, 1, 1, 0]])
+    >>> shared_prefix_len(ids, att, torch.full_like(ids, IGNORE))
+    3
+    """
+    if len(ids) < 2:
+        return 0
+    same = (ids == ids[:1]).all(0) & (att == 1).all(0)
+    P = int(same.long().cumprod(0).sum())
+    P = min(P, int(att.sum(1).min()) - 1)
+    if P < 1 or bool((labels[:, 1:P] != IGNORE).any()):
+        return 0
+    return P
+
+
+def prefix_once_forward(forward, ids: torch.Tensor, att: torch.Tensor, P: int) -> torch.Tensor:
+    """Logits for the loss over ``labels[:, P-1:]``: the shared prefix ``ids[0, :P]`` runs once, its keys and values
+    are repeated for every row, and the rows' suffixes attend to them. The same loss and gradients as one forward of
+    the whole batch (up to float rounding), without computing the prefix once per row."""
+    head = forward(input_ids=ids[:1, :P], attention_mask=att[:1, :P], use_cache=True)
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(len(ids))
+    tail = forward(input_ids=ids[:, P:], attention_mask=att, cache=cache, use_cache=False).logits
+    return torch.cat([head.logits[:, -1:].expand(len(ids), -1, -1), tail], dim=1)
+
+
 def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log, log_every, stop,
-                stop_every, micro_batches) -> TrainResult:
-    losses, tokens, loss_tokens = [], 0, 0
+                stop_every, micro_batches, shared_prefix) -> TrainResult:
+    losses, tokens, loss_tokens, shared_tokens = [], 0, 0, 0
     t0 = tw = time.perf_counter()
     window_tokens = 0
     trimmer = HeapTrimmer(TRIM_HEADROOM_MIB)
@@ -155,10 +190,15 @@ def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip,
             if rows.numel() == 0:
                 continue
             T = int(batch["attention_mask"][rows].sum(1).max())
+            ids, att, labels = (batch[k][rows, :T] for k in ("input_ids", "attention_mask", "labels"))
+            P = shared_prefix_len(ids, att, labels) if shared_prefix else 0
             with autocast() if autocast is not None else contextlib.nullcontext():
-                logits = forward(input_ids=batch["input_ids"][rows, :T],
-                                 attention_mask=batch["attention_mask"][rows, :T]).logits
-            part, n_part = masked_lm_loss(logits, batch["labels"][rows, :T])
+                if P >= MIN_SHARED_PREFIX:
+                    logits, labels = prefix_once_forward(forward, ids, att, P), labels[:, P - 1:]
+                    shared_tokens += P * (len(ids) - 1)
+                else:
+                    logits = forward(input_ids=ids, attention_mask=att).logits
+            part, n_part = masked_lm_loss(logits, labels)
             part = part * (n_part / max(n, 1))
             part.backward()
             loss = loss + part.detach()
@@ -184,4 +224,4 @@ def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip,
             if done:
                 break
     model.eval()
-    return TrainResult(losses, tokens, loss_tokens, time.perf_counter() - t0, len(losses))
+    return TrainResult(losses, tokens, loss_tokens, time.perf_counter() - t0, len(losses), shared_tokens)
