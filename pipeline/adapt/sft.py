@@ -117,9 +117,13 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     if compile:
         check_compile_available()
     forward = torch.compile(model, dynamic=True) if compile else model
-    with _deterministic(compile):
-        return _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log, log_every,
-                           stop, stop_every, micro_batches, shared_prefix)
+    try:
+        with _deterministic(compile):
+            return _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log,
+                               log_every, stop, stop_every, micro_batches, shared_prefix)
+    finally:
+        if compile:  # drop the compiled graphs and what they hold: what runs after SFT (evaluation) is eager
+            torch._dynamo.reset()
 
 
 @contextlib.contextmanager
@@ -164,7 +168,7 @@ def prefix_once_forward(forward, ids: torch.Tensor, att: torch.Tensor, P: int) -
     are repeated for every row, and the rows' suffixes attend to them. The same loss and gradients as one forward of
     the whole batch (up to float rounding), without computing the prefix once per row."""
     head = forward(input_ids=ids[:1, :P], attention_mask=att[:1, :P], use_cache=True)
-    cache = head.past_key_values
+    cache = head.cache
     cache.batch_repeat_interleave(len(ids))
     tail = forward(input_ids=ids[:, P:], attention_mask=att, cache=cache, use_cache=False).logits
     return torch.cat([head.logits[:, -1:].expand(len(ids), -1, -1), tail], dim=1)
