@@ -5,7 +5,7 @@
 Both runs train the default policy model (``ModelConfig()``, freshly initialised from the same seed, with the adapt
 stage's adapter) on the same length-bucketed batches of `data/demos` (the adapt stage's own sampler, entity
 augmentation included) through :func:`pipeline.adapt.sft.train_lm`, once with ``shared_prefix`` off and once on.
-`--warmup` steps (compilation) are not timed. Printed side by side: tokens per second (padding excluded), seconds per
+`--warmup` steps (compilation) are not timed; both parts run in one call of the loop, as in the stage. Printed side by side: tokens per second (padding excluded), seconds per
 step, the share of tokens the prefix saved, and the largest difference between the two runs' step losses (the
 same batches and weights: only float rounding may differ).
 """
@@ -16,6 +16,7 @@ import argparse
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(shared: bool, model, sampler, args, autocast) -> dict:
+    """One train_lm call of warmup + steps (a second call would compile again); the timed figures are those of the
+    steps after the warm-up, from the loop's own per-step log."""
     from pipeline.adapt import sft
     from pipeline.adapt.batching import item_batches
 
     torch.manual_seed(0)
     m = copy.deepcopy(model)
     stream = item_batches(sampler.lengths, sampler, args.batch, np.random.default_rng(0), sampler.tokenizer.pad_token_id)
-    compile_ = args.compile == "on"
-    sft.train_lm(m, stream, args.warmup, 1e-3, autocast=autocast, compile=compile_, shared_prefix=shared)
-    res = sft.train_lm(m, stream, args.steps, 1e-3, autocast=autocast, compile=compile_, shared_prefix=shared)
-    return {"shared_prefix": shared, "tokens_per_s": res.tokens / res.seconds, "s_per_step": res.seconds / res.steps,
-            "shared_share": res.shared_tokens / max(res.tokens, 1), "losses": res.losses}
+    stamps: list[tuple[float, float]] = []  # (time at the end of the step, its tokens per second)
+    log = lambda step, metrics: stamps.append((time.perf_counter(), metrics["tokens_per_s"]))  # noqa: E731
+    t_start = time.perf_counter()
+    res = sft.train_lm(m, stream, args.warmup + args.steps, 1e-3, autocast=autocast, compile=args.compile == "on",
+                       shared_prefix=shared, log=log, log_every=1)
+    ends = [t_start] + [t for t, _ in stamps]
+    dts = [b - a for a, b in zip(ends, ends[1:])]
+    timed = range(args.warmup, len(dts))
+    seconds = sum(dts[i] for i in timed)
+    tokens = sum(stamps[i][1] * dts[i] for i in timed)
+    return {"shared_prefix": shared, "tokens_per_s": tokens / seconds, "s_per_step": seconds / len(timed),
+            "warmup_s": sum(dts[: args.warmup]), "shared_share": res.shared_tokens / max(res.tokens, 1),
+            "losses": res.losses}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':24} {'per row':>10} {'once':>10} {'once/per row':>13}")
     print(f"{'tokens/s':24} {off['tokens_per_s']:>10.0f} {on['tokens_per_s']:>10.0f} "
           f"{on['tokens_per_s'] / off['tokens_per_s']:>12.2f}x")
+    print(f"{'warm-up s (compilation)':24} {off['warmup_s']:>10.1f} {on['warmup_s']:>10.1f} {on['warmup_s'] / off['warmup_s']:>13.2f}")
     print(f"{'s/step':24} {off['s_per_step']:>10.3f} {on['s_per_step']:>10.3f} {on['s_per_step'] / off['s_per_step']:>13.2f}")
     print(f"prefix tokens not recomputed: {100 * on['shared_share']:.1f} % of tokens; largest step-loss difference "
           f"{diff:.2e} (final loss {off['losses'][-1]:.4f} against {on['losses'][-1]:.4f})")
