@@ -274,6 +274,10 @@ def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
     assert set(peaks) == set(names) and all(int(v) > 50 for v in peaks.values()), peaks  # each stage's own peak
     for stage in stages:  # every phase wrote its metrics
         assert stage.metrics and all((root / m).is_file() for m in stage.metrics), stage.name
+    record = json.loads((root / "metrics" / "pipeline_run.json").read_text())  # what bench/targets.py reads
+    assert {n: r["status"] for n, r in record["stages"].items()} == {n: "ran" for n in names}
+    assert record["failed"] is None and record["cost"]["total_s"] > record["cost"]["stage_commands_s"] > 0
+    assert all(abs(record["stages"][n]["peak_mib"] - int(v)) <= 1 for n, v in peaks.items())  # the printed peaks
 
     # lineage: the git commit and the DVC versions on the parent run and on every phase run
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
@@ -339,6 +343,9 @@ def test_a_failing_phase_stops_the_flow_and_the_rerun_resumes_there(trained):
     failed_run = runs(root, "pipeline")[-1]
     assert failed_run.info.status == "FAILED" and failed_run.data.tags["agentrl.failed_stage"] == "train"
     assert "**Failed:** stage 'train' failed" in prefect_artifact(root, "agentrl-pipeline-summary")
+    record = json.loads((root / "metrics" / "pipeline_run.json").read_text())
+    assert record["stages"]["train"]["status"] == "FAILED" and "stage 'train' failed" in record["failed"]
+    assert "deploy" not in record["stages"]
 
     bad.unlink()  # the fix
     rerun = agentrl(root, "run", "--push")
