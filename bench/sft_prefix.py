@@ -5,7 +5,8 @@
 Both runs train the default policy model (``ModelConfig()``, freshly initialised from the same seed, with the adapt
 stage's adapter) on the same length-bucketed batches of `data/demos` (the adapt stage's own sampler, entity
 augmentation included) through :func:`pipeline.adapt.sft.train_lm`, once with ``shared_prefix`` off and once on.
-`--warmup` steps (compilation) are not timed; both parts run in one call of the loop, as in the stage. Printed side by side: tokens per second (padding excluded), seconds per
+`--warmup` steps (compilation) are not timed; both parts run in one call of the loop, as in the stage. Each arm
+runs in a process of its own, so its peak resident memory (also printed) is its own. Printed side by side: tokens per second (padding excluded), seconds per
 step, the share of tokens the prefix saved, and the largest difference between the two runs' step losses (the
 same batches and weights: only float rounding may differ).
 """
@@ -13,8 +14,11 @@ same batches and weights: only float rounding may differ).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import copy
 import json
+import multiprocessing
+import resource
 import sys
 import time
 from pathlib import Path
@@ -49,17 +53,8 @@ def run(shared: bool, model, sampler, args, autocast) -> dict:
             "losses": res.losses}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--data", type=Path, default=Path("data"))
-    ap.add_argument("--tokenizer", type=Path, default=Path("models/adapted"))
-    ap.add_argument("--compile", choices=["on", "off"], default="on")
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args(argv)
-
+def _arm(shared: bool, args: argparse.Namespace) -> dict:
+    """One arm in its own process (spawned by main): its peak resident memory is its own."""
     from transformers import PreTrainedTokenizerFast
 
     from pipeline.adapt import adapters
@@ -72,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.policy.demos import NamePool, prompt_signatures
     from pipeline.policy.model import autocast_context, build_policy
 
-    if not (args.tokenizer / "tokenizer.json").is_file() or not (args.data / "demos").is_dir():
-        print(f"error: needs {args.tokenizer}/tokenizer.json and {args.data}/demos (run the pipeline first)",
-              file=sys.stderr)
-        return 2
     cfg, model_cfg, env_cfg = AdaptConfig(), ModelConfig(), EnvConfig()
     world = open_environment(env_cfg.name, args.data / "env")
     inputs = load_inputs(args.data, "validation", world)
@@ -88,14 +79,38 @@ def main(argv: list[str] | None = None) -> int:
     model = adapters.apply_adapter(model, cfg.adapter.model_copy(
         update={"kind": adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)}))
     autocast = lambda: autocast_context(model_cfg)  # noqa: E731
-    off, on = run(False, model, sampler, args, autocast), run(True, model, sampler, args, autocast)
+    res = run(shared, model, sampler, args, autocast)
+    res["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--data", type=Path, default=Path("data"))
+    ap.add_argument("--tokenizer", type=Path, default=Path("models/adapted"))
+    ap.add_argument("--compile", choices=["on", "off"], default="on")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    if not (args.tokenizer / "tokenizer.json").is_file() or not (args.data / "demos").is_dir():
+        print(f"error: needs {args.tokenizer}/tokenizer.json and {args.data}/demos (run the pipeline first)",
+              file=sys.stderr)
+        return 2
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:  # one arm after the other
+        off = pool.submit(_arm, False, args).result()
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        on = pool.submit(_arm, True, args).result()
     diff = max(abs(a - b) for a, b in zip(off["losses"], on["losses"]))
-    print(f"{args.steps} SFT steps of {args.batch} demonstrations, compile {args.compile}, torch threads "
-          f"{torch.get_num_threads()}")
+    print(f"{args.steps} SFT steps of {args.batch} demonstrations, compile {args.compile}, each arm in its own process")
     print(f"{'':24} {'per row':>10} {'once':>10} {'once/per row':>13}")
     print(f"{'tokens/s':24} {off['tokens_per_s']:>10.0f} {on['tokens_per_s']:>10.0f} "
           f"{on['tokens_per_s'] / off['tokens_per_s']:>12.2f}x")
     print(f"{'warm-up s (compilation)':24} {off['warmup_s']:>10.1f} {on['warmup_s']:>10.1f} {on['warmup_s'] / off['warmup_s']:>13.2f}")
+    print(f"{'peak resident MiB':24} {off['peak_mib']:>10.0f} {on['peak_mib']:>10.0f} {on['peak_mib'] / off['peak_mib']:>13.2f}")
     print(f"{'s/step':24} {off['s_per_step']:>10.3f} {on['s_per_step']:>10.3f} {on['s_per_step'] / off['s_per_step']:>13.2f}")
     print(f"prefix tokens not recomputed: {100 * on['shared_share']:.1f} % of tokens; largest step-loss difference "
           f"{diff:.2e} (final loss {off['losses'][-1]:.4f} against {on['losses'][-1]:.4f})")
