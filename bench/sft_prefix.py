@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(shared: bool, model, sampler, args, autocast) -> dict:
-    """One train_lm call of warmup + steps (a second call would compile again); the timed figures are those of the
+    """One train_lm call of warmup + steps, as in the stage; the timed figures are those of the
     steps after the warm-up, from the loop's own per-step log."""
     from pipeline.adapt import sft
     from pipeline.adapt.batching import item_batches

@@ -117,13 +117,9 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     if compile:
         check_compile_available()
     forward = torch.compile(model, dynamic=True) if compile else model
-    try:
-        with _deterministic(compile):
-            return _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log,
-                               log_every, stop, stop_every, micro_batches, shared_prefix)
-    finally:
-        if compile:  # drop the compiled graphs and what they hold: what runs after SFT (evaluation) is eager
-            torch._dynamo.reset()
+    with _deterministic(compile):
+        return _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log, log_every,
+                           stop, stop_every, micro_batches, shared_prefix)
 
 
 @contextlib.contextmanager
