@@ -62,7 +62,12 @@ def _git_json(rev: str, path: str) -> dict | None:
 
 def _read(folder: Path, name: str) -> dict | None:
     p = folder / name
-    return json.loads(p.read_text()) if p.exists() else None
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"error: {p} is not readable JSON ({exc})") from None
 
 
 def _fmt(x: float | None) -> str:
