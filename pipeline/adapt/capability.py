@@ -184,7 +184,8 @@ def _eval_engine(model, tokenizer, runtime: WorldRuntime, env_cfg: EnvConfig, ro
     wall time) and with transient tool failures at `failure_rate` (0 except for the recovery run)."""
     from pipeline.policy.rollout import RolloutEngine
 
-    eval_env = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": failure_rate})
+    eval_env = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0,
+                                          "tool_failure_rate": failure_rate})
     return RolloutEngine(model, tokenizer, runtime, eval_env, rollout_cfg)
 
 

@@ -71,7 +71,8 @@ def build_demos(train: list, world: Environment, cfg: BuildEnvConfig, env_cfg: E
     if world.expert() is None:
         return []
     rng = np.random.default_rng([cfg.seed, 3])
-    env = AgentEnv(world=world, tasks=train, config=env_cfg.model_copy(update={"tool_latency_s": 0.0}))
+    env = AgentEnv(world=world, tasks=train,
+                   config=env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0}))
     demos = []
     try:
         for task in train:
@@ -217,7 +218,7 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
                                + "\n".join(r.describe() for r in failed))
 
         baselines = {}
-        eval_cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0})
+        eval_cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0})
         policies = [p for p, make in (("expert", world.expert), ("random", lambda: world.random_policy(None)))
                     if make() is not None]
         for split, ts in tasks.items():

@@ -191,7 +191,8 @@ def check_expert(world: Environment, tasks: dict[str, list], env_cfg: EnvConfig,
         return 0
     name = _name(world)
     cfg = env_cfg.model_copy(update={
-        "tool_latency_s": 0.0, "tool_failure_rate": 0.0, "max_policy_chars": 10**9,
+        "tool_latency_s": 0.0, "tool_failure_rate": 0.0, "tool_latency_spike_rate": 0.0,
+        "max_policy_chars": 10**9,
         "context_actions": env_cfg.context_actions.model_copy(update={"enabled": False}),  # the environment's tools only
         "max_steps": max([env_cfg.max_steps, *(t.min_calls for _, t in chosen)])})
     top = R.composite(R.RewardComponents(correctness=1.0, user_experience=1.0), cfg.reward)

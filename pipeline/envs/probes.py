@@ -229,7 +229,8 @@ def run_probes(world: Environment, train: list, env_cfg: EnvConfig, tasks: list,
     {name: ProbeResult}}. An environment without an expert has nothing to compare with: {} then."""
     if world.expert() is None or not tasks:
         return {}
-    cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": 0.0, "max_policy_chars": 10**9,
+    cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": 0.0, "tool_latency_spike_rate": 0.0,
+                                     "max_policy_chars": 10**9,
                                      "max_steps": max([env_cfg.max_steps, *(t.min_calls for t in tasks)])})
     family_guess, overall_guess, numbers = guesses(train, {t.task_id for t in tasks})
     env = AgentEnv(world=world, tasks=tasks, config=cfg)

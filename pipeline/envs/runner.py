@@ -7,8 +7,10 @@ What happens here, whatever the environment (the environment only executes calls
   that break the tool's JSON Schema are *invalid* outcomes that cost a step and never reach the environment (a wrong
   tool name is an observation the policy learns from, not a crash);
 - ``answer`` ends the episode; the environment's :meth:`Episode.correct` judges it;
-- fault injection (`tool_failure_rate`, `tool_latency_s` against `tool_timeout_s`) and the budgets (`max_steps`,
-  `max_policy_chars`) are applied here, so every environment gets them;
+- fault injection (`tool_failure_rate`, `tool_latency_s` and the random spikes of `tool_latency_spike_rate` against
+  `tool_timeout_s`) and the budgets (`max_steps`, `max_policy_chars`) are applied here, so every environment gets
+  them; the episode's end reports ``tool_faults``: the calls that reached a tool, the failures and spikes injected
+  into them, and the tools' unexpected exceptions (what the training metrics ``faults/*`` add up);
 - a :class:`~pipeline.envs.contract.SafetyViolation` is a refused call, any :class:`ToolError` an error the policy
   sees, and any other exception a tool failure (the episode goes on);
 - the reward is the composite of :mod:`pipeline.envs.reward`, paid per step as its change; the rule verifier
@@ -46,6 +48,8 @@ from pipeline.envs.verifier import (ANSWER, FAILED, INVALID_ACTION, INVALID_PARA
 
 MAX_CONTEXT_CHARS = 8192
 MAX_RESULT_CHARS = 200
+# what an episode's `tool_faults` counts (see the module docstring)
+FAULT_COUNTS = ("tool_calls", "injected_failures", "latency_spikes", "tool_exceptions")
 MEMORY_FIELDS = ("steps_used", "policy_chars_used", "ok_calls", "invalid_calls", "tool_errors", "safety_violations",
                  "wrote", "history_folded")
 
@@ -141,6 +145,7 @@ class AgentEnv(gym.Env):
         self._policy_chars = 0
         self._answer: str | None = None
         self._wrote = False
+        self._faults = dict.fromkeys(FAULT_COUNTS, 0)
         self._components = R.RewardComponents()
         self._ctx = ContextState(self.config.context_actions, task.task_id) if self._extra_tools else None
         self._done = False
@@ -199,6 +204,7 @@ class AgentEnv(gym.Env):
                 "n_violations": sum(c["outcome"] == SAFETY_VIOLATION for c in self._calls),
                 "n_failed": sum(c["outcome"] in FAILED for c in self._calls),
                 "calls": list(self._calls),
+                "tool_faults": dict(self._faults),
             })
             if self._ctx is not None:
                 info["context_actions"] = self._ctx.finish(info["is_success"])
@@ -250,12 +256,19 @@ class AgentEnv(gym.Env):
             return ANSWER, self._answer
         if self._ctx is not None and parsed.name in self._ctx.names:  # the pipeline's own: no faults, no latency
             return OK, self._ctx.execute(parsed.name, parsed.params)
-        cfg = self.config
+        cfg, faults = self.config, self._faults
+        faults["tool_calls"] += 1
+        # each draw only when its rate is on, so a run without faults draws exactly as before
         if cfg.tool_failure_rate > 0 and self.np_random.random() < cfg.tool_failure_rate:
+            faults["injected_failures"] += 1
             return TOOL_ERROR, f"error: {parsed.name} is temporarily unavailable, try again"
-        if cfg.tool_latency_s > 0:
-            time.sleep(min(cfg.tool_latency_s, cfg.tool_timeout_s))
-            if cfg.tool_latency_s >= cfg.tool_timeout_s:
+        latency = cfg.tool_latency_s
+        if cfg.tool_latency_spike_rate > 0 and self.np_random.random() < cfg.tool_latency_spike_rate:
+            faults["latency_spikes"] += 1
+            latency += cfg.tool_latency_spike_s
+        if latency > 0:
+            time.sleep(min(latency, cfg.tool_timeout_s))
+            if latency >= cfg.tool_timeout_s:
                 return TIMEOUT, f"error: {parsed.name} timed out after {cfg.tool_timeout_s:g}s"
         try:
             result = self._episode.call(parsed.name, parsed.params)
@@ -264,6 +277,7 @@ class AgentEnv(gym.Env):
         except ToolError as exc:
             return TOOL_ERROR, f"error: {exc}"
         except Exception as exc:  # a tool that raises unexpectedly is a tool failure the policy sees, not a crash
+            faults["tool_exceptions"] += 1
             return TOOL_ERROR, f"error: {parsed.name} failed ({type(exc).__name__})"
         if not isinstance(result, str):
             return TOOL_ERROR, f"error: {parsed.name} failed (returned {type(result).__name__}, not text)"

@@ -80,6 +80,7 @@ class EnvEpisode:
             "n_violations": info["n_violations"], "n_failed": info["n_failed"], "verifier": info["verifier"],
             "answer": info["answer"], "ground_truth": info["ground_truth"], "steps": self.steps, "calls": info["calls"],
             "actions": self.actions, "step_rewards": self.rewards, "seed": self.seed,
+            "tool_faults": dict(info["tool_faults"]),
         }
         if self.events is not None:
             rec.update(step_events=self.events, context_actions=dict(info["context_actions"]))

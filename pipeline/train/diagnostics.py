@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 import torch
 
+from pipeline.envs.runner import FAULT_COUNTS
 from pipeline.train.sampling import SamplerState
 
 # collapse alarms: a diagnostic below its floor logs a warning (the entropy floor is `train.entropy_alarm`)
@@ -53,6 +54,17 @@ def rollout_metrics(records: list[dict], outcomes: list[tuple[int, bool]], state
     }
 
 
+def fault_metrics(records: list[dict], dist) -> dict:
+    """The environment's ``tool_faults`` summed over every rank's episodes (:mod:`pipeline.envs.runner`): the calls
+    that reached a tool, the injected failures among them and their observed rate (to compare with
+    ``env.tool_failure_rate``), the latency spikes, and the tools' unexpected exceptions. Training goes on through
+    all of them: each is an error observation in its episode."""
+    mine = {k: sum(r.get("tool_faults", {}).get(k, 0) for r in records) for k in FAULT_COUNTS}
+    total = {k: sum(part[k] for part in dist.all_gather(mine)) for k in FAULT_COUNTS}
+    return {**{f"faults/{k}": float(v) for k, v in total.items()},
+            "faults/failure_rate": total["injected_failures"] / max(1, total["tool_calls"])}
+
+
 def collapse_alarms(metrics: dict, entropy_floor: float) -> list[str]:
     """Adds ``alarms/<name>_collapse`` = 1 to `metrics` for each watched figure below its floor; returns the warning
     texts."""
@@ -63,3 +75,15 @@ def collapse_alarms(metrics: dict, entropy_floor: float) -> list[str]:
             metrics[f"alarms/{name}_collapse"] = 1.0
             warnings.append(f"{name} collapsed ({metrics[key]:.3g} < {floors[name]})")
     return warnings
+
+
+def run_health(history: list[dict]) -> dict:
+    """What ``metrics/train.json`` records of a run's health, from its per-update history: the tool faults summed
+    over the run (with the observed failure rate), the batches dropped as too stale, and for each collapse alarm the
+    updates it fired at."""
+    faults = {k: int(sum(h.get(f"faults/{k}", 0) for h in history)) for k in FAULT_COUNTS}
+    faults["failure_rate"] = faults["injected_failures"] / max(1, faults["tool_calls"])
+    return {"tool_faults": faults,
+            "dropped_stale_batches": int(sum(h.get("offpolicy/dropped_stale_batch", 0) for h in history)),
+            "alarms": {name: [h["update"] for h in history if h.get(f"alarms/{name}_collapse")]
+                       for name, _ in ALARM_KEYS}}

@@ -48,7 +48,7 @@ from pipeline.train.actor import ActorCritic
 from pipeline.train.async_pool import AsyncRollouts
 from pipeline.train.checkpoint import BEST, fingerprint, load_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
-from pipeline.train.diagnostics import collapse_alarms, rollout_metrics
+from pipeline.train.diagnostics import collapse_alarms, fault_metrics, rollout_metrics
 from pipeline.train.early_stopping import EarlyStopping
 from pipeline.train.exploration import attach_tool_noise, begin_update, exploration_metrics
 from pipeline.train.guidance import guidance_metrics, guide_failed_groups
@@ -147,7 +147,7 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             })
             for warning in collapse_alarms(metrics, cfg.entropy_alarm):
                 if dist.is_main:
-                    hooks.log(f"warning: update {u}: {warning}")
+                    hooks.log(f"warning: update {u + 1}: {warning}")
             loop.history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
             hacked = loop.learned_reward is not None and loop.learned_reward.watch(  # the reward-hacking guard
                 loop.history, metrics, u + 1, hooks.log if dist.is_main else None)
@@ -288,7 +288,7 @@ def observe(loop: Loop, records: list[dict], u: int) -> tuple[int, list[tuple[in
 
 def learn_or_drop(loop: Loop, records: list[dict], u: int, staleness: int) -> dict:
     """Learn from the records (expert-guided where whole groups failed), or drop them on every rank when any rank's
-    batch is more than `max_staleness` versions old. Returns the learner's metrics."""
+    batch is more than `max_staleness` versions old. Returns the learner's metrics and the episodes' tool faults."""
     from pipeline.policy.model import release_free_memory
 
     cfg, dist = loop.cfg, loop.dist
@@ -297,14 +297,17 @@ def learn_or_drop(loop: Loop, records: list[dict], u: int, staleness: int) -> di
         if dist.is_main:
             loop.hooks.log(f"update {u + 1}: dropped a batch {staleness} versions old "
                            f"(max_staleness={cfg.max_staleness})")
-        return {"offpolicy/dropped_stale_batch": 1.0}
+        return {"offpolicy/dropped_stale_batch": 1.0, **fault_metrics(records, dist)}
     learn_records, guided = records, None
     if cfg.guide_failed_groups:  # after the curriculum saw the policy's own outcomes
         learn_records, guided = guide_failed_groups(records, loop.tasks_by_id, loop.rollout, u)
+    # the tool faults (env.tool_failure_rate, latency spikes, tools that raised) of every episode played for the
+    # update: the policy's and the expert's demonstrations that joined the batch
+    faults = fault_metrics(records + [r for r in learn_records if r.get("demonstrated")], dist)
     extra = loop.learned_reward.apply(learn_records, records) if loop.learned_reward is not None else {}  # extra_reward
     learn_records, replay_metrics = mix_replay(loop.sampler, learn_records, u, cfg, dist)  # train.sampling.replay
     metrics = learn(loop.learner, learn_records, loop.sampler, u)
-    metrics.update({**extra, **sampling_metrics, **replay_metrics})
+    metrics.update({**extra, **sampling_metrics, **replay_metrics, **faults})
     if guided is not None:
         metrics.update(guidance_metrics(guided, dist))
     release_free_memory()  # the learner's freed activations back to the OS (why: see the function)

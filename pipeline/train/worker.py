@@ -6,9 +6,10 @@ production tasks in ``train.incoming_tasks`` (checked and filtered by :mod:`pipe
 trains), keeps the best policy (by the validation metric ``train.early_stopping_metric``; training stops early after
 ``early_stopping_patience`` evaluations without improvement) in ``models/policy``, and on rank 0 writes
 ``metrics/train.json`` (SFT against RL on the test split, per level, the seen-wording headroom that bounds RL's
-gain (:func:`seen_wording_headroom`), the early-stopping decision with its reason, and ``incoming``: the incoming
-tasks used and dropped) and ``metrics/train_curve.csv`` (the learning curve for ``dvc plots
-show``; the ``explore/*`` columns when the tool-choice noise of :mod:`pipeline.train.exploration` is on).
+gain (:func:`seen_wording_headroom`), the early-stopping decision with its reason, ``incoming``: the incoming
+tasks used and dropped, and ``health``: tool faults, stale batches dropped, collapse alarms) and
+``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``; the ``explore/*`` columns when the tool-choice
+noise of :mod:`pipeline.train.exploration` is on, a health column when its figure is nonzero somewhere).
 
 With ``train.population.size`` > 1 the members are trained one after the other (:mod:`pipeline.train.population`),
 the best on validation becomes ``models/policy`` and ``metrics/train.json`` gets ``population``: every member's
@@ -33,6 +34,7 @@ from pipeline.envs.registry import open_environment
 from pipeline.envs.taskfile import load_task_file
 from pipeline.core.errors import AgentRLError
 from pipeline.train.config import TrainConfig
+from pipeline.train.diagnostics import run_health
 from pipeline.train.incoming import DROP_REASONS, load_incoming
 from pipeline.train.reward_weights import REWARD_CURVE_KEYS
 
@@ -49,6 +51,10 @@ OPTIONAL_CURVE_KEYS += ("taskgen/generated", "taskgen/accepted", "taskgen/mixed_
                         "taskgen/weakest_success")  # train.task_generation
 OPTIONAL_CURVE_KEYS += ("context/episodes_with_actions_share", "context/plan_completion", "context/memory_notes",
                         "context/memory_utility")  # env.context_actions
+# run health (pipeline.train.diagnostics): columns only when some update has a nonzero value (always logged to MLflow)
+HEALTH_CURVE_KEYS = ("faults/failure_rate", "faults/latency_spikes", "faults/tool_exceptions",
+                     "offpolicy/dropped_stale_batch", "alarms/entropy_collapse", "alarms/reward_spread_collapse",
+                     "alarms/advantage_var_collapse")
 
 
 def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, dist) -> dict:
@@ -190,6 +196,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                 "evals": result["evals"],
                 "early_stopping": result["early_stopping"],
                 "incoming": incoming.summary,
+                "health": run_health(result["history"]),  # tool faults, stale batches dropped, collapse alarms
             }
             if "population" in result:  # every member's validation figures and their pairwise diversity
                 metrics["population"] = result["population"]
@@ -198,6 +205,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
             with open(curve_path, "w", newline="") as fh:
                 w = csv.writer(fh)
                 keys = CURVE_KEYS + tuple(k for k in OPTIONAL_CURVE_KEYS if any(k in h for h in result["history"]))
+                keys += tuple(k for k in HEALTH_CURVE_KEYS if any(h.get(k) for h in result["history"]))
                 w.writerow([k.replace("/", "_") for k in keys])
                 for h in result["history"]:
                     w.writerow([h.get(k, "") for k in keys])
