@@ -24,14 +24,15 @@ class AsyncRollouts:
     share of the batch: decoding releases the GIL inside torch, and a slow tool (`env.tool_latency_s`) sleeps in one
     thread while the others decode, so tool latency overlaps with generation and with learning. `sync` copies the
     learner's weights into the snapshot between batches (never while one is being generated). Batches carry the
-    snapshot's version, so the learner knows their staleness.
+    snapshot's version, so the learner knows their staleness; the first snapshot is `version` (the updates `policy`
+    has learned: 0, or where a resumed run starts), so a resumed run's first batch is as fresh as its policy.
     """
 
-    def __init__(self, make_engine, policy: torch.nn.Module, n_workers: int = 1):
+    def __init__(self, make_engine, policy: torch.nn.Module, n_workers: int = 1, version: int = 0):
         self.snapshot = copy.deepcopy(policy).eval()
         for p in self.snapshot.parameters():
             p.requires_grad_(False)
-        self.version = 0
+        self.version = version
         self.n = n_workers
         self.requests = [queue.Queue() for _ in range(n_workers)]
         self.results = [queue.Queue() for _ in range(n_workers)]

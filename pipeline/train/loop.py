@@ -115,7 +115,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     loop.task_gen = TaskGenerator(cfg.task_generation, cfg.seed, runtime) if cfg.task_generation.enabled else None
     loop.learned_reward = make_learned_reward(cfg.learned_reward, env_cfg.name, dist)  # None when coef is 0
     resume(loop)
-    loop.worker = AsyncRollouts(loop.new_engine, loop.policy, cfg.rollout_workers) if cfg.async_rollouts else None
+    loop.worker = (AsyncRollouts(loop.new_engine, loop.policy, cfg.rollout_workers, version=loop.start)
+                   if cfg.async_rollouts else None)
     if loop.worker is not None and loop.start < cfg.updates:
         loop.worker.submit(*plan(loop, loop.start))
     done_here = 0
