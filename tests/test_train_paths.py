@@ -215,20 +215,25 @@ def test_a_run_with_20_percent_tool_failures_and_latency_spikes_completes_and_re
                         metrics_path="metrics/train-faults.json", curve_path="metrics/train-faults.csv")
     h = result["history"]
     assert result["completed"] and len(h) == 3
-    faults = json.loads(Path("metrics/train-faults.json").read_text())["health"]["tool_faults"]
+    health = json.loads(Path("metrics/train-faults.json").read_text())["health"]
+    faults = health["tool_faults"]
     n, k = faults["tool_calls"], faults["injected_failures"]
     print(f"\n[faults] train run: {k}/{n} tool calls failed (observed {k / n:.3f}, configured 0.2), "
           f"{faults['latency_spikes']} latency spikes (configured 0.3)")
     assert n == sum(x["faults/tool_calls"] for x in h) >= 20
     assert abs(k - 0.2 * n) <= 4 * np.sqrt(n * 0.2 * 0.8) and k > 0, faults
     assert faults["failure_rate"] == pytest.approx(k / n) and faults["latency_spikes"] > 0
-    assert "faults_failure_rate" in Path("metrics/train-faults.csv").read_text().splitlines()[0]
+    header = Path("metrics/train-faults.csv").read_text().splitlines()[0].split(",")
+    assert {"faults_failure_rate", "faults_latency_spikes", "alarms_reward_spread_collapse"} <= set(header)
+    # the random policy never answers right: its reward spread collapses at every update, and the run says so
+    assert health["alarms"]["reward_spread"] == [1, 2, 3] and health["dropped_stale_batches"] == 0
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     run = client.search_runs([client.get_experiment_by_name("agentrl").experiment_id],
                              filter_string="attributes.run_name = 'train'", order_by=["attributes.start_time DESC"],
                              max_results=1)[0]
     logged = client.get_metric_history(run.info.run_id, "faults/injected_failures")
-    assert sum(m.value for m in logged) == k
+    assert len(logged) == 3 and sum(m.value for m in logged) == k
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "alarms/reward_spread_collapse")] == [1.0] * 3
 
 
 # ---------------------------------------------------------------------------- KL and reward normalisation
