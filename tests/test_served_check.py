@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from deploy_support import ENV, ROLL, TINY, build_project, deploy_config, tracking_uri
 
@@ -72,8 +71,8 @@ def test_a_version_with_other_weights_fails_the_check_and_is_not_promoted(projec
         run_deploy(project)
     champion = registry.alias_version("champion")
     _, tok, _ = load_policy(project / "models" / "policy")
-    torch.manual_seed(1)
-    save_policy(build_policy(TINY, tok), tok, tmp_path / "other", {"phase": "train", "step": 0})
+    other = build_policy(TINY.model_copy(update={"seed": 1}), tok)  # the same architecture, other weights
+    save_policy(other, tok, tmp_path / "other", {"phase": "train", "step": 0})
     real = pyfunc.save_pyfunc
     # what gets registered (and served) is another model than the policy the phase measured
     monkeypatch.setattr(pyfunc, "save_pyfunc", lambda path, policy, world, settings:

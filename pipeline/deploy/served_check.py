@@ -187,6 +187,23 @@ def replay(runtime, env_cfg, task, seed: int, actions: list[str]) -> dict:
     return out
 
 
+def pooled_hidden(model, ids: list[list[int]]) -> np.ndarray:
+    """Mean over each sequence's tokens of the model's last hidden state (after the final norm), one sequence per
+    forward (batch 1, as the server runs one request: int8 ``dynamic`` scales activations per forward, so a batch
+    would mix neighbours into each other's numbers), float64 (n, hidden). The model's train/eval mode is restored."""
+    import torch
+
+    backbone = getattr(model, "base_model", model)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            return np.stack([backbone(input_ids=torch.tensor([x])).last_hidden_state[0].double().mean(0).numpy()
+                             for x in ids])
+    finally:
+        model.train(was_training)
+
+
 def _first_difference(a, b) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -267,7 +284,6 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
     """Steps 2-6 of the module docstring on the served responses (`served`, one per task, and the seconds each took,
     `http_s`) and the in-process pyfunc `solver` loaded from the same URI; the result dict of :func:`check_served`."""
     base, seconds, t0 = base or {}, seconds if seconds is not None else {}, t0 or time.perf_counter()
-    from pipeline.check_drift.features import hidden_states_from_ids
     from pipeline.deploy.quantize import make_variant
     from pipeline.envs.protocol import sanitize
     from pipeline.policy.rollout import RolloutEngine
@@ -319,9 +335,8 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
     t = time.perf_counter()
     mse = mse_own = None
     if ids_train:
-        h_train = hidden_states_from_ids(model, ids_train, dtype="fp32").astype(np.float64)
-        h_served = hidden_states_from_ids(solver.model, ids_serve, dtype="fp32").astype(np.float64)
-        h_own = hidden_states_from_ids(quant, ids_train, dtype="fp32").astype(np.float64)
+        h_train, h_served, h_own = (pooled_hidden(model, ids_train), pooled_hidden(solver.model, ids_serve),
+                                    pooled_hidden(quant, ids_train))
         mse = ((h_served - h_train) ** 2).mean(axis=1)
         mse_own = ((h_served - h_own) ** 2).mean(axis=1)
         if not mse.max() <= sc.hidden_mse_bound:
@@ -414,8 +429,9 @@ def describe(result: dict) -> str:
     if "hidden_mse" not in result:
         return f"  served consistency: FAIL ({'; '.join(result['reasons'])})"
     a, m, lat = result["action_agreement"], result["hidden_mse"], result["latency"]
+    same = result["tokens_identical"] and result["prompts_identical"]
     head = (f"  served consistency: {'pass' if result['passed'] else 'FAIL'} on {result['tasks']} tasks, "
-            f"{result['states']} states: prompts and token ids {'identical' if result['tokens_identical'] and result['prompts_identical'] else 'DIFFER'}, "
+            f"{result['states']} states: prompts and token ids {'identical' if same else 'DIFFER'}, "
             f"replay {'identical' if result['replay_identical'] else 'DIFFERS'}, hidden MSE max {m['max']:.2e} "
             f"(bound {m['bound']:g}), actions {a['served_vs_training_path']:.3f} agree "
             f"(fp32 vs {result['precision']} {a['fp32_vs_' + result['precision']]:.3f}), latency/action "
