@@ -122,3 +122,24 @@ def test_a_serving_side_that_renders_or_rewards_differently_is_named(project, se
         runtime.close()
     assert result["status"] == "fail"
     assert any(reason in r for r in result["reasons"]), result["reasons"]
+
+
+def test_a_version_that_cannot_be_served_is_a_failed_check_with_the_reason(project):
+    import os
+
+    from pipeline.deploy.served_check import check_served
+    from pipeline.envs.registry import open_environment
+    from pipeline.envs.taskfile import load_task_file
+    from pipeline.policy.model import load_policy
+
+    cfg = deploy_config(project, NAME, served_check={"enabled": True, "tasks": 2, "startup_timeout_s": 60})
+    runtime = open_environment(ENV.name, project / "data/env")
+    model, tok, _ = load_policy(cfg.policy)
+    try:
+        tasks = load_task_file(cfg.test_tasks, runtime)
+        result = check_served(f"models:/{NAME}/999", os.environ["MLFLOW_TRACKING_URI"], cfg, ENV, ROLL, tasks, model,
+                              tok, runtime)
+    finally:
+        runtime.close()
+    assert result["status"] == "fail" and not result["passed"]
+    assert len(result["reasons"]) == 1 and result["reasons"][0].startswith(f"cannot load model 'models:/{NAME}/999'")

@@ -93,11 +93,12 @@ class ServedCheckConfig(PhaseConfig):
         description="First test tasks played through the served endpoint (task i with seed deploy.seed + i, one "
                     "request at a time) and replayed step by step in the training environment.")
     hidden_mse_bound: float = Field(
-        2e-3, gt=0,
+        5e-3, gt=0,
         description="Largest allowed mean squared difference between the served (quantised) model's and the fp32 "
                     "training model's mean-pooled last hidden state, per replayed state. Measured with the default "
-                    "int8 scheme: max 1.6e-4 on the default trained policy, 1.9e-5 on an untrained tiny model; a "
-                    "different model version gives 1e-2 and more (docs/deployment.md).")
+                    "int8 scheme (bench/served_check.py): max 9.2e-4 on the default trained policy, 2.7e-5 on the "
+                    "tests' untrained tiny model; served weights with 0.5 sd of noise give 0.18. The bound leaves 5x "
+                    "room above int8's own error, for other trained weights.")
     min_action_agreement: float = Field(
         0.9, ge=0, le=1,
         description="Smallest allowed share of replayed steps at which the training code path's greedy policy with "

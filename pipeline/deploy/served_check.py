@@ -255,6 +255,7 @@ def check_served(model_uri: str, tracking_uri: str | None, cfg, env_cfg, rollout
     seconds: dict[str, float] = {}
     base = {"model_uri": model_uri, "tasks": len(tasks), "seed": cfg.seed, "precision": cfg.serve_precision}
     t0 = time.perf_counter()
+    solver = None
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with ServedEndpoint(model_uri, cfg.serve, tracking_uri, Path(tmp)) as ep:
@@ -268,6 +269,8 @@ def check_served(model_uri: str, tracking_uri: str | None, cfg, env_cfg, rollout
                     served.append(ep.solve({**task.to_dict(), "seed": seed}, sc.request_timeout_s))
                     http_s.append(time.perf_counter() - t)
         except AgentRLError as exc:  # ServeError, or a URI the in-process load refuses
+            if solver is not None:
+                solver.close()
             return {**base, "status": "fail", "passed": False, "reasons": [str(exc)],
                     "seconds": {**seconds, "total": time.perf_counter() - t0}}
     seconds["served_episodes"] = sum(http_s)
@@ -283,11 +286,11 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
                   t0: float | None = None) -> dict:
     """Steps 2-6 of the module docstring on the served responses (`served`, one per task, and the seconds each took,
     `http_s`) and the in-process pyfunc `solver` loaded from the same URI; the result dict of :func:`check_served`."""
-    base, seconds, t0 = base or {}, seconds if seconds is not None else {}, t0 or time.perf_counter()
     from pipeline.deploy.quantize import make_variant
     from pipeline.envs.protocol import sanitize
     from pipeline.policy.rollout import RolloutEngine
 
+    base, seconds, t0 = base or {}, seconds if seconds is not None else {}, t0 or time.perf_counter()
     sc = cfg.served_check
     reasons: list[str] = []
     roll1 = rollout_cfg.model_copy(update={"dtype": "fp32", "batch_size": 1})
