@@ -100,7 +100,7 @@ class ServedEndpoint:
                                     "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     process_group=0)  # its own group: stopped with its children
         return self
 
     def log_tail(self, lines: int = 3) -> str:
@@ -315,7 +315,7 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
             reasons += bad
         replay_ok = replay_ok and not bad
         for k, (a, b) in enumerate(zip(tr["contexts"], sv["contexts"])):
-            ia, ib = train_engine._prompt_ids(a), solver.engine._prompt_ids(b)
+            ia, ib = train_engine._prompt_ids(a), solver.engine._prompt_ids(b)  # each engine's own encoding
             if a != b and prompts_ok:
                 pos = _first_difference(a, b)
                 reasons.append(f"task {i} ({task.task_id}) step {k}: prompts differ at character {pos}: training "
