@@ -124,7 +124,8 @@ def write_metrics(metrics: Path, adapt_passed: bool | None = True, drift_passed:
 def deploy_config(root: Path, name: str, **over) -> DeployConfig:
     base = dict(policy=str(root / "models" / "policy"), world_dir=str(root / "data" / "env"),
                 test_tasks=str(root / "data" / "tasks" / "test.jsonl"), model_name=name, latency_tasks=4,
-                gate={"min_paired_tasks": 10})
+                gate={"min_paired_tasks": 10},
+                served_check={"enabled": False})  # it starts `agentrl serve`: tests/test_served_check.py turns it on
     base.update(over)
     return DeployConfig(**base)
 

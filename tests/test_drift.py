@@ -518,6 +518,8 @@ def test_phase_with_a_policy_runs_every_check(project, tiny_lm):
     assert verdict["inputs"]["n_reference_episodes"] == 8 and verdict["inputs"]["n_current_episodes"] == 8
     assert c["trajectory_suite"]["status"] == "pass", c["trajectory_suite"]["message"]
     assert c["consistency"]["status"] == "pass" and c["consistency"]["tokens_identical"]
+    # the fp32 policy against itself is no hidden-state check: the served model's is deploy's (served_check)
+    assert c["consistency"]["hidden_mse_max"] is None and "deploy" in c["consistency"]["served_model"]
     assert c["state_drift"]["status"] in ("pass", "fail") and c["state_drift"]["n_reference"] <= 40
     assert c["trajectory_drift"]["status"] in ("pass", "fail") and c["trajectory_drift"]["n_tests"] >= 5
 

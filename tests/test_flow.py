@@ -52,7 +52,8 @@ TINY = {
     "check_drift": {"max_rollout_episodes": 8, "false_alarm_repeats": 2, "false_alarm_sample_size": 60,
                     "mmd_permutations": 50, "max_hidden_samples": 16, "consistency_probes": 8},
     "deploy": {"model_name": "tiny-policy", "precisions": ["fp32", "int8"], "latency_tasks": 2, "max_test_tasks": 24,
-               "gate": {"require_capability_gate": False, "bootstrap_samples": 100, "min_paired_tasks": 10}},
+               "gate": {"require_capability_gate": False, "bootstrap_samples": 100, "min_paired_tasks": 10},
+               "served_check": {"tasks": 2}},
 }
 
 
@@ -298,6 +299,9 @@ def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
 
     # the registry: one version with every gate tag; champion where the gate says
     deploy = json.loads((root / "metrics" / "deploy.json").read_text())
+    # the stage served its version with `agentrl serve` and replayed the episodes (a pass or a named failure)
+    served = deploy["served_consistency"]
+    assert served["tasks"] == 2 and "hidden_mse" in served and served["replay_identical"], served["reasons"]
     assert versions(root) == ["1"] and deploy["version"] == "1"
     tags = client.get_model_version("tiny-policy", "1").tags
     assert {f"gate.{c}" for c in CHECKS} | {"gate.decision"} <= set(tags)

@@ -50,8 +50,8 @@ class DriftConfig(PhaseConfig):
     policy: str = Field(
         "models/policy",
         description="Policy folder (pipeline.policy.model.save_policy). When it does not exist yet, the checks that "
-                    "need a model (rollouts, hidden-state drift, token and hidden-state consistency) are skipped and "
-                    "say why; the prompt-level consistency check still runs.")
+                    "need a model (rollouts, hidden-state drift, token-id consistency) are skipped and say why; the "
+                    "prompt-level consistency check still runs.")
     seed: int = Field(0, description="Seed of every subsample, permutation and calibration sample in the phase.")
 
     # ------------------------------------------------------------------------------------------- per-feature tests
@@ -105,7 +105,7 @@ class DriftConfig(PhaseConfig):
         "auto",
         description="Compute dtype of the drift test's forward passes: 'auto' is bf16 autocast where the CPU (or GPU) "
                     "computes it fast, else fp32 (a distribution test does not need fp32; bf16 is several times "
-                    "faster here). The consistency check always runs fp32 on both paths.")
+                    "faster here).")
     hidden_batch_size: int = Field(32, ge=1, le=4096, description="Observations per forward pass when embedding.")
     hidden_max_tokens: int = Field(
         512, ge=8,
@@ -123,10 +123,6 @@ class DriftConfig(PhaseConfig):
         64, ge=1,
         description="Probe observations for the train/serve consistency check (taken from reference episodes at "
                     "every step, so folded histories are included).")
-    consistency_mse_threshold: float = Field(
-        1e-6, gt=0,
-        description="Largest allowed mean squared difference between the training and serving paths' hidden-state "
-                    "features of one probe (identical paths give 0; a bf16 or quantised serving model does not).")
     serving_preprocess: str = Field(
         "pipeline.envs.prompt:render_context",
         description="'module:function' of the serving path's prompt function, with render_context's signature "

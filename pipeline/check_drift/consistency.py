@@ -15,8 +15,10 @@ The check fails on the first probe (lowest index) that fails any stage, and show
 and both texts around the first differing character (or both id runs around the first differing token, or the MSE).
 Without a model and tokenizer only stage 1 runs, and the report says which stages were skipped.
 
-Deliberately left out: latency comparisons and replaying deployed actions in the training environment (both need
-the serving system itself, which this repository does not run).
+The phase (:mod:`pipeline.check_drift.main`) runs stages 1 and 2 against the configured serving preprocess; stage 3
+is for callers with a distinct serving model. The model that is actually served -- the registered pyfunc behind
+`agentrl serve` -- is checked by the deploy phase, with latency and deployed episodes replayed in the training
+environment (:mod:`pipeline.deploy.served_check`).
 """
 
 from __future__ import annotations

@@ -13,8 +13,12 @@ Inputs (the `check_drift` section of params.yaml, :class:`pipeline.check_drift.c
 
 Checks, each ``pass``, ``fail`` or ``skipped`` (with the reason) in the verdict:
 
-- ``consistency``: train/serve consistency on probe observations (prompts always; token ids and hidden states when a
-  policy exists), serving path = ``serving_preprocess``;
+- ``consistency``: the prompt contract on probe observations: the training rendering against the serving code's
+  rendering ``serving_preprocess`` (prompts always, token ids when a policy exists). With the default
+  ``serving_preprocess`` (the training function itself) it only shows that the probes render; it earns its keep when
+  a serving stack brings its own preprocess. Hidden states are not compared here any more: both sides were this
+  fp32 policy, equal by construction. The model that is actually served (the registered int8 pyfunc behind `agentrl
+  serve`) is checked against the training path by the deploy phase (:mod:`pipeline.deploy.served_check`);
 - ``task_drift``: per-feature tests on task features (pipeline.check_drift.checks);
 - ``calibration``: the task check's false-alarm rate on repeated fresh samples of the reference generator against
   the reference tasks; fails above ``max_false_alarm_rate`` (the task verdict would not be trustworthy);
@@ -177,10 +181,9 @@ def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, options, r
     probes = probes_from_episodes(ref_tasks, ref_episodes or [], env_cfg.history_window, cfg.consistency_probes,
                                   cfg.seed, signatures=sigs)
     serve = resolve_callable(cfg.serving_preprocess)
-    report = check_consistency(probes, None, serve, policy.model if policy else None,
-                               policy.tokenizer if policy else None, cfg.consistency_mse_threshold,
-                               batch_size=cfg.hidden_batch_size, max_tokens=cfg.hidden_max_tokens)
-    checks["consistency"] = {**report.to_dict(), "serving_preprocess": cfg.serving_preprocess}
+    report = check_consistency(probes, None, serve, None, policy.tokenizer if policy else None)
+    checks["consistency"] = {**report.to_dict(), "serving_preprocess": cfg.serving_preprocess,
+                             "served_model": "checked by the deploy phase (metrics/deploy.json served_consistency)"}
     if policy is None:
         checks["consistency"]["skipped"].append(f"no policy at {cfg.policy}")
     seconds["consistency"] = time.perf_counter() - t
@@ -282,8 +285,6 @@ def verdict_metrics(verdict: dict) -> dict[str, float]:
     if "p_value" in c["state_drift"]:
         out["drift/state_drift/p_value"] = c["state_drift"]["p_value"]
         out["drift/state_drift/mmd2"] = c["state_drift"]["statistic"]
-    if c["consistency"].get("hidden_mse_max") is not None:
-        out["drift/consistency/hidden_mse_max"] = c["consistency"]["hidden_mse_max"]
     out.update({f"sys/check_drift_{k}_seconds": v for k, v in verdict["seconds"].items()})
     return out
 

@@ -80,6 +80,34 @@ class ServeConfig(PhaseConfig):
                                                    "503 (back-pressure instead of unbounded memory).")
 
 
+class ServedCheckConfig(PhaseConfig):
+    """Train/serve consistency on the model that is served (pipeline.deploy.served_check): deploy starts `agentrl
+    serve` on the version it registered, plays test tasks through it over HTTP, replays them in the training
+    environment, and refuses promotion when the paths disagree."""
+
+    enabled: bool = Field(
+        True, description="Run the check after registering and before the gate (false: not run; the gate's "
+                          "served_consistency check then records 'not run' and passes).")
+    tasks: int = Field(
+        8, ge=1, le=1000,
+        description="First test tasks played through the served endpoint (task i with seed deploy.seed + i, one "
+                    "request at a time) and replayed step by step in the training environment.")
+    hidden_mse_bound: float = Field(
+        5e-3, gt=0,
+        description="Largest allowed mean squared difference between the served (quantised) model's and the fp32 "
+                    "training model's mean-pooled last hidden state, per replayed state. Measured with the default "
+                    "int8 scheme (bench/served_check.py): max 9.2e-4 on the default trained policy, 4.1e-5 on the "
+                    "tests' untrained tiny model; served weights with 0.5 sd of noise give 0.18. The bound leaves 5x "
+                    "room above int8's own error, for other trained weights.")
+    min_action_agreement: float = Field(
+        0.9, ge=0, le=1,
+        description="Smallest allowed share of replayed steps at which the training code path's greedy policy with "
+                    "the served precision's weights picks the action the served endpoint took.")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for `agentrl serve` to load the model and answer GET /ready.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Longest wait for one served episode (POST /solve).")
+
+
 class DeployConfig(PhaseConfig):
     """Quantised deployment: variants and parity, registration in the MLflow registry, the promotion gate, serving."""
 
@@ -109,6 +137,8 @@ class DeployConfig(PhaseConfig):
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="int8 scheme.")
     gate: DeployGateConfig = Field(default_factory=DeployGateConfig, description="Promotion gate.")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="HTTP serving.")
+    served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig,
+                                            description="Train/serve consistency on the served model.")
 
     @model_validator(mode="after")
     def _check(self) -> "DeployConfig":

@@ -9,6 +9,9 @@ A challenger is promoted only when every check passes (each becomes a tag on its
 - ``drift``: the drift verdict of ``metrics/drift.json`` (check_drift) is a pass;
 - ``consistency``: its train/serve consistency check passed;
 - ``quantization_parity``: the served precision's test success is within ``parity_tolerance`` of fp32;
+- ``served_consistency``: the deploy phase's check of the served model (:mod:`pipeline.deploy.served_check`) passed;
+  a version for which it was not run (``deploy.served_check.enabled`` false, or registered before the check existed)
+  passes it with "not run" in the detail: turning it off is a recorded decision, not a silent one;
 - ``vs_champion``: test success not worse than the current champion's, by a paired test on the same tasks and seeds
   (:func:`mcnemar_worse` or :func:`bootstrap_worse`): a challenger fails only when it is worse with p < alpha, so two
   equally good models do not block each other on noise, and a real regression does not pass on a lucky point
@@ -32,7 +35,7 @@ import numpy as np
 from pipeline.deploy.config import DeployGateConfig
 from pipeline.core.errors import AgentRLError
 
-CHECKS = ("capability", "safety", "drift", "consistency", "quantization_parity", "vs_champion")
+CHECKS = ("capability", "safety", "drift", "consistency", "quantization_parity", "served_consistency", "vs_champion")
 
 
 # ----------------------------------------------------------------------------------------------------- paired tests
@@ -189,8 +192,10 @@ class GateInputs:
     drift: dict
     quantization: dict
     test_results: list[dict]
+    served_consistency: dict | None = None  # pipeline.deploy.served_check's result, logged after registration
 
     REQUIRED = ("adapt", "drift", "quantization", "test_results")
+    OPTIONAL = ("served_consistency",)
 
 
 def check_capability(adapt: dict, cfg: DeployGateConfig) -> Check:
@@ -254,6 +259,19 @@ def check_parity(quant: dict) -> Check:
                  f"(drop {parity['drop']:+.3f}, tolerance {parity['tolerance']})", dict(parity))
 
 
+def check_served_consistency(served: dict | None) -> Check:
+    if served is None:
+        return Check("served_consistency", True, "not run for this version (no served_consistency gate input)",
+                     {"status": None})
+    status = served.get("status")
+    if status == "skipped":
+        return Check("served_consistency", True, f"not run: {served.get('reason')}", {"status": status})
+    if status == "pass" and served.get("passed") is True:
+        return Check("served_consistency", True, "the served model agrees with the training path", {"status": status})
+    return Check("served_consistency", False, "served model differs from the training path: "
+                 + "; ".join(served.get("reasons") or ["no pass recorded"]), {"status": status})
+
+
 def check_vs_champion(challenger: list[dict], champion: list[dict] | None, champion_version: str | None,
                       cfg: DeployGateConfig) -> Check:
     if champion_version is None:
@@ -311,6 +329,7 @@ def decide(version: str, inputs: GateInputs, champion_version: str | None, champ
     """Every check on the challenger's inputs; pure (no registry access)."""
     checks = [check_capability(inputs.adapt, cfg), check_safety(inputs.quantization, cfg),
               check_drift(inputs.drift, cfg), check_consistency(inputs.drift, cfg), check_parity(inputs.quantization),
+              check_served_consistency(inputs.served_consistency),
               check_vs_champion(inputs.test_results, champion_results, champion_version, cfg)]
     per_env = check_vs_champion_per_env(inputs.test_results, champion_results, champion_version, cfg)
     if per_env is not None:

@@ -13,8 +13,10 @@ Steps: (1) every variant in ``deploy.precisions`` plays the test tasks greedily:
 latency per action (one episode at a time), throughput (batched) and state size, each also as a ratio to fp32;
 (2) parity: a variant fails when its success drops more than ``parity_tolerance`` below fp32; (3) the pyfunc (HF
 weights + packaged world + serving settings) is logged in a ``deploy`` MLflow run and registered as a new version with
-the gate inputs, alias ``challenger``; (4) with ``deploy.promote`` the gate runs and promotes on a pass.
-Writes ``metrics/deploy.json`` (variants, parity, version, the gate's decision and reasons).
+the gate inputs, alias ``challenger``; (4) the registered version is served by `agentrl serve` and checked against the
+training path (:mod:`pipeline.deploy.served_check`, a gate input); (5) with ``deploy.promote`` the gate runs and
+promotes on a pass. Writes ``metrics/deploy.json`` (variants, parity, version, ``served_consistency``, the gate's
+decision and reasons).
 
 Deliberately left out: serving itself (``agentrl serve`` is a long-running process, not a stage) and any retraining
 decision (the retraining flow reads the gate's outcome).
@@ -102,6 +104,7 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
     from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
     from pipeline.deploy.registry import WEIGHTS_TAG, ModelRegistry, champion_evaluator, promote, weights_digest
+    from pipeline.deploy.served_check import served_consistency
     from pipeline.envs.registry import open_environment
     from pipeline.policy.model import load_policy
     from pipeline.core.tracking import Tracker
@@ -132,6 +135,8 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
             run.log_metrics(flat_metrics(measured["variants"], measured["parity"]))
             save_pyfunc(Path(tmp) / "model", cfg.policy, cfg.world_dir, settings)
             version = registry.register(run.run_id, Path(tmp) / "model", gate_inputs, tags={WEIGHTS_TAG: digest})
+            served = served_consistency(cfg, env_cfg, rollout_cfg, registry, version, run, inputs["tasks"], model,
+                                        tokenizer, runtime)  # pipeline.deploy.served_check; a gate input
             same = registry.versions_with_weights(digest, exclude=version)
             run.log_dict(inputs["train"], "provenance/train.json")
             decision = None
@@ -149,7 +154,7 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
         "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step", "git_commit", "saved_at")},
         "weights_sha256": digest, "same_weights_as": same,
         "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
-        "variants": measured["variants"], "parity": measured["parity"],
+        "variants": measured["variants"], "parity": measured["parity"], "served_consistency": served,
         "gate": decision.to_dict() if decision else None,
         "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -184,6 +189,10 @@ def report(out: dict) -> str:
         lines.append(f"  {prec:>4}: success {v['success']:.3f}, size {v['size_bytes'] / 1e6:.2f} MB "
                      f"(x{v['size_ratio']:.2f}), {lat}{v['actions_per_s']:.0f} actions/s batched; parity "
                      f"{'pass' if out['parity'][prec]['passed'] else 'FAIL'}")
+    if out.get("served_consistency") is not None:
+        from pipeline.deploy.served_check import describe
+
+        lines.append(describe(out["served_consistency"]))
     if out["decision"] is not None:
         lines.append(out["decision"].describe())
     lines.append(f"  champion: v{out['champion']}" if out["champion"] else "  champion: none")

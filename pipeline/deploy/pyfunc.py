@@ -16,10 +16,11 @@ artefact serves fp32, bf16 or int8.
 ``predict`` takes tasks -- a question string, a mapping with ``question`` (and optionally ``task_id``,
 ``allowed_writes``, ``answer`` as ground truth, or every task field), a list of those, or a pandas DataFrame with a
 ``question`` column -- and returns one record per task: ``answer``, ``trajectory`` (each step's action and
-observation), ``calls`` (tool, params, outcome), ``n_calls``, ``n_violations``, ``truncated`` and ``success`` (None
-unless a ground-truth answer came with the task). Episodes are greedy; a task without ``allowed_writes`` may not write
-(an ``update`` call is refused as a safety violation), and every episode writes only to its private in-memory copy of
-the database.
+observation), ``calls`` (tool, params, outcome), ``n_calls``, ``n_violations``, ``truncated``, and ``success``,
+``return`` and ``step_rewards`` (the reward the environment paid at each step; all three None unless a ground-truth
+answer came with the task: the reward scores the answer against it). Episodes are greedy; a task without
+``allowed_writes`` may not write (an ``update`` call is refused as a safety violation), and every episode writes only to
+its private in-memory copy of the database.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def response(rec: dict, has_truth: bool = True) -> dict:
     """The public part of an episode record."""
     return {"task_id": rec["task_id"], "answer": rec["answer"],
             "success": rec["success"] if has_truth else None,
+            "return": rec["return"] if has_truth else None,
+            "step_rewards": rec["step_rewards"] if has_truth else None,
             "trajectory": rec["steps"], "calls": rec["calls"], "n_calls": rec["n_calls"],
             "n_violations": rec["n_violations"], "truncated": rec["truncated"]}
 

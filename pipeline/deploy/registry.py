@@ -156,7 +156,7 @@ class ModelRegistry:
         with tempfile.TemporaryDirectory() as tmp:
             local = Path(self.client.download_artifacts(mv.run_id, GATE_DIR, tmp))
             data = {}
-            for k in GateInputs.REQUIRED:
+            for k in GateInputs.REQUIRED + tuple(k for k in GateInputs.OPTIONAL if k in have):
                 try:
                     data[k] = json.loads((local / f"{k}.json").read_text())
                 except json.JSONDecodeError as exc:
