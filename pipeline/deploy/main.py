@@ -23,7 +23,6 @@ decision (the retraining flow reads the gate's outcome).
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -153,10 +152,9 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
         "gate": decision.to_dict() if decision else None,
         "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    tmp_path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-    tmp_path.replace(out_path)
+    from pipeline.core.atomic import write_json
+
+    write_json(out_path, out)
     out["decision"] = decision
     return out
 
