@@ -139,7 +139,11 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], where:
             got = err.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {_short_repr(got)})"
             lines.append(f"{full}: {err['msg']}{got_s}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    # the first line names the file and section (and the key, when there is one), so an `error:` line alone says
+    # where to look
+    if len(lines) == 1:
+        return f"invalid configuration: {lines[0]}"
+    return f"invalid configuration in {where}:\n  " + "\n  ".join(lines)
 
 
 def _short_repr(value: Any) -> str:
