@@ -138,7 +138,7 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
     finally:
         runtime.close()
     result = {"policy": policy, "tasks": str(tasks), "seed": seed, **metrics}
-    write_json(out, result)
+    out_path = write_json(out, result)
     o = metrics["overall"]
     print(f"{policy}: success {o['success_rate']:.3f}, mean return {o['mean_return']:.3f}, "
           f"tool calls {o['mean_tool_calls']:.2f}, safety violations {o['safety_violations']} "
