@@ -274,6 +274,19 @@ def test_a_broken_model_folder_is_refused_by_eval(case, in_project, monkeypatch,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("case", ["a_folder", "under_a_file"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_anything_runs(case, in_project, monkeypatch, capsys,
+                                                                                 tmp_path):
+    monkeypatch.setenv("AGENTRL_TRACKING", "off")
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_file").write_text("keep\n")
+    out = tmp_path / ("a_folder" if case == "a_folder" else "a_file/out.json")
+    before = snapshot(tmp_path)
+    rc, err = run_cli(capsys, "eval", "--policy", "expert", "--tasks", "data/tasks/test.jsonl", "--out", str(out))
+    assert_refused(rc, err, str(out))
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]
+
+
 # ---------------------------------------------------------------------------------------------------- registry URIs
 
 # id: (command line, what the error line must name)

@@ -82,6 +82,21 @@ def disk_errors(path: str | Path) -> Iterator[None]:
         raise _disk_full(Path(path), problem) from None
 
 
+def check_target(path: str | Path, *, folder: bool = False) -> Path:
+    """Refuse, before anything is computed or written, an output path that cannot be written: a folder where a file
+    is to go (or a file where a folder is to go), or a parent that is a file. :class:`AgentRLError` naming it."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise AgentRLError(f"{path}: is a {'file' if folder else 'folder'}; the output is a "
+                           f"{'folder' if folder else 'file'} (give another path)")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise AgentRLError(f"{path}: cannot be written, {parent} is a file, not a folder")
+            break
+    return path
+
+
 def _tmp_name(path: Path, kind: str) -> Path:
     return path.parent / f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -92,7 +107,7 @@ def atomic_open(path: str | Path, mode: str = "w", *, newline: str | None = None
     renamed onto `path`; on an exception it is removed and `path` is untouched."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', not {mode!r}")
-    path = Path(path)
+    path = check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path, "tmp")
     try:
@@ -141,7 +156,7 @@ def replace_dir(path: str | Path, write: Callable[[Path], Any]) -> Path:
     leaves the old folder under a hidden ``.NAME.old-*`` name and no `path`, which a rerun of the phase rebuilds (and
     DVC restores from its cache). A failure of `write` removes the temporary folder and leaves `path` as it was; a
     disk-full failure is a :class:`DiskFullError` naming `path`."""
-    path = Path(path)
+    path = check_target(path, folder=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = _tmp_name(path, "tmp"), _tmp_name(path, "old")
     try:
@@ -159,5 +174,5 @@ def replace_dir(path: str | Path, write: Callable[[Path], Any]) -> Path:
     return path
 
 
-__all__ = ["DISK_ERRNOS", "DiskFullError", "atomic_open", "disk_errors", "disk_problem", "replace_dir", "write_bytes",
-           "write_json", "write_jsonl", "write_text"]
+__all__ = ["DISK_ERRNOS", "DiskFullError", "atomic_open", "check_target", "disk_errors", "disk_problem",
+           "replace_dir", "write_bytes", "write_json", "write_jsonl", "write_text"]

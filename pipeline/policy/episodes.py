@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.core.atomic import write_json
+from pipeline.core.atomic import check_target, write_json
 from pipeline.core.config import load_section
 from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
@@ -130,6 +130,7 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
         rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
         if not Path(policy).is_dir():
             raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
+    check_target(out)  # an output path that cannot be written is refused before the episodes run
     read_task_records(tasks)  # a malformed task file is refused before any world is opened
     runtime = open_environment(env_cfg.name, world_dir)
     try:
