@@ -296,6 +296,7 @@ REGISTRY_CASES = {
     "unknown_alias": (["serve", "--model-uri", f"models:/{MODEL_NAME}@bogus"], f"models:/{MODEL_NAME}@bogus"),
     "bad_run_uri": (["serve", "--model-uri", "runs:/bad/.."], "runs:/bad/.."),
     "garbage_uri": (["serve", "--model-uri", "::garbage::"], "::garbage::"),
+    "empty_uri": (["serve", "--model-uri", ""], "--model-uri is empty"),
     "promote_unknown_version": (["promote", "--version", "999"], "no version 999"),
     "promote_unknown_alias": (["promote", "--alias", "bogus"], "alias 'bogus'"),
 }

@@ -253,6 +253,8 @@ def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, h
     from pipeline.deploy.serve import serve
 
     cfg = load_section(DeployConfig, "deploy", params_path)
+    if model_uri is not None and not model_uri.strip():  # an unset shell variable, not a request for the champion
+        raise AgentRLError("--model-uri is empty: give a model URI, or leave the option out to serve the champion")
     uri = model_uri or f"models:/{cfg.model_name}@champion"
     if uri.startswith("models:/"):
         from pipeline.core.tracking import require_tracking
