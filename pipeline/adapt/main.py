@@ -36,7 +36,6 @@ DeepSpeed (SFT of the default model takes minutes on two cores; the RL phase own
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -266,10 +265,9 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                                                      else sft_summary["steps"]),
             "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
     save_policy(model, tokenizer, out_dir, meta)
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = metrics_path.with_name(f".{metrics_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    tmp.replace(metrics_path)
+    from pipeline.core.atomic import write_json
+
+    write_json(metrics_path, metrics)
     if run is not None:
         run.log_artifact(str(metrics_path))
     return metrics

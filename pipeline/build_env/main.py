@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.build_env.config import BuildEnvConfig
+from pipeline.core.atomic import disk_errors, write_json
 from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.config import SPLITS, EnvConfig
@@ -171,7 +172,14 @@ def resolve_request(cfg: BuildEnvConfig, env_cfg: EnvConfig) -> tuple[type[Envir
 def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run=None,
           validator=validate_outputs) -> dict:
     """Generate, validate (with `validator(stage, world) -> reports`) and publish; returns the metrics written to
-    `metrics_path`."""
+    `metrics_path`. Everything is generated in a staging folder and published by renames, so a failure (a full disk
+    included: :class:`~pipeline.core.atomic.DiskFullError` naming `data_dir`) leaves the previous outputs as they
+    were."""
+    with disk_errors(data_dir):
+        return _build(cfg, env_cfg, data_dir, metrics_path, run, validator)
+
+
+def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run, validator) -> dict:
     t0 = time.perf_counter()
     cls, request = resolve_request(cfg, env_cfg)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -263,8 +271,7 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
             world.close()
         if stage.exists():
             shutil.rmtree(stage)
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    metrics_path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    write_json(metrics_path, metrics)
     if run is not None:
         flat = {f"data/{k}": v for k, v in metrics["counts"].items()}
         for k, v in metrics["baselines"].items():

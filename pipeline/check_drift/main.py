@@ -38,7 +38,6 @@ collecting production trajectories (they arrive as a file).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,10 +289,9 @@ def verdict_metrics(verdict: dict) -> dict[str, float]:
 
 
 def _write(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    tmp.replace(path)
+    from pipeline.core.atomic import write_json
+
+    write_json(path, obj, default=str)
 
 
 def check(cfg: DriftConfig, env_cfg: EnvConfig, build_cfg: BuildEnvConfig, metrics_path: Path, run=None,

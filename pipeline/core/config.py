@@ -13,6 +13,7 @@ reproduced from `params.yaml` alone).
 from __future__ import annotations
 
 import difflib
+import reprlib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,19 +43,69 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return f"malformed YAML{where}: {getattr(exc, 'problem', None) or exc}"
 
 
+# The top-level sections a params file may hold: one per phase config, plus `model` and `rollout` (the policy's, read
+# by several phases) and `env` (shared). A key outside them is a typo of one (`buld_env:`) that would otherwise leave
+# that phase silently on its defaults; tests/test_inputs.py checks that the repository's params.yaml holds exactly these.
+SECTIONS = ("env", "build_env", "model", "rollout", "adapt", "reward_model", "train", "evaluate", "check_drift", "deploy")
+# A params file is a few kilobytes of hand-written settings; PyYAML's pure-Python parser needs minutes for tens of
+# megabytes, so anything past this size is refused before it is parsed (a file dumped there by mistake, not settings).
+MAX_PARAMS_BYTES = 1 << 20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently, so the first
+    value a user wrote would be ignored without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (lines {first} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
-    """Read a params file as a mapping; a missing, unparsable or non-mapping file is a :class:`ConfigError`."""
+    """Read a params file as a mapping of known sections.
+
+    A missing file, a folder, a file larger than :data:`MAX_PARAMS_BYTES`, text that is not UTF-8, malformed or too
+    deeply nested YAML, a key given twice, a top level that is not a mapping and a section name outside
+    :data:`SECTIONS` are each a :class:`ConfigError` naming the file (and the line or the key)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a params file")
     if not path.is_file():
         raise ConfigError(f"{path}: params file not found")
+    size = path.stat().st_size
+    if size > MAX_PARAMS_BYTES:
+        raise ConfigError(f"{path}: {size} bytes; a params file is at most {MAX_PARAMS_BYTES} bytes")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {exc.start + 1} of the file)") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply to read") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    unknown = [k for k in data if k not in SECTIONS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), SECTIONS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{path}: unknown section {unknown[0]!r}{hint}; valid sections: {', '.join(SECTIONS)}")
     return data
 
 
@@ -86,9 +137,20 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], where:
             lines.append(f"{full}: unknown key{hint}; valid keys: {', '.join(valid)}")
         else:
             got = err.get("input")
-            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            got_s = "" if isinstance(got, dict) else f" (got {_short_repr(got)})"
             lines.append(f"{full}: {err['msg']}{got_s}")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    # the first line names the file and section (and the key, when there is one), so an `error:` line alone says
+    # where to look
+    if len(lines) == 1:
+        return f"invalid configuration: {lines[0]}"
+    return f"invalid configuration in {where}:\n  " + "\n  ".join(lines)
+
+
+def _short_repr(value: Any) -> str:
+    """A bounded repr of a rejected value: a YAML alias chain can make a value whose full repr never ends."""
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlevel, r.maxlist, r.maxdict = 80, 80, 2, 4, 4
+    return r.repr(value)
 
 
 def parse_section(model: type[C], data: Any, where: str) -> C:

@@ -25,7 +25,6 @@ decision (the retraining flow reads the gate's outcome).
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -158,10 +157,9 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
         "gate": decision.to_dict() if decision else None,
         "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    tmp_path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
-    tmp_path.replace(out_path)
+    from pipeline.core.atomic import write_json
+
+    write_json(out_path, out)
     out["decision"] = decision
     return out
 
@@ -264,6 +262,8 @@ def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, h
     from pipeline.deploy.serve import serve
 
     cfg = load_section(DeployConfig, "deploy", params_path)
+    if model_uri is not None and not model_uri.strip():  # an unset shell variable, not a request for the champion
+        raise AgentRLError("--model-uri is empty: give a model URI, or leave the option out to serve the champion")
     uri = model_uri or f"models:/{cfg.model_name}@champion"
     if uri.startswith("models:/"):
         from pipeline.core.tracking import require_tracking

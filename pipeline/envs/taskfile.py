@@ -8,7 +8,6 @@ record into a task (:meth:`Environment.task_from_dict`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline.core.errors import AgentRLError
@@ -20,10 +19,12 @@ TASK_KEYS = {"task_id": str, "split": str, "level": int, "family": str, "questio
 
 
 def write_tasks(tasks: list, path: Path, env: str | None = None) -> None:
-    """One task per line, keys sorted; `env` (a mixed run's) is written into every record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """One task per line, keys sorted; `env` (a mixed run's) is written into every record. Atomic
+    (:mod:`pipeline.core.atomic`): `path` holds the old file or the whole new one."""
+    from pipeline.core.atomic import write_jsonl
+
     extra = {"env": env} if env else {}
-    path.write_text("".join(json.dumps({**t.to_dict(), **extra}, sort_keys=True) + "\n" for t in tasks))
+    write_jsonl(path, ({**t.to_dict(), **extra} for t in tasks))
 
 
 class TaskFileError(AgentRLError, ValueError):

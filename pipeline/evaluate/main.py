@@ -26,7 +26,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -43,15 +42,10 @@ STAGE_BEFORE = {"sft": "adapt", "rl": "train"}
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from pipeline.core.atomic import atomic_open
+
+    with atomic_open(path, newline="") as fh:
+        fh.write(text)
 
 
 def load_inputs(cfg: EvaluateConfig, env_cfg: EnvConfig) -> tuple[dict, dict, object]:

@@ -13,11 +13,11 @@ from `--world`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.core.atomic import check_target, write_json
 from pipeline.core.config import load_section
 from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
@@ -130,6 +130,7 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
         rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
         if not Path(policy).is_dir():
             raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
+    check_target(out)  # an output path that cannot be written is refused before the episodes run
     read_task_records(tasks)  # a malformed task file is refused before any world is opened
     runtime = open_environment(env_cfg.name, world_dir)
     try:
@@ -138,9 +139,7 @@ def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", se
     finally:
         runtime.close()
     result = {"policy": policy, "tasks": str(tasks), "seed": seed, **metrics}
-    out_path = Path(out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    out_path = write_json(out, result)
     o = metrics["overall"]
     print(f"{policy}: success {o['success_rate']:.3f}, mean return {o['mean_return']:.3f}, "
           f"tool calls {o['mean_tool_calls']:.2f}, safety violations {o['safety_violations']} "

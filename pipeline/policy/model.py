@@ -29,11 +29,11 @@ import os
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import torch
 
+from pipeline.core.atomic import replace_dir
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.chat import bind_tools, bound_tools, chat_format
@@ -330,7 +330,7 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
         tokenizer.save_pretrained(tmp)
         (tmp / POLICY_JSON).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
 
-    _replace_dir(path, write)
+    replace_dir(path, write)
     return path
 
 
@@ -341,26 +341,7 @@ def copy_policy(src: str | Path, dst: str | Path) -> Path:
     if not (src / POLICY_JSON).is_file():
         raise AgentRLError(f"no policy to copy at {src} (no {POLICY_JSON})")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    return _replace_dir(dst, lambda tmp: shutil.copytree(src, tmp))
-
-
-def _replace_dir(path: Path, write) -> Path:
-    """Build a folder with ``write(tmp)`` beside `path`, then swap it in by renames: `path` holds either the old
-    folder or the complete new one, never a half-written one."""
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    old = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        write(tmp)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not path.exists():
-            old.rename(path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return path
+    return replace_dir(dst, lambda tmp: shutil.copytree(src, tmp))
 
 
 def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
@@ -382,9 +363,15 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
     meta: dict = {}
     if (path / POLICY_JSON).is_file():
         try:
-            meta = json.loads((path / POLICY_JSON).read_text())
+            meta = json.loads((path / POLICY_JSON).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise AgentRLError(f"{path / POLICY_JSON}: not UTF-8 text (byte {exc.start + 1})") from None
         except json.JSONDecodeError as exc:
             raise AgentRLError(f"{path / POLICY_JSON}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise AgentRLError(f"{path / POLICY_JSON}: JSON nested too deeply to read") from None
+        if not isinstance(meta, dict):
+            raise AgentRLError(f"{path / POLICY_JSON}: expected a JSON object, got {type(meta).__name__}")
     try:  # any failure here is a broken input folder (corrupt weights raise safetensors' own error type)
         with _quiet_progress():
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
@@ -394,7 +381,8 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise AgentRLError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise AgentRLError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: "
+                           f"{(str(exc).splitlines() or [''])[0][:200]})") from None
     tokenizer.padding_side = "left"
     check_pair(model, tokenizer, str(path))
     if getattr(tokenizer, "chat_template", None):  # the start-up check, with the tools the policy was trained with

@@ -19,13 +19,13 @@ Reads the `reward_model`, `env` and `rollout` sections. Steps:
 
 from __future__ import annotations
 
-import json
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.core.atomic import write_json
 from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.config import EnvConfig
@@ -135,8 +135,7 @@ def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, 
                         "total": round(time.perf_counter() - t0, 2)},
         }
         M.save(model, out_dir, {"env": env_cfg.name, "config": cfg.model_dump(), "heldout": result["heldout"]})
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        metrics_path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        write_json(metrics_path, result)
         flat = {f"reward_model/{k}": v for k, v in flatten({k: result[k] for k in
                 ("episodes", "heldout", "heldout_rollouts", "fit", "seconds")}, sep="/").items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -131,12 +131,16 @@ def head_metrics(probs: np.ndarray, labels: np.ndarray, bins: int) -> dict:
 def save(model: RewardModel, out_dir: Path, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({"weight": model.weight.weight.detach().contiguous(), "bias": model.bias.detach().contiguous()},
-              str(out_dir / WEIGHTS_FILE))
-    (out_dir / META_FILE).write_text(json.dumps({**meta, "dim": model.dim, "heads": list(HEADS)}, indent=2,
+    from pipeline.core.atomic import replace_dir
+
+    def write(tmp: Path) -> None:  # the folder is swapped in whole (pipeline.core.atomic)
+        tmp.mkdir()
+        save_file({"weight": model.weight.weight.detach().contiguous(), "bias": model.bias.detach().contiguous()},
+                  str(tmp / WEIGHTS_FILE))
+        (tmp / META_FILE).write_text(json.dumps({**meta, "dim": model.dim, "heads": list(HEADS)}, indent=2,
                                                 sort_keys=True) + "\n")
+
+    replace_dir(Path(out_dir), write)
 
 
 def load(path: str | Path) -> tuple[RewardModel, dict]:

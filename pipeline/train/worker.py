@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from pipeline.core.atomic import atomic_open, write_json
 from pipeline.core.config import load_section
 from pipeline.envs.config import EnvConfig
 from pipeline.envs.registry import open_environment
@@ -200,9 +200,8 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
             }
             if "population" in result:  # every member's validation figures and their pairwise diversity
                 metrics["population"] = result["population"]
-            Path(metrics_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(metrics_path).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-            with open(curve_path, "w", newline="") as fh:
+            write_json(metrics_path, metrics)
+            with atomic_open(curve_path, newline="") as fh:
                 w = csv.writer(fh)
                 keys = CURVE_KEYS + tuple(k for k in OPTIONAL_CURVE_KEYS if any(k in h for h in result["history"]))
                 keys += tuple(k for k in HEALTH_CURVE_KEYS if any(h.get(k) for h in result["history"]))

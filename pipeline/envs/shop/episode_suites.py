@@ -254,4 +254,7 @@ def evaluation_suite(env_cfg: EnvConfig | None = None) -> list:
         *present("n_failed", INT_TYPES),
         gxe.ExpectColumnValuesToBeBetween(column="n_failed", min_value=0),
         gxe.ExpectColumnValuesToBeInSet(column="token_problem", value_set=[OK]),
+        # the environment's name and the policy's answer: strings (the answer is null when none was given)
+        gxe.ExpectColumnValuesToBeInTypeList(column="env", type_list=STR_TYPES),
+        gxe.ExpectColumnValuesToBeInTypeList(column="answer", type_list=STR_TYPES),
     ]
