@@ -40,7 +40,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.core.errors import AgentRLError
-from pipeline.deploy.pyfunc import RequestError, parse_task
 
 MAX_DEPTH = 16  # a complete task record nests 5 levels (record, plan, step, params, a list value)
 MAX_TASK_ID_CHARS = 256
@@ -186,6 +185,8 @@ def _describe(errors: list[dict]) -> str:
 
 def validate_request(obj: Any, max_question_chars: int, world, default_seed: int) -> tuple[Any, int, bool]:
     """(task, seed, has_truth) of one parsed JSON request, or a 422 :class:`Refusal` naming the field."""
+    from pipeline.deploy.pyfunc import RequestError, parse_task  # here: importing mlflow.pyfunc warns on stderr
+
     if isinstance(obj, str):
         obj = {"question": obj}
     if not isinstance(obj, dict):
