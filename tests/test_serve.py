@@ -1,6 +1,9 @@
 """Serving: `agentrl serve` started by the test on the registry's champion (a real MLflow server, SQLite store) and
 called over loopback: answers and trajectories, dynamic batching (batched answers equal one-at-a-time answers), the
-cache, health and readiness, and malformed, oversized and rate-limited requests refused before the model."""
+cache, health and readiness; malformed, invalid (every field: wrong JSON type, out of range), oversized and
+rate-limited requests refused with a 4xx before the model; a full queue answered 503 with Retry-After; the API key
+(required to bind a non-loopback address, 401 without it); and a soak of 32 clients sending a mixed stream (no 5xx,
+bounded memory). Servers that need a setting the subprocess lacks run in this process on the same champion."""
 
 from __future__ import annotations
 
