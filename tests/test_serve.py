@@ -371,6 +371,23 @@ def test_serve_refuses_to_start_with_one_error_line(registry_with_champion, tmp_
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
 
 
+def test_a_port_in_use_is_one_error_line_before_the_model_loads(registry_with_champion, tmp_path):
+    import socket
+
+    uri, _, cfg = registry_with_champion
+    params = write_params(tmp_path, cfg)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(serve_cmd(params, "--port", str(port), "--model-uri", f"models:/{NAME}@champion"),
+                              env={**os.environ, "MLFLOW_TRACKING_URI": uri}, capture_output=True, text=True,
+                              timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [l for l in proc.stderr.splitlines() if l.strip()] == [
+        f"error: serve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
 @pytest.mark.slow
 def test_with_an_api_key_requests_need_it_and_health_stays_open(registry_with_champion, tmp_path):
     uri, _, cfg = registry_with_champion

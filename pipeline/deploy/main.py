@@ -252,15 +252,13 @@ def rollback_main(params_path: str = "params.yaml") -> tuple[str, str]:
 
 def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, host: str | None = None,
                port: int | None = None) -> None:
+    from pipeline.deploy.serve import serve
     from pipeline.deploy.serve_validation import serving_key
 
     cfg = load_section(DeployConfig, "deploy", params_path)
     if port is not None and not 0 <= port <= 65535:
         raise AgentRLError(f"serve: --port {port} is not a TCP port (0-65535; 0: any free port)")
     serving_key(host or cfg.serve.host, cfg.serve)  # a non-loopback bind without an API key fails first
-
-    from pipeline.deploy.serve import serve  # imports mlflow.pyfunc: after the checks, whose error is one line
-
     uri = model_uri or f"models:/{cfg.model_name}@champion"
     if uri.startswith("models:/"):
         from pipeline.core.tracking import require_tracking

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations in this namespace
 from fastapi.responses import JSONResponse
 
+from pipeline.core.errors import AgentRLError
 from pipeline.deploy.config import ServeConfig
 from pipeline.deploy.serve_validation import Refusal, authorized, parse_json, read_body, serving_key, \
     validate_request
@@ -276,14 +277,17 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
 
 def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int | None = None,
           ready_message: bool = True) -> None:
-    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted; binding a
-    non-loopback `host` without an API key is an AgentRLError before anything loads."""
+    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted. Before anything
+    loads: binding a non-loopback `host` without an API key, or an address that cannot be listened on, is an
+    AgentRLError (one ``error:`` line from the CLI)."""
     import uvicorn
-
-    from pipeline.deploy.pyfunc import load_solver
 
     host, port = host or cfg.host, cfg.port if port is None else port
     api_key = serving_key(host, cfg)  # before the model loads: a refused start costs nothing
+    check_listen(host, port)
+
+    from pipeline.deploy.pyfunc import load_solver  # imports mlflow.pyfunc, which warns on stderr: after the checks
+
     solver = load_solver(model_uri)
     app = create_app(solver, cfg, model_uri, api_key)
     if ready_message:
@@ -293,6 +297,20 @@ def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int |
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         solver.close()
+
+
+def check_listen(host: str, port: int) -> None:
+    """An AgentRLError naming the address when `host`:`port` cannot be listened on (in use, not this machine's, not
+    resolvable); checked before the model loads, where uvicorn would only log it and exit after the load."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            s.bind(addr)
+    except OSError as exc:
+        raise AgentRLError(f"serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class ThreadedServer:
@@ -319,4 +337,4 @@ class ThreadedServer:
         self.thread.join(timeout=30)
 
 
-__all__ = ["Batcher", "LRUCache", "Stats", "ThreadedServer", "TokenBucket", "create_app", "serve"]
+__all__ = ["Batcher", "LRUCache", "Stats", "ThreadedServer", "TokenBucket", "check_listen", "create_app", "serve"]
