@@ -283,11 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve a registered policy over HTTP (dynamic batching, cache, limits)",
         description="Load models:/<deploy.model_name>@champion (or --model-uri) and serve POST /solve (a task in, "
         "the answer and trajectory out), GET /health, /ready and /stats. Concurrent requests are batched; identical "
-        "requests are answered from a cache; request size and rate are limited (deploy.serve). Reads `deploy`.",
+        "requests are answered from a cache; request size and rate are limited (deploy.serve). Binding a "
+        "non-loopback address requires an API key in $AGENTRL_SERVE_API_KEY (deploy.serve.api_key_env); with a key "
+        "set, requests need 'Authorization: Bearer <key>'. Reads `deploy`.",
     )
     params_option(p)
     p.add_argument("--model-uri", metavar="URI", help="any MLflow model URI (default: models:/NAME@champion)")
-    p.add_argument("--host", metavar="HOST", help="interface to listen on (default: deploy.serve.host)")
+    p.add_argument("--host", metavar="HOST", help="interface to listen on (default: deploy.serve.host; a "
+                   "non-loopback one needs the API key)")
     p.add_argument("--port", type=int, metavar="PORT", help="port (default: deploy.serve.port)")
     p.set_defaults(func=_cmd_serve)
 

@@ -77,7 +77,14 @@ class ServeConfig(PhaseConfig):
                                  "it a request gets 429.")
     rate_burst: int = Field(64, ge=1, description="Token-bucket size: requests a client may send at once.")
     max_queue: int = Field(1024, ge=1, description="Requests waiting for the model at most; beyond it a request gets "
-                                                   "503 (back-pressure instead of unbounded memory).")
+                                                   "503 with Retry-After (back-pressure instead of unbounded memory).")
+    retry_after_s: int = Field(1, ge=1, le=3600, description="Seconds a 503 (queue full) tells the client to wait "
+                                                             "(the Retry-After header).")
+    api_key_env: str = Field(
+        "AGENTRL_SERVE_API_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the API key (never the key itself: params.yaml is versioned). "
+                    "When it is set, /solve, /ready and /stats need 'Authorization: Bearer <key>' (else 401); "
+                    "/health stays open for liveness probes. It must be set to bind any non-loopback host.")
 
 
 class ServedCheckConfig(PhaseConfig):

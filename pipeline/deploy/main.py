@@ -260,10 +260,14 @@ def rollback_main(params_path: str = "params.yaml") -> tuple[str, str]:
 def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, host: str | None = None,
                port: int | None = None) -> None:
     from pipeline.deploy.serve import serve
+    from pipeline.deploy.serve_validation import serving_key
 
     cfg = load_section(DeployConfig, "deploy", params_path)
     if model_uri is not None and not model_uri.strip():  # an unset shell variable, not a request for the champion
         raise AgentRLError("--model-uri is empty: give a model URI, or leave the option out to serve the champion")
+    if port is not None and not 0 <= port <= 65535:
+        raise AgentRLError(f"serve: --port {port} is not a TCP port (0-65535; 0: any free port)")
+    serving_key(host or cfg.serve.host, cfg.serve)  # a non-loopback bind without an API key fails first
     uri = model_uri or f"models:/{cfg.model_name}@champion"
     if uri.startswith("models:/"):
         from pipeline.core.tracking import require_tracking

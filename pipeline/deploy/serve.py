@@ -5,18 +5,23 @@ API (JSON):
 - ``POST /solve`` with one task -- ``{"question": "...", "task_id"?, "allowed_writes"?, "answer"?, "seed"?}`` or a
   complete task record -- returns ``{"task_id", "answer", "success", "trajectory", "calls", "n_calls",
   "n_violations", "truncated", "cached", "batch_size"}`` (see :mod:`pipeline.deploy.pyfunc`).
-- ``GET /health``: 200 while the process serves HTTP (liveness). ``GET /ready``: 200 once the model is loaded and the
-  batcher runs, else 503 (readiness). ``GET /stats``: batches, mean batch size, cache hits and misses, rejections.
+- ``GET /health``: 200 while the process serves HTTP (liveness; never needs the API key). ``GET /ready``: 200 once
+  the model is loaded and the batcher runs, else 503 (readiness). ``GET /stats``: batches, mean batch size, cache hits
+  and misses, rejections.
 
-Request handling, in order; every refusal happens before the model sees anything:
-1. rate limit per client address (token bucket, ``rate_limit_per_s`` and ``rate_burst``): 429;
-2. body larger than ``max_body_bytes`` (declared or actual): 413;
-3. not JSON: 400; not a valid task (unknown fields, empty or over-long question, malformed ``allowed_writes``): 422,
-   each with ``{"error": reason}``;
-4. the cache: an identical request (same task and seed: greedy decoding makes the answer a function of them) is
+Request handling, in order; every refusal happens before the model sees anything (the checks of steps 2-4 are
+:mod:`pipeline.deploy.serve_validation`, which says why each exists):
+1. rate limit per client address (token bucket, ``rate_limit_per_s`` and ``rate_burst``): 429 with Retry-After;
+2. the API key, when ``$<api_key_env>`` holds one (required to bind a non-loopback address): 401 without it;
+3. body larger than ``max_body_bytes`` (declared or counted, chunked too): 413, which the client reads even while it
+   is still sending (uvicorn discards the rest of the body);
+4. not JSON: 400; not a valid task (a field of the wrong JSON type or out of range -- ``seed`` outside [0, 2**32-1],
+   an empty or over-long question --, unknown fields, malformed ``allowed_writes``): 422, each with
+   ``{"error": reason}`` naming the field;
+5. the cache: an identical request (same task and seed: greedy decoding makes the answer a function of them) is
    answered from an LRU of ``cache_size`` responses; an identical request already waiting shares its future;
-5. the queue: more than ``max_queue`` waiting requests gives 503;
-6. the batcher collects waiting requests into one generation batch, up to ``max_batch_size``, waiting at most
+6. the queue: more than ``max_queue`` waiting requests gives 503 with ``Retry-After: retry_after_s``;
+7. the batcher collects waiting requests into one generation batch, up to ``max_batch_size``, waiting at most
    ``max_wait_ms`` after the first; the batch runs in one worker thread through the rollout engine (itself continuously
    batched: a finished episode's slot takes the next task). Requests that arrive while a batch runs form the next one.
 
@@ -25,14 +30,18 @@ Why a hand-written batcher rather than LitServe (0.2.19 installs cleanly here): 
 and the validation would either sit in the worker (a cache hit would wait for a batch slot) or need a second layer in
 front of it; the whole batcher here is one small class, and the model stays in the process that validated the request.
 
-Deliberately left out: authentication, TLS, multi-process workers (one model, one engine thread; scale out with more
-processes behind a proxy), and streaming of partial trajectories.
+A request that still fails inside the model fails its whole batch with 500 ("model failure"): that is a bug of the
+validation above, and the soak benchmark (bench/serve_soak.py) counts such answers.
+
+Deliberately left out: TLS (terminate it in a proxy), per-client keys, multi-process workers (one model, one engine
+thread; scale out with more processes behind a proxy), and streaming of partial trajectories.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -43,8 +52,10 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations in this namespace
 from fastapi.responses import JSONResponse
 
+from pipeline.core.errors import AgentRLError
 from pipeline.deploy.config import ServeConfig
-from pipeline.deploy.pyfunc import RequestError, parse_task
+from pipeline.deploy.serve_validation import Refusal, authorized, parse_json, read_body, serving_key, \
+    validate_request
 
 
 # ------------------------------------------------------------------------------------------------------ components
@@ -174,9 +185,10 @@ class Batcher:
 
 
 # ------------------------------------------------------------------------------------------------------------ app
-def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
+def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_key: bytes | None = None):
     """The FastAPI app around a loaded :class:`~pipeline.deploy.pyfunc.PolicySolver` (or any object with
-    ``solve_tasks(tasks, seeds, truth)`` and ``seed``)."""
+    ``solve_tasks(tasks, seeds, truth)``, ``seed`` and ``runtime``); with `api_key`, every endpoint but /health needs
+    it (:func:`~pipeline.deploy.serve_validation.serving_key`)."""
     cfg = cfg or ServeConfig()
     stats = Stats()
     batcher = Batcher(solver.solve_tasks, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats)
@@ -193,22 +205,32 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
     app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.stats, app.state.batcher = stats, batcher
 
-    def refuse(status: int, reason: str, kind: str) -> JSONResponse:
+    def refuse(status: int, reason: str, kind: str, headers: dict | None = None) -> JSONResponse:
         stats.rejected[kind] = stats.rejected.get(kind, 0) + 1
-        return JSONResponse({"error": reason}, status_code=status)
+        return JSONResponse({"error": reason}, status_code=status, headers=headers)
+
+    def locked(request: Request) -> JSONResponse | None:
+        if authorized(request.headers, api_key):
+            return None
+        return refuse(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "unauthorized",
+                      {"WWW-Authenticate": "Bearer"})
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready():
+    async def ready(request: Request):
+        if (denied := locked(request)) is not None:
+            return denied
         if batcher.running:
             return {"status": "ready", "model_uri": model_uri, "precision": getattr(solver, "precision", None)}
         return JSONResponse({"status": "not ready"}, status_code=503)
 
     @app.get("/stats")
-    async def get_stats():
+    async def get_stats(request: Request):
+        if (denied := locked(request)) is not None:
+            return denied
         return {**stats.to_dict(), "cache_entries": len(cache.data), "queued": batcher.queue.qsize()
                 if batcher.queue else 0}
 
@@ -218,27 +240,14 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
         client = request.client.host if request.client else "unknown"
         if not bucket.take(client):
             return refuse(429, f"rate limit: at most {cfg.rate_limit_per_s:g} requests/s (burst {cfg.rate_burst}) "
-                               f"per client", "rate_limit")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > cfg.max_body_bytes:
-            return refuse(413, f"request body of {declared} bytes exceeds {cfg.max_body_bytes}", "too_large")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > cfg.max_body_bytes:
-                return refuse(413, f"request body exceeds {cfg.max_body_bytes} bytes", "too_large")
+                               f"per client", "rate_limit", {"Retry-After": str(math.ceil(1 / cfg.rate_limit_per_s))})
+        if (denied := locked(request)) is not None:
+            return denied
         try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return refuse(400, f"body is not valid JSON: {exc}", "bad_json")
-        try:
-            task = parse_task(obj, cfg.max_question_chars, solver.runtime)
-            seed = obj.get("seed", solver.seed) if isinstance(obj, dict) else solver.seed
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise RequestError("'seed' must be an integer")
-        except RequestError as exc:
-            return refuse(422, str(exc), "invalid")
-        truth = isinstance(obj, dict) and obj.get("answer") is not None
+            obj = parse_json(await read_body(request, cfg))
+            task, seed, truth = validate_request(obj, cfg.max_question_chars, solver.runtime, solver.seed)
+        except Refusal as r:
+            return refuse(r.status, r.message, r.kind)
         key = json.dumps([task.to_dict(), seed, truth], sort_keys=True)
         hit = cache.get(key)
         if hit is not None:
@@ -249,7 +258,8 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
             stats.coalesced += 1
         else:
             if batcher.full():
-                return refuse(503, f"server busy: {cfg.max_queue} requests already waiting", "busy")
+                return refuse(503, f"server busy: {cfg.max_queue} requests already waiting (deploy.serve.max_queue)",
+                              "busy", {"Retry-After": str(cfg.retry_after_s)})
             fut = batcher.submit(task, int(seed), truth)
             pending[key] = fut
         try:
@@ -267,21 +277,40 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = ""):
 
 def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int | None = None,
           ready_message: bool = True) -> None:
-    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted."""
+    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted. Before anything
+    loads: binding a non-loopback `host` without an API key, or an address that cannot be listened on, is an
+    AgentRLError (one ``error:`` line from the CLI)."""
     import uvicorn
 
-    from pipeline.deploy.pyfunc import load_solver
+    host, port = host or cfg.host, cfg.port if port is None else port
+    api_key = serving_key(host, cfg)  # before the model loads: a refused start costs nothing
+    check_listen(host, port)
+
+    from pipeline.deploy.pyfunc import load_solver  # imports mlflow.pyfunc, which warns on stderr: after the checks
 
     solver = load_solver(model_uri)
-    app = create_app(solver, cfg, model_uri)
-    host, port = host or cfg.host, cfg.port if port is None else port
+    app = create_app(solver, cfg, model_uri, api_key)
     if ready_message:
-        print(f"serving {model_uri} ({solver.precision}) on http://{host}:{port} (POST /solve, GET /health, /ready)",
-              flush=True)
+        print(f"serving {model_uri} ({solver.precision}) on http://{host}:{port} (POST /solve, GET /health, /ready); "
+              f"API key {'required ($' + cfg.api_key_env + ')' if api_key else 'off (loopback only)'}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         solver.close()
+
+
+def check_listen(host: str, port: int) -> None:
+    """An AgentRLError naming the address when `host`:`port` cannot be listened on (in use, not this machine's, not
+    resolvable); checked before the model loads, where uvicorn would only log it and exit after the load."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            s.bind(addr)
+    except OSError as exc:
+        raise AgentRLError(f"serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class ThreadedServer:
@@ -308,4 +337,4 @@ class ThreadedServer:
         self.thread.join(timeout=30)
 
 
-__all__ = ["Batcher", "LRUCache", "Stats", "ThreadedServer", "TokenBucket", "create_app", "serve"]
+__all__ = ["Batcher", "LRUCache", "Stats", "ThreadedServer", "TokenBucket", "check_listen", "create_app", "serve"]
