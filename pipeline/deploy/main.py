@@ -146,7 +146,7 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
         runtime.close()
     out = {
         "model_name": cfg.model_name, "version": version, "model_uri": registry.model_uri(version),
-        "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step", "git_commit", "saved_at")},
+        "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step")},
         "weights_sha256": digest, "same_weights_as": same,
         "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
         "variants": measured["variants"], "parity": measured["parity"],
