@@ -412,3 +412,114 @@ def test_registered_model_loads_as_pyfunc_and_solves_tasks(server, project):
         load_solver("models:/no-such-model@champion")
     with pytest.raises(AgentRLError, match="bad request: unknown fields"):
         model.predict([{"question": "q", "nonsense": 1}])
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_stops_during_deploy_leaves_every_version_whole_and_the_aliases_in_place(
+        project, tmp_path, monkeypatch, capsys):
+    """The server is killed just before the first alias move (the version exists by then): `agentrl deploy` fails
+    with one error line that says what is left, and the restarted server shows the aliases and history where they
+    were and every version with its tags. Killed at the same point and restarted while the client still retries,
+    the deploy rides the outage out and completes."""
+    import contextlib
+    import os
+    import signal
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.cli import main
+    from pipeline.deploy.registry import ModelRegistry
+
+    name, store, servers = "policy-outage", tmp_path / "store", []
+    small = dict(precisions=["fp32"], serve_precision="fp32", max_test_tasks=12)
+    real_set_alias = MlflowClient.set_registered_model_alias
+
+    def kill_server() -> None:
+        os.killpg(servers[-1].pid, signal.SIGKILL)
+        servers[-1].wait()
+
+    with contextlib.ExitStack() as stack:
+        uri = stack.enter_context(mlflow_server(store, started=servers))
+        stack.enter_context(tracking_uri(uri))
+        port = int(uri.rsplit(":", 1)[1])
+        assert run_deploy(project, name, **small)["decision"].passed  # v1: champion and challenger
+        registry = ModelRegistry(name)
+        before = snapshot(registry)
+
+        # the server dies for good just before the challenger alias moves to v2
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a dead server fails fast here
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+
+        def outage(self, *args, **kwargs):
+            kill_server()
+            return real_set_alias(self, *args, **kwargs)
+
+        monkeypatch.setattr(MlflowClient, "set_registered_model_alias", outage)
+        params = write_params(tmp_path, deploy_config(project, name, policy=nudged_policy(project, tmp_path / "p2", 1e-6),
+                                                      **small))
+        capsys.readouterr()
+        assert main(["deploy", "--params", str(params)]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and err.splitlines()[-1] == errors[0] and "Traceback" not in err, err
+        assert errors[0].startswith(f"error: registering '{name}' version 2 failed: the MLflow tracking server at "
+                                    f"{uri} did not answer"), errors[0]
+        assert errors[0].endswith("left in the registry: version 2 is registered with all its tags but no alias")
+        monkeypatch.setattr(MlflowClient, "set_registered_model_alias", real_set_alias)
+        servers.clear()
+
+        stack.enter_context(mlflow_server(store, port=port, started=servers))  # back, on the same store
+        after = snapshot(registry)
+        assert after["aliases"] == before["aliases"] and after["tags"] == before["tags"]  # champion v1, history [1]
+        assert set(after["versions"]) == {"1", "2"}
+        for version, tags in after["versions"].items():  # no version without its tags
+            assert tags["weights.sha256"] and tags["gate.decision"] == "promoted" and tags["gate.vs_champion"], version
+
+        # a short outage: the server comes back while the client retries (back-off 2, 4, 8, ... s) -> completed
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "7")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        restarted = []
+
+        def blip(self, *args, **kwargs):
+            monkeypatch.setattr(MlflowClient, "set_registered_model_alias", real_set_alias)
+            kill_server()
+            thread = threading.Thread(target=lambda: restarted.append(stack.enter_context(
+                mlflow_server(store, port=port, started=servers))))
+            thread.start()
+            return real_set_alias(self, *args, **kwargs)
+
+        monkeypatch.setattr(MlflowClient, "set_registered_model_alias", blip)
+        third = run_deploy(project, name, policy=nudged_policy(project, tmp_path / "p3", 2e-6), **small)
+        assert restarted and third["version"] == "3" and third["decision"].passed
+        assert registry.alias_version("champion") == "3" and registry.alias_version("challenger") == "3"
+        assert registry.history() == ["1", "3"]
+
+
+def test_http_retry_defaults_apply_unless_set_and_a_refused_connection_is_a_store_failure(monkeypatch):
+    """Every MLflow client the pipeline makes retries with the pipeline's defaults (MLflow reads them per request)
+    unless the environment sets its own; a refused connection, after those retries, is recognised as the store's
+    absence, and a plain "does not exist" answer is not."""
+    import os
+
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR, MLFLOW_HTTP_REQUEST_MAX_RETRIES, \
+        MLFLOW_HTTP_REQUEST_TIMEOUT
+    from mlflow.exceptions import MlflowException
+
+    from deploy_support import free_port
+    from pipeline.core.tracking import HTTP_RETRY_DEFAULTS, mlflow_client, store_failure
+
+    for key in HTTP_RETRY_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")  # the user's own value wins
+    client = mlflow_client(f"http://127.0.0.1:{free_port()}")
+    assert (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR.get(),
+            MLFLOW_HTTP_REQUEST_TIMEOUT.get()) == (int(HTTP_RETRY_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]),
+                                                   int(HTTP_RETRY_DEFAULTS["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"]), 7)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # nothing listens there: no need to wait
+    with pytest.raises(MlflowException) as refused:
+        client.get_registered_model("m")
+    assert "did not answer" in store_failure(refused.value)
+    assert store_failure(MlflowException("Registered Model with name=m not found",
+                                         error_code="RESOURCE_DOES_NOT_EXIST")) is None
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
