@@ -45,7 +45,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 # Keys a saved policy never holds: they differ between two runs that train the same weights (older policies have
-# git_commit and saved_at; they are read as they are).
+# git_commit and saved_at: they are read as they are, and dropped when their meta is saved again).
 RUN_SPECIFIC = frozenset({"git_commit", "saved_at"})
 
 
@@ -299,16 +299,14 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
     Nothing run-specific is written (no save time, git commit, host or absolute path; the HF config's
     ``_name_or_path``, the folder the model was loaded from, is left out), and ``policy.json`` is written with sorted
     keys: saving the same model twice gives byte-identical folders, so DVC hashes a reproduced output alike. Keys of
-    `meta` in :data:`RUN_SPECIFIC` are refused for the same reason.
+    `meta` in :data:`RUN_SPECIFIC` are dropped for the same reason (train passes on the meta of the policy it
+    started from, which a policy saved before this rule still carries).
 
     The weights are stored in fp32 whatever the model computes in: a model trained by a bf16 engine (DeepSpeed on a
     GPU, ``"bf16": "auto"``) is widened on the way out (exact; the live model is not touched), so the artefact's dtype
     and the loaders' behaviour do not depend on where training ran. An fp32 model is saved as it is."""
     path = Path(path)
-    leaked = sorted(RUN_SPECIFIC & set(meta or {}))
-    if leaked:
-        raise AgentRLError(f"save_policy({path}): meta keys {leaked} are run-specific and would give the same weights "
-                           f"another DVC hash; MLflow records a run's commit and time")
+    meta = {k: v for k, v in (meta or {}).items() if k not in RUN_SPECIFIC}
     check_pair(model, tokenizer, str(path))
     state_dict = None
     if any(t.is_floating_point() and t.dtype != torch.float32 for t in model.parameters()):
