@@ -271,7 +271,7 @@ class ModelRegistry:
                    self.client.delete_registered_model_alias(self.name, a))) for a in reversed(moved)]
         if CHAMPION in moved:
             steps.append((f"tag {HISTORY_TAG} may end in v{version}", lambda: self._set_history(before["history"])))
-        steps.append((f"version {version} is registered with all its tags but no alias",
+        steps.append((f"version {version} stays registered, with all its tags",
                       lambda: self.client.delete_model_version(self.name, version)))
         for i, (what, undo) in enumerate(steps):
             try:
