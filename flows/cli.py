@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from pipeline.core.config import DEFAULT_PARAMS, ConfigError
 from pipeline.core.errors import AgentRLError
@@ -30,6 +31,11 @@ USER_ERROR = 2
 # of the command: its own process with the parts it ran in child processes (pipeline.core.isolation), or its largest other
 # child (a DeepSpeed rank), whichever is larger.
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
+# Commands that write the repository's outputs or move registry aliases: each holds the repository lock
+# (pipeline.core.lock: a second one is refused at once, exit 2; the stages `run` launches run inside its lock).
+# `schedule` holds it only with --once (served, it would hold it for good; its flow runs' stages take it each).
+LOCKED = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift", "evaluate", "deploy", "promote",
+                    "rollback", "run"})
 
 
 def _cmd_build_env(args: argparse.Namespace) -> int:
@@ -390,7 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc: int | str = "exception"
     try:
         tracking_enabled()  # a mistyped AGENTRL_TRACKING stops every command here, before it does anything
-        rc = args.func(args)
+        if args.command in LOCKED or (args.command == "schedule" and args.once):
+            from pipeline.core.lock import repo_lock
+
+            with repo_lock(Path(args.params).resolve().parent, " ".join(sys.argv[1:] if argv is None else argv)):
+                rc = args.func(args)
+        else:
+            rc = args.func(args)
         return rc
     except (ConfigError, AgentRLError) as exc:
         print(f"error: {exc}", file=sys.stderr)

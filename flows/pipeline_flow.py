@@ -228,7 +228,8 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
             gate = summary.gate_decision(root) if "deploy" in order else None
             if gate is not None and gate.get("model_name"):
                 gate["champion"] = read_champion(uri, gate["model_name"])  # the registry's word, not the file's
-                run.set_tags({"agentrl.gate": "promoted" if gate["passed"] else "rejected",
+                run.set_tags({"agentrl.gate": "unchanged" if gate.get("unchanged") else
+                              "promoted" if gate["passed"] else "rejected",
                               "agentrl.model_version": gate["version"]})
             out["gate"] = gate
             run.log_metrics({"pipeline/total_wall_s": time.time() - wall0})

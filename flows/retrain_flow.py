@@ -127,7 +127,8 @@ def _markdown(record: dict[str, Any]) -> str:
         g = record["gate"]
         failed = f" (failed: {', '.join(g['failed'])})" if g.get("failed") else ""
         now = f"champion now v{g['champion']}" if g.get("champion") else "no champion"
-        lines.append(f"- gate: v{g['version']} {'PROMOTED' if g['passed'] else 'REJECTED'}{failed}; {now}")
+        verdict = "UNCHANGED (same weights)" if g.get("unchanged") else "PROMOTED" if g["passed"] else "REJECTED"
+        lines.append(f"- gate: v{g['version']} {verdict}{failed}; {now}")
     lines += ["", "## Where to look next", "",
               f"- MLflow run `retrain` `{record['run_id']}`: tags `retrain.*`, artefacts `retrain_decision.json` and "
               "the drift verdict; a retrain's pipeline run and phase runs nest under it",

@@ -96,7 +96,7 @@ def gate_decision(root: str | Path) -> dict[str, Any] | None:
         return None
     gate = doc.get("gate") or {}
     return {"model_name": doc.get("model_name"), "version": doc.get("version"), "champion": doc.get("champion"),
-            "passed": gate.get("passed"), "failed": gate.get("failed", []),
+            "unchanged": doc.get("unchanged"), "passed": gate.get("passed"), "failed": gate.get("failed", []),
             "checks": {c["name"]: c.get("passed") for c in gate.get("checks", []) if "name" in c}}
 
 
@@ -158,7 +158,8 @@ def markdown(title: str, stages: dict[str, dict[str, Any]], figures: dict[str, d
     if gate is None:
         lines.append("Not reached in this run (no `metrics/deploy.json`).")
     else:
-        verdict = "PROMOTED" if gate["passed"] else ("REJECTED" if gate["passed"] is False else "not run")
+        verdict = ("UNCHANGED (same weights; nothing registered)" if gate.get("unchanged") else
+                   "PROMOTED" if gate["passed"] else ("REJECTED" if gate["passed"] is False else "not run"))
         checks = ", ".join(f"{k} {'pass' if v else 'FAIL'}" for k, v in gate["checks"].items())
         lines.append(f"{gate['model_name']} v{gate['version']}: **{verdict}**; champion is now "
                      f"v{gate['champion']}." if gate["champion"] else

@@ -50,9 +50,11 @@ def wait_http(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = N
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path):
-    """`mlflow server` with a SQLite backend and file artefacts on a free loopback port; stopped on exit."""
-    port = free_port()
+def mlflow_server(root: Path, port: int | None = None, started: list | None = None):
+    """`mlflow server` with a SQLite backend and file artefacts on a loopback port (`port`, else a free one); stopped on
+    exit. A server started again on the same `root` and `port` serves the same store. `started` collects the
+    server's process (a test that stops it on purpose)."""
+    port = port or free_port()
     root.mkdir(parents=True, exist_ok=True)
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
            "--default-artifact-root", (root / "artifacts").as_uri(), "--no-serve-artifacts",
@@ -61,11 +63,14 @@ def mlflow_server(root: Path):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
                             start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
+    if started is not None:
+        started.append(proc)
     try:
         wait_http(f"{uri}/health", proc=proc)
         yield uri
     finally:
-        os.killpg(proc.pid, 15)
+        with contextlib.suppress(ProcessLookupError):  # stopped already by the test
+            os.killpg(proc.pid, 15)
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:

@@ -561,6 +561,15 @@ def test_pretraining_in_a_child_process_gives_the_same_weights(data_dir, tmp_pat
     assert figures[True]["pretrain"]["copy_curve"] and figures[True]["pretrain"]["steps"] == 6
 
 
+@pytest.mark.slow
+def test_the_phase_run_twice_publishes_byte_identical_models(data_dir, tmp_path):
+    """Two runs of the phase on the same inputs, at different times and into different folders, publish the same
+    bytes: DVC gives a reproduced models/adapted the same hash (nothing run-specific is saved with the weights)."""
+    for run in ("one", "two"):
+        run_phase(data_dir, tmp_path / run)
+    assert tree_digest(tmp_path / "one" / "models" / "adapted") == tree_digest(tmp_path / "two" / "models" / "adapted")
+
+
 @pytest.fixture
 def published(good_run, tmp_path):
     """A copy of the good run's outputs in this test's folder; returns their digests."""

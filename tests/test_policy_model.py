@@ -182,8 +182,48 @@ def test_save_load_round_trip_gives_identical_logits_and_metadata(tokenizer, tmp
         assert torch.equal(model(ids).logits, loaded(ids).logits)
     assert tok2.encode("x <call>1</call>") == tokenizer.encode("x <call>1</call>") and tok2.padding_side == "left"
     assert meta["step"] == 7 and meta["data_version"] == {"x": "abc"}
-    assert {"git_commit", "saved_at", "n_parameters", "hf_config", "vocab_size"} <= set(meta)
+    assert {"n_parameters", "hf_config", "vocab_size"} <= set(meta)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_saving_the_same_model_twice_gives_byte_identical_folders(tokenizer, tmp_path, monkeypatch):
+    """What DVC hashes must not depend on when, where or from which checkout a policy was saved: a second save a
+    year later, from a directory outside any git repository, and saves of one policy loaded from two different
+    folders all write the same bytes; policy.json keeps its keys sorted and holds nothing run-specific."""
+    import shutil
+    import time
+
+    from pipeline.policy.model import RUN_SPECIFIC
+
+    model = build_policy(TINY, tokenizer)
+    meta = {"phase": "train", "step": 3, "data_version": {"data/x": "abc"}}
+    first = save_policy(model, tokenizer, tmp_path / "first", meta)
+    real_gmtime = time.gmtime
+    monkeypatch.setattr(time, "gmtime", lambda *a: real_gmtime(a[0] if a else time.time() + 365 * 86400))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # not inside a git repository: no commit to read
+    second = save_policy(model, tokenizer, tmp_path / "second", dict(meta))
+    assert _files(first) == _files(second)
+    saved = (first / "policy.json").read_text()
+    assert saved == json.dumps(json.loads(saved), indent=2, sort_keys=True) + "\n"
+    assert not RUN_SPECIFIC & set(json.loads(saved)) and "_name_or_path" not in json.loads(saved)["hf_config"]
+
+    # the same policy loaded from two folders (a workspace and a DVC checkout elsewhere) saves alike
+    resaved = []
+    for where in ("a", "b"):
+        shutil.copytree(first, tmp_path / where / "policy")
+        loaded, tok, _ = load_policy(tmp_path / where / "policy")
+        resaved.append(_files(save_policy(loaded, tok, tmp_path / where / "out", dict(meta))))
+    assert resaved[0] == resaved[1]
+
+    # the meta of a policy saved before (train passes on its parent's) loses its run-specific keys on the way
+    third = save_policy(model, tokenizer, tmp_path / "third", {**meta, "saved_at": "2026-01-01T00:00:00Z",
+                                                               "git_commit": "0" * 40})
+    assert _files(third) == _files(first)
 
 
 def test_a_bf16_model_is_stored_in_fp32_and_left_as_it_was(tokenizer, tmp_path):

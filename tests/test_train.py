@@ -247,6 +247,9 @@ def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_p
     assert a["evals"] == b["evals"] and a["test"] == b["test"]
     curve = lambda p: [line.split(",")[:5] for line in (p / "metrics/train_curve.csv").read_text().splitlines()]  # noqa: E731
     assert curve(ref) == curve(proj)
+    # the published policy is the same bytes (nothing run-specific is saved with it): DVC hashes both alike
+    files = lambda p: {f.relative_to(p).as_posix(): f.read_bytes() for f in sorted(p.rglob("*")) if f.is_file()}  # noqa: E731
+    assert files(ref / "models/policy") == files(proj / "models/policy")
 
 
 def test_a_finished_run_started_again_restores_its_policy_without_training(tmp_path, monkeypatch, capsys):

@@ -24,6 +24,15 @@ Conventions enforced here rather than in every phase: nested params are flattene
 metric keys are namespaced (``data/n_tasks``; a key without a ``/`` gets the phase name as its namespace, and nested
 metric dicts are joined with ``/``); a run that raises is marked FAILED.
 
+A tracking server that stops answering: MLflow's client retries each HTTP request on connection errors and on 429/5xx
+answers with exponential back-off. MLflow's own defaults (7 retries, back-off factor 2, 120 s per request) wait about
+4 minutes per request before giving up; every :func:`mlflow_client` sets, unless the environment already does,
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES=5``, ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR=1`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT=60``
+(:data:`HTTP_RETRY_DEFAULTS`): waits of 2, 4, 8 and 16 s, so a server restart of up to about half a minute is ridden
+out, and a server that is gone fails a request after about 30 s (plus the timeout of a request that hangs). What then
+fails is one ``error:`` line (:func:`store_failure` recognises it), never a half-registered model version
+(:mod:`pipeline.deploy.registry`). SQLite stores make no HTTP requests and are not affected.
+
 Deliberately left out: MLflow's fluent API (``mlflow.start_run``) keeps the active run in module-level state, which
 breaks when Prefect calls phases repeatedly in one process; every call here goes through an explicit ``MlflowClient``
 and a run id. MLflow itself is imported inside the methods, because importing it costs about a second.
@@ -110,9 +119,61 @@ def require_tracking(what: str) -> None:
                            f"{TRACKING_ENV} (or set it to 'on') and run again; nothing was changed")
 
 
+# MLflow's client reads these for every request (see the module docstring); the environment's own values win.
+HTTP_RETRY_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+
+
+def configure_http_retries() -> dict[str, str]:
+    """Set :data:`HTTP_RETRY_DEFAULTS` where the environment has no value of its own (children inherit them);
+    returns the values in force."""
+    for key, value in HTTP_RETRY_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in HTTP_RETRY_DEFAULTS}
+
+
+def store_failure(exc: BaseException) -> str | None:
+    """One line saying that the tracking store did not answer, when `exc` (or an exception it was raised from) is
+    that: a connection refused, reset or timed out, or retries used up on 429/5xx answers; None for anything else (a
+    bad request is a bug or bad input, not the store's absence)."""
+    markers = ("Max retries exceeded", "failed with exception", "failed with error code 5",
+               "failed with error code 429", "Connection refused", "Connection aborted", "Read timed out")
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        name = type(current).__name__
+        text = str(current)
+        if name in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError",
+                    "NewConnectionError", "ProtocolError") or any(m in text for m in markers):
+            uri = os.environ.get("MLFLOW_TRACKING_URI", "the tracking store")
+            detail = text.splitlines()[0] if text else name
+            return f"the MLflow tracking server at {uri} did not answer (retried per MLFLOW_HTTP_REQUEST_*: " \
+                   f"{detail[:300]})"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+@contextlib.contextmanager
+def store_errors(what: str, left: str = "") -> Iterator[None]:
+    """Turn a tracking store that did not answer (:func:`store_failure`) into one AgentRLError line, ``what: why``
+    followed by `left` (what the caller knows about the state it leaves); anything else passes unchanged."""
+    try:
+        yield
+    except AgentRLError:
+        raise
+    except Exception as exc:
+        why = store_failure(exc)
+        if why is None:
+            raise
+        raise AgentRLError(f"{what}: {why}{'; ' + left if left else ''}") from exc
+
+
 def mlflow_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
     """An ``MlflowClient``; where MLflow cannot be imported, an :class:`~pipeline.core.errors.AgentRLError` that says how
-    to install it or how to run without it, instead of an ImportError traceback."""
+    to install it or how to run without it, instead of an ImportError traceback. Applies
+    :func:`configure_http_retries` first."""
+    configure_http_retries()
     try:
         from mlflow.tracking import MlflowClient
     except ImportError as exc:
@@ -284,7 +345,12 @@ class Tracker:
             status = "KILLED"
             raise
         finally:
-            client.set_terminated(handle.run_id, status)
+            try:
+                client.set_terminated(handle.run_id, status)
+            except Exception as exc:  # a store gone in the body fails here too: its first error is the one to show
+                if status == "FINISHED":
+                    raise
+                logger.warning("could not mark the %s run %s: %s", phase, status, str(exc).splitlines()[0][:200])
 
 
 class NullRun:
@@ -330,5 +396,6 @@ def make_tracker(enabled: bool = True, **kwargs: Any) -> Tracker | NullTracker:
     return Tracker(**kwargs) if enabled else NullTracker()
 
 
-__all__ = ["EXPERIMENT", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle", "Tracker", "flatten",
-           "make_tracker", "mlflow_client", "namespaced", "require_tracking", "tracking_enabled"]
+__all__ = ["EXPERIMENT", "HTTP_RETRY_DEFAULTS", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle",
+           "Tracker", "configure_http_retries", "flatten", "make_tracker", "mlflow_client", "namespaced",
+           "require_tracking", "store_errors", "store_failure", "tracking_enabled"]

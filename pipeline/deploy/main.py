@@ -12,11 +12,16 @@ A missing required input is an :class:`AgentRLError` before anything is register
 Steps: (1) every variant in ``deploy.precisions`` plays the test tasks greedily: success, return, safety violations,
 latency per action (one episode at a time), throughput (batched) and state size, each also as a ratio to fp32;
 (2) parity: a variant fails when its success drops more than ``parity_tolerance`` below fp32; (3) the pyfunc (HF
-weights + packaged world + serving settings) is logged in a ``deploy`` MLflow run and registered as a new version with
-the gate inputs, alias ``challenger``; (4) the registered version is served by `agentrl serve` and checked against the
-training path (:mod:`pipeline.deploy.served_check`, a gate input); (5) with ``deploy.promote`` the gate runs and
-promotes on a pass. Writes ``metrics/deploy.json`` (variants, parity, version, ``served_consistency``, the gate's
+weights + packaged world + serving settings) and the gate inputs are logged in a ``deploy`` MLflow run; (4) that
+logged pyfunc is served by `agentrl serve` and checked against the training path (:mod:`pipeline.deploy.served_check`,
+a gate input); (5) with ``deploy.promote`` the gate judges from reads alone; (6) the version is created with every tag
+in one request and the aliases move last (``challenger``, and ``champion`` on a pass). Writes ``metrics/deploy.json`` (variants, parity, version, ``served_consistency``, the gate's
 decision and reasons).
+
+Idempotent: when the policy's weights (``weights.sha256``) are those of the version ``champion`` or ``challenger``
+points to, nothing is measured, registered or moved; the log says so and ``metrics/deploy.json`` records
+``"unchanged": <that version>`` and ``"unchanged_alias"`` (see :mod:`pipeline.deploy.registry` for why, and for
+the order of the registry writes when the tracking server fails part-way).
 
 Deliberately left out: serving itself (``agentrl serve`` is a long-running process, not a stage) and any retraining
 decision (the retraining flow reads the gate's outcome).
@@ -100,67 +105,117 @@ def measure_variants(model, tokenizer, tasks, runtime, env_cfg: EnvConfig, rollo
 def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str | Path = "metrics",
            out_path: str | Path = "metrics/deploy.json", tracker=None, registry=None) -> dict:
     """The phase on explicit configs and paths (tests call this); returns what it writes to `out_path`."""
-    from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
-    from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
-    from pipeline.deploy.registry import WEIGHTS_TAG, ModelRegistry, champion_evaluator, promote, weights_digest
-    from pipeline.deploy.served_check import served_consistency
+    from pipeline.deploy.registry import ModelRegistry, weights_digest
     from pipeline.envs.registry import open_environment
     from pipeline.policy.model import load_policy
-    from pipeline.core.tracking import Tracker
+    from pipeline.core.tracking import Tracker, store_failure
 
     t0 = time.perf_counter()
     metrics_dir, out_path = Path(metrics_dir), Path(out_path)
     runtime = open_environment(env_cfg.name, cfg.world_dir)
-    inputs = load_inputs(cfg, metrics_dir, runtime)
-    model, tokenizer, meta = load_policy(cfg.policy)
-    digest = weights_digest(cfg.policy)
-    tracker = tracker or Tracker()
-    registry = registry or ModelRegistry(cfg.model_name, tracker.tracking_uri)
     try:
-        measured = measure_variants(model, tokenizer, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg)
-        if inputs["evaluate"] is not None:
-            results = extract_task_results(inputs["evaluate"], str(metrics_dir / EVALUATE_METRICS))
-            source = str(metrics_dir / EVALUATE_METRICS)
-        else:
-            results = [task_result(r) for r in measured["fp32_records"]]
-            source = f"fp32 greedy episodes on {cfg.test_tasks} (seed {cfg.seed} + i)"
-        quant = {"serve_precision": cfg.serve_precision, "parity": measured["parity"],
-                 "variants": measured["variants"], "quantization": cfg.quantization.model_dump()}
-        gate_inputs = GateInputs(adapt=inputs["adapt"], drift=inputs["drift"], quantization=quant,
-                                 test_results=results)
-        settings = serving_settings(env_cfg, rollout_cfg, cfg.serve_precision, cfg.quantization, cfg.seed)
-        params = {"deploy": cfg.model_dump(), "env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump()}
-        with tracker.run("deploy", params=params) as run, tempfile.TemporaryDirectory() as tmp:
-            run.log_metrics(flat_metrics(measured["variants"], measured["parity"]))
-            save_pyfunc(Path(tmp) / "model", cfg.policy, cfg.world_dir, settings)
-            version = registry.register(run.run_id, Path(tmp) / "model", gate_inputs, tags={WEIGHTS_TAG: digest})
-            served = served_consistency(cfg, env_cfg, rollout_cfg, registry, version, run, inputs["tasks"], model,
-                                        tokenizer, runtime)  # pipeline.deploy.served_check; a gate input
-            same = registry.versions_with_weights(digest, exclude=version)
-            run.log_dict(inputs["train"], "provenance/train.json")
-            decision = None
-            if cfg.promote:
-                evaluator = champion_evaluator(registry, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg.seed)
-                decision = promote(registry, cfg.gate, version=version, evaluate_champion=evaluator)
-                run.log_dict(decision.to_dict(), "gate_decision.json")
-                run.log_metrics({"gate/passed": decision.passed})
-                run.set_tags({"deploy.decision": "promoted" if decision.passed else "rejected"})
-            run.set_tags({"deploy.model_name": cfg.model_name, "deploy.version": version})
+        inputs = load_inputs(cfg, metrics_dir, runtime)
+        model, tokenizer, meta = load_policy(cfg.policy)
+        digest = weights_digest(cfg.policy)
+        tracker = tracker or Tracker()
+        registry = registry or ModelRegistry(cfg.model_name, tracker.tracking_uri)
+        state: dict = {"published": None}
+        try:
+            same = registry.unchanged(digest)
+            if same is not None:
+                out = unchanged_record(cfg, registry, digest, meta, *same, time.perf_counter() - t0)
+            else:
+                out = _register(cfg, env_cfg, rollout_cfg, metrics_dir, tracker, registry, runtime, inputs, model,
+                                tokenizer, meta, digest, t0, state)
+        except Exception as exc:
+            why = None if isinstance(exc, AgentRLError) else store_failure(exc)  # the registry's errors say it all
+            if why is None:
+                raise
+            done = (f"version {state['published']} of {cfg.model_name!r} is registered with its tags and aliases; "
+                    f"recording it in its deploy run failed" if state["published"] else
+                    "nothing was registered and no alias moved")
+            raise AgentRLError(f"deploy: {why}; {done}") from exc
     finally:
         runtime.close()
+    decision = out.pop("decision")
+    from pipeline.core.atomic import write_json
+
+    write_json(out_path, out)
+    out["decision"] = decision
+    return out
+
+
+def unchanged_record(cfg: DeployConfig, registry, digest: str, meta: dict, alias: str, version: str,
+                     seconds: float) -> dict:
+    """What deploy writes when the policy's weights are those of the version `alias` points to: nothing registered,
+    no alias moved, nothing measured (the version holds its own measurements and gate evidence)."""
+    return {
+        "model_name": cfg.model_name, "version": version, "unchanged": version, "unchanged_alias": alias,
+        "model_uri": registry.model_uri(version), "policy": cfg.policy,
+        "policy_meta": {k: meta.get(k) for k in ("phase", "step")}, "weights_sha256": digest, "same_weights_as": [],
+        "tasks": 0, "test_results_source": None, "serve_precision": cfg.serve_precision, "variants": {}, "parity": {},
+        "gate": None, "champion": registry.alias_version("champion"), "seconds": round(seconds, 1), "decision": None,
+    }
+
+
+def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, runtime, inputs: dict, model,
+              tokenizer, meta: dict, digest: str, t0: float, state: dict) -> dict:
+    """Measure, judge, register and publish a policy whose weights no alias holds yet (see the registry's order);
+    ``state["published"]`` is set to the version once its aliases are set."""
+    import dataclasses
+
+    from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
+    from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
+    from pipeline.deploy.registry import WEIGHTS_TAG, champion_evaluator, decision_tags, judge
+    from pipeline.deploy.served_check import served_consistency
+
+    measured = measure_variants(model, tokenizer, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg)
+    if inputs["evaluate"] is not None:
+        results = extract_task_results(inputs["evaluate"], str(metrics_dir / EVALUATE_METRICS))
+        source = str(metrics_dir / EVALUATE_METRICS)
+    else:
+        results = [task_result(r) for r in measured["fp32_records"]]
+        source = f"fp32 greedy episodes on {cfg.test_tasks} (seed {cfg.seed} + i)"
+    quant = {"serve_precision": cfg.serve_precision, "parity": measured["parity"],
+             "variants": measured["variants"], "quantization": cfg.quantization.model_dump()}
+    gate_inputs = GateInputs(adapt=inputs["adapt"], drift=inputs["drift"], quantization=quant,
+                             test_results=results)
+    settings = serving_settings(env_cfg, rollout_cfg, cfg.serve_precision, cfg.quantization, cfg.seed)
+    params = {"deploy": cfg.model_dump(), "env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump()}
+    with tracker.run("deploy", params=params) as run, tempfile.TemporaryDirectory() as tmp:
+        run.log_metrics(flat_metrics(measured["variants"], measured["parity"]))
+        run.log_dict(inputs["train"], "provenance/train.json")
+        save_pyfunc(Path(tmp) / "model", cfg.policy, cfg.world_dir, settings)
+        logged = registry.log_candidate(run.run_id, Path(tmp) / "model", gate_inputs)
+        served = served_consistency(cfg, env_cfg, rollout_cfg, registry.tracking_uri, logged, run, inputs["tasks"],
+                                    model, tokenizer, runtime)  # pipeline.deploy.served_check; a gate input
+        gate_inputs = dataclasses.replace(gate_inputs, served_consistency=served)
+        decision, tags = None, {WEIGHTS_TAG: digest}
+        if cfg.promote:  # decided from reads alone, before the version exists: its tags go in with it
+            evaluator = champion_evaluator(registry, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg.seed)
+            decision = judge(registry, cfg.gate, "new", gate_inputs, evaluate_champion=evaluator)
+            tags.update(decision_tags(decision))
+        same = registry.versions_with_weights(digest)
+        before = registry.aliases()
+        version = registry.create_version(run.run_id, tags=tags)
+        if decision is not None:
+            decision = dataclasses.replace(decision, version=version)
+        registry.publish(version, decision, before)
+        if decision is not None:
+            run.log_dict(decision.to_dict(), "gate_decision.json")
+            run.log_metrics({"gate/passed": decision.passed})
+            run.set_tags({"deploy.decision": "promoted" if decision.passed else "rejected"})
+        run.set_tags({"deploy.model_name": cfg.model_name, "deploy.version": version})
     out = {
         "model_name": cfg.model_name, "version": version, "model_uri": registry.model_uri(version),
-        "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step", "git_commit", "saved_at")},
+        "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step")},
         "weights_sha256": digest, "same_weights_as": same,
         "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
         "variants": measured["variants"], "parity": measured["parity"], "served_consistency": served,
         "gate": decision.to_dict() if decision else None,
         "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
+        "unchanged": None, "decision": decision,
     }
-    from pipeline.core.atomic import write_json
-
-    write_json(out_path, out)
-    out["decision"] = decision
     return out
 
 
@@ -176,6 +231,12 @@ def flat_metrics(variants: dict, parity: dict) -> dict:
 
 
 def report(out: dict) -> str:
+    if out.get("unchanged"):
+        return (f"deploy: {out['model_name']} unchanged: the policy's weights are those of v{out['unchanged']} (alias "
+                f"{out['unchanged_alias']}; sha256 {out['weights_sha256'][:12]}), so nothing was registered and no "
+                f"alias moved" + (f"; `agentrl promote --version {out['unchanged']}` judges it again"
+                                  if out["unchanged_alias"] != "champion" else "")
+                + (f"\n  champion: v{out['champion']}" if out["champion"] else "\n  champion: none"))
     lines = [f"deploy: {out['model_name']} v{out['version']} registered as challenger ({out['tasks']} test tasks; "
              f"test results from {out['test_results_source']})"]
     if out.get("same_weights_as"):
@@ -217,7 +278,7 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
     from pipeline.envs.registry import open_environment
     from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
-    from pipeline.core.tracking import Tracker
+    from pipeline.core.tracking import Tracker, store_errors
 
     cfg = load_section(DeployConfig, "deploy", params_path)
     env_cfg = load_section(EnvConfig, "env", params_path)
@@ -230,8 +291,10 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
         tasks = load_task_file(cfg.test_tasks, runtime)
         evaluator = champion_evaluator(registry, tasks, runtime, env_cfg, rollout_cfg, cfg.seed)
     try:
-        decision = promote(registry, cfg.gate, version=version, alias=alias, dry_run=dry_run,
-                           evaluate_champion=evaluator)
+        with store_errors("promote", "the gate's tags of the version may be partly written; the champion alias moves "
+                                     "only after all of them"):
+            decision = promote(registry, cfg.gate, version=version, alias=alias, dry_run=dry_run,
+                               evaluate_champion=evaluator)
     finally:
         if runtime is not None:
             runtime.close()
@@ -248,11 +311,14 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
 
 
 def rollback_main(params_path: str = "params.yaml") -> tuple[str, str]:
+    from pipeline.core.tracking import store_errors
     from pipeline.deploy.registry import ModelRegistry, rollback
 
     cfg = load_section(DeployConfig, "deploy", params_path)
     registry = ModelRegistry(cfg.model_name)
-    current, previous = rollback(registry)
+    with store_errors("rollback", "the history is shortened before the champion alias moves, so running rollback "
+                                  "again finishes it"):
+        current, previous = rollback(registry)
     print(f"rollback: champion of {cfg.model_name} moved from v{current} back to v{previous}")
     return current, previous
 

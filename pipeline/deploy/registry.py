@@ -8,9 +8,12 @@ Conventions (one registered model, ``deploy.model_name``):
 - a new version gets the alias ``challenger``; the gate moves ``champion`` to it when every check passes;
 - each check's outcome is a version tag ``gate.<check>`` (``pass``/``fail``) with ``gate.<check>.detail``, plus
   ``gate.decision`` (``promoted``/``rejected``), ``gate.champion_at_decision`` and ``gate.decided_at``;
-- every version is tagged ``weights.sha256``, :func:`weights_digest` of the policy folder it packages, so a retrain
-  that reproduced an earlier policy bit for bit is visible as such (:meth:`ModelRegistry.versions_with_weights`).
-  It is still registered as its own version: its run, data versions and gate evidence are its own;
+- every version is tagged ``weights.sha256``, :func:`weights_digest` of the policy folder it packages. A deploy
+  whose weights are those of the current ``champion`` or ``challenger`` registers nothing and moves no alias
+  (:meth:`ModelRegistry.unchanged`; ``metrics/deploy.json`` then says ``unchanged``): the same weights judged again on
+  the evidence of a rerun would only pile up versions (``agentrl promote --version N`` judges an existing challenger
+  again). Weights equal to an older version's (neither alias) are registered as a new challenger, which records the
+  older ones (:meth:`ModelRegistry.versions_with_weights`): deploying them again is how an old policy comes back;
 - the champions in order are the registered-model tag ``agentrl.champion_history`` (a JSON list of versions);
   :func:`rollback` points ``champion`` at the one before and drops the last, tagging it ``rolled_back_at``.
 
@@ -18,12 +21,21 @@ Every input is read and checked before anything is written: a version or alias t
 model that does not exist, or a version without its gate inputs is an :class:`AgentRLError` and the registry is left
 as it was. ``dry_run`` writes nothing at all.
 
+Registration order (a tracking server can stop between any two requests): the deploy run's artefacts first; then the
+gate's decision, from reads only (:func:`judge`); then the version, created with every tag (weights digest and
+``gate.*``) in one request, so no version exists without its tags; the aliases last (``challenger``, then
+``champion``, then the history tag: a champion missing from the history still rolls back to the one before it). When
+a step after the version's creation fails, :meth:`ModelRegistry.publish` points the aliases it moved back and deletes
+the version; what it cannot undo (the server stays down) the error names. MLflow's client retries transient HTTP
+failures first (:func:`pipeline.core.tracking.configure_http_retries`).
+
 Every call goes through an explicit ``MlflowClient`` (no fluent API and no module-level state, as in
 :mod:`pipeline.core.tracking`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -44,8 +56,9 @@ MODEL_DIR = "model"
 
 def weights_digest(policy_dir: str | Path) -> str:
     """SHA-256 over every file of a saved policy folder (names and bytes, in name order) except ``policy.json``, whose
-    timestamps and commit differ between two runs that trained the same weights: equal digests mean the same weights,
-    config and tokenizer. A missing or empty folder is an AgentRLError."""
+    lineage (the step, and in policies saved before it became reproducible the save time and commit) can differ
+    between two runs that trained the same weights: equal digests mean the same weights, config and tokenizer. A
+    missing or empty folder is an AgentRLError."""
     import hashlib
 
     from pipeline.policy.model import POLICY_JSON
@@ -64,6 +77,11 @@ def weights_digest(policy_dir: str | Path) -> str:
     return h.hexdigest()
 
 
+def _not_found(exc) -> bool:
+    """Whether an MlflowException says that the model, version or alias asked for does not exist."""
+    return "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower()
+
+
 class ModelRegistry:
     """One registered model in an MLflow registry (``tracking_uri``: ``$MLFLOW_TRACKING_URI`` or the repo's store)."""
 
@@ -79,13 +97,16 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------------------------------------------ reading
     def exists(self) -> bool:
+        """Whether the registered model exists; a store that does not answer is raised, not taken for a no."""
         from mlflow.exceptions import MlflowException
 
         try:
             self.client.get_registered_model(self.name)
             return True
-        except MlflowException:
-            return False
+        except MlflowException as exc:
+            if _not_found(exc):
+                return False
+            raise
 
     def _require_model(self) -> None:
         if not self.exists():
@@ -100,7 +121,7 @@ class ModelRegistry:
         try:
             return self.client.get_model_version_by_alias(self.name, alias)
         except MlflowException as exc:
-            if "RESOURCE_DOES_NOT_EXIST" in str(exc.error_code) or "not found" in str(exc).lower():
+            if _not_found(exc):
                 return None
             raise
 
@@ -109,13 +130,10 @@ class ModelRegistry:
         return dict(self.client.get_run(run_id).data.tags)
 
     def alias_version(self, alias: str) -> str | None:
-        """The version `alias` points to, or None when the alias (or the model) does not exist."""
-        from mlflow.exceptions import MlflowException
-
-        try:
-            return str(self.client.get_model_version_by_alias(self.name, alias).version)
-        except MlflowException:
-            return None
+        """The version `alias` points to, or None when the alias (or the model) does not exist; a store that does not
+        answer is raised (a missing answer taken for "no alias" would let an undo delete a live alias)."""
+        mv = self.find_alias(alias)
+        return None if mv is None else str(mv.version)
 
     def resolve(self, version: str | int | None = None, alias: str | None = None) -> str:
         """A version number from `version` or `alias` (default: the challenger); missing ones raise AgentRLError."""
@@ -175,14 +193,37 @@ class ModelRegistry:
                  if mv.tags.get(WEIGHTS_TAG) == digest and str(mv.version) != str(exclude)]
         return sorted(found, key=int)
 
-    def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs, tags: dict | None = None) -> str:
-        """Log the pyfunc folder and the gate inputs into `run_id`, create a model version with `tags`, alias it
-        `challenger`."""
-        from mlflow.exceptions import MlflowException
+    def unchanged(self, digest: str) -> tuple[str, str] | None:
+        """(alias, version) of the ``champion``, else the ``challenger``, whose ``weights.sha256`` is `digest`; None when
+        neither alias points to these weights (or the model does not exist yet)."""
+        if not self.exists():
+            return None
+        for alias in (CHAMPION, CHALLENGER):
+            mv = self.find_alias(alias)
+            if mv is not None and mv.tags.get(WEIGHTS_TAG) == digest:
+                return alias, str(mv.version)
+        return None
 
+    def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs, tags: dict | None = None) -> str:
+        """:meth:`log_candidate` then :meth:`create_version`: log the pyfunc and the gate inputs into `run_id` and
+        create a model version with all its `tags`."""
+        self.log_candidate(run_id, model_dir, inputs)
+        return self.create_version(run_id, tags)
+
+    def log_candidate(self, run_id: str, model_dir: str | Path, inputs: GateInputs) -> str:
+        """Log the pyfunc folder and the gate inputs into `run_id`; returns the logged model's URI
+        (``runs:/<run>/model``), which can be served and checked before any version exists."""
         for k in GateInputs.REQUIRED:
             self.client.log_dict(run_id, getattr(inputs, k), f"{GATE_DIR}/{k}.json")
         self.client.log_artifacts(run_id, str(model_dir), MODEL_DIR)
+        return f"runs:/{run_id}/{MODEL_DIR}"
+
+    def create_version(self, run_id: str, tags: dict | None = None) -> str:
+        """Create a model version of the pyfunc logged in `run_id` with all its `tags` in one request. No alias moves
+        here (:meth:`publish` does that last); a failure after the version exists deletes it again (see
+        :meth:`publish`)."""
+        from mlflow.exceptions import MlflowException
+
         if not self.exists():
             try:
                 self.client.create_registered_model(self.name, description="agentrl policy: a pyfunc that solves "
@@ -192,33 +233,97 @@ class ModelRegistry:
                     raise
         source = f"{self.client.get_run(run_id).info.artifact_uri}/{MODEL_DIR}"
         mv = self.client.create_model_version(self.name, source, run_id=run_id, tags=tags or None)
-        for _ in range(600):  # a file or SQLite store is READY at once; a remote one may take a moment
-            if self.client.get_model_version(self.name, mv.version).status == "READY":
-                break
-            time.sleep(0.1)
-        self.client.set_registered_model_alias(self.name, CHALLENGER, mv.version)
-        return str(mv.version)
+        version = str(mv.version)
+        with self._withdrawn_on_failure(version, {}, moved=[]):
+            for _ in range(600):  # a file or SQLite store is READY at once; a remote one may take a moment
+                if self.client.get_model_version(self.name, version).status == "READY":
+                    break
+                time.sleep(0.1)
+        return version
+
+    def aliases(self) -> dict[str, str | None]:
+        """Where ``challenger`` and ``champion`` point now, and the champion history (key ``history``)."""
+        return {CHALLENGER: self.alias_version(CHALLENGER), CHAMPION: self.alias_version(CHAMPION),
+                "history": self.history()}
+
+    def publish(self, version: str, decision: GateDecision | None, before: dict) -> None:
+        """The last writes of a deploy: ``challenger`` to `version`, and with a promoting `decision` ``champion`` and
+        the history. `before` is :meth:`aliases` read before `version` was created. On any failure the aliases moved
+        are pointed back and `version` is deleted (see :meth:`_withdrawn_on_failure`)."""
+        moved: list[str] = []
+        with self._withdrawn_on_failure(version, before, moved):
+            self.client.set_registered_model_alias(self.name, CHALLENGER, version)
+            moved.append(CHALLENGER)
+            if decision is not None and decision.passed:
+                self._move_champion(version, decision.champion, before["history"], moved)
+
+    @contextlib.contextmanager
+    def _withdrawn_on_failure(self, version: str, before: dict, moved: list[str]):
+        """Undo a registration that failed after `version` was created: point the aliases in `moved` back to where
+        `before` says, restore the history, delete `version`. A store that does not answer stops the undoing (every
+        further request would wait out its retries too); the error then names what is left. A failure of the store
+        becomes an AgentRLError (one line); any other exception is re-raised as it is, after the undoing."""
+        from pipeline.core.tracking import store_failure
+
+        try:
+            yield
+        except BaseException as exc:
+            left = self._withdraw(version, before, moved)
+            why = store_failure(exc)
+            if why is None and not isinstance(exc, AgentRLError):
+                raise
+            state = ("; left in the registry: " + "; ".join(left)) if left else \
+                f"; version {version} was deleted again and the aliases are where they were"
+            raise AgentRLError(f"registering {self.name!r} version {version} failed: {why or exc}{state}") from exc
+
+    def _withdraw(self, version: str, before: dict, moved: list[str]) -> list[str]:
+        steps = [(f"alias {a!r} points to v{version} (was {'v' + before[a] if before[a] else 'unset'})",
+                  (lambda a=a: self.client.set_registered_model_alias(self.name, a, before[a]) if before[a] else
+                   self.client.delete_registered_model_alias(self.name, a))) for a in reversed(moved)]
+        if CHAMPION in moved:
+            steps.append((f"tag {HISTORY_TAG} may end in v{version}", lambda: self._set_history(before["history"])))
+        steps.append((f"version {version} stays registered, with all its tags",
+                      lambda: self.client.delete_model_version(self.name, version)))
+        for i, (what, undo) in enumerate(steps):
+            try:
+                undo()
+            except Exception:  # noqa: BLE001 - the store is gone: say what stays, do not wait on it again
+                return [w for w, _ in steps[i:]]
+        return []
 
     def _set_history(self, history: list[str]) -> None:
         self.client.set_registered_model_tag(self.name, HISTORY_TAG, json.dumps(history))
 
+    def _move_champion(self, version: str, champion: str | None, history: list[str], moved: list[str]) -> None:
+        """``champion`` to `version`, then the history: a champion set by hand joins the history it was missing from.
+        In this order a failure between the two leaves a champion that :func:`rollback` still rolls back correctly."""
+        history = list(history)
+        if champion is not None and (not history or history[-1] != champion):
+            history.append(champion)
+        self.client.set_registered_model_alias(self.name, CHAMPION, version)
+        moved.append(CHAMPION)
+        self._set_history(history + [version])
+
     def record(self, decision: GateDecision, promote: bool) -> None:
         """Write the checks as version tags; with `promote` and a pass, move `champion` and extend the history."""
         v = decision.version
-        for c in decision.checks:
-            self.client.set_model_version_tag(self.name, v, f"gate.{c.name}", "pass" if c.passed else "fail")
-            self.client.set_model_version_tag(self.name, v, f"gate.{c.name}.detail", c.detail[:4000])
-        promoted = promote and decision.passed
-        self.client.set_model_version_tag(self.name, v, "gate.decision", "promoted" if promoted else "rejected")
-        self.client.set_model_version_tag(self.name, v, "gate.champion_at_decision", decision.champion or "none")
-        self.client.set_model_version_tag(self.name, v, "gate.decided_at", time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                          time.gmtime()))
-        if promoted:
-            history = self.history()
-            if decision.champion is not None and (not history or history[-1] != decision.champion):
-                history.append(decision.champion)  # a champion set by hand joins the history it was missing from
-            self.client.set_registered_model_alias(self.name, CHAMPION, v)
-            self._set_history(history + [v])
+        for key, value in decision_tags(decision, promote).items():
+            self.client.set_model_version_tag(self.name, v, key, value)
+        if promote and decision.passed:
+            self._move_champion(v, decision.champion, self.history(), [])
+
+
+def decision_tags(decision: GateDecision, promote: bool = True) -> dict[str, str]:
+    """The version tags that record a gate decision: ``gate.<check>`` and its detail per check, ``gate.decision``
+    (``promoted`` only with `promote` and a pass), ``gate.champion_at_decision`` and ``gate.decided_at``."""
+    tags: dict[str, str] = {}
+    for c in decision.checks:
+        tags[f"gate.{c.name}"] = "pass" if c.passed else "fail"
+        tags[f"gate.{c.name}.detail"] = c.detail[:4000]
+    tags["gate.decision"] = "promoted" if promote and decision.passed else "rejected"
+    tags["gate.champion_at_decision"] = decision.champion or "none"
+    tags["gate.decided_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return tags
 
 
 # ------------------------------------------------------------------------------------------------------- operations
@@ -235,9 +340,19 @@ def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int |
     champion's results on exactly those tasks and seeds: the paired test then compares the same episodes."""
     v = registry.resolve(version, alias)
     inputs = registry.gate_inputs(v)  # raises before any write when metrics are missing
+    decision = judge(registry, cfg, v, inputs, evaluate_champion)
+    if not dry_run:
+        registry.record(decision, promote=True)
+    return decision
+
+
+def judge(registry: ModelRegistry, cfg: DeployGateConfig, version: str, inputs: GateInputs,
+          evaluate_champion: ChampionEvaluator | None = None) -> GateDecision:
+    """The gate's decision on `inputs` (those of `version`, which need not be registered yet) against the current
+    champion; reads the registry, writes nothing."""
     champion = registry.alias_version(CHAMPION)
-    if champion == v:
-        raise AgentRLError(f"version {v} of {registry.name!r} is already the champion")
+    if champion == version:
+        raise AgentRLError(f"version {version} of {registry.name!r} is already the champion")
     champ_results = None
     if champion is not None:
         try:
@@ -247,10 +362,7 @@ def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int |
         shared = len(pair_results(inputs.test_results, champ_results or [])[2])
         if shared < cfg.min_paired_tasks and evaluate_champion is not None:
             champ_results = evaluate_champion(champion, inputs.test_results)
-    decision = decide(v, inputs, champion, champ_results, cfg)
-    if not dry_run:
-        registry.record(decision, promote=True)
-    return decision
+    return decide(version, inputs, champion, champ_results, cfg)
 
 
 def rollback(registry: ModelRegistry) -> tuple[str, str]:
@@ -265,8 +377,10 @@ def rollback(registry: ModelRegistry) -> tuple[str, str]:
     if not history:
         raise AgentRLError(f"model {registry.name!r} has no previous champion (history: champion v{current} only)")
     previous = history[-1]
-    registry.client.set_registered_model_alias(registry.name, CHAMPION, previous)
+    # the history first: when the alias move then fails, a second rollback finds the champion off the history's
+    # end and moves it to the same previous version (alias first would roll a second step back)
     registry._set_history(history)
+    registry.client.set_registered_model_alias(registry.name, CHAMPION, previous)
     registry.client.set_model_version_tag(registry.name, current, "rolled_back_at",
                                           time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     return current, previous
@@ -304,4 +418,5 @@ def champion_evaluator(registry: ModelRegistry, tasks: list, runtime, env_cfg, r
     return evaluate
 
 
-__all__ = ["CHALLENGER", "CHAMPION", "HISTORY_TAG", "ModelRegistry", "champion_evaluator", "promote", "rollback"]
+__all__ = ["CHALLENGER", "CHAMPION", "HISTORY_TAG", "ModelRegistry", "champion_evaluator", "decision_tags", "judge",
+           "promote", "rollback"]

@@ -394,19 +394,20 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
 
 
 # ----------------------------------------------------------------------------------------- the deploy phase's call
-def served_consistency(cfg, env_cfg, rollout_cfg, registry, version: str, run, tasks: list, model, tokenizer,
-                       runtime) -> dict:
-    """The check on `version` (or a ``skipped`` result when ``deploy.served_check.enabled`` is false), logged with the
-    version's gate inputs (``gate_inputs/served_consistency.json``, read by the gate) and as run metrics."""
+def served_consistency(cfg, env_cfg, rollout_cfg, tracking_uri: str | None, model_uri: str, run, tasks: list, model,
+                       tokenizer, runtime) -> dict:
+    """The check on the logged pyfunc `model_uri` (``runs:/<deploy run>/model``, the artefact the version will point
+    at), or a ``skipped`` result when ``deploy.served_check.enabled`` is false; logged with the run's gate inputs
+    (``gate_inputs/served_consistency.json``, read by the gate, also by ``agentrl promote`` later) and as run metrics.
+    It runs before the version exists, so the gate's decision goes into the version's tags with it."""
     from pipeline.deploy.registry import GATE_DIR
 
     if not cfg.served_check.enabled:
         result = {"status": "skipped", "passed": None, "reasons": [],
                   "reason": "deploy.served_check.enabled is false"}
     else:
-        result = check_served(registry.model_uri(version), registry.tracking_uri, cfg, env_cfg, rollout_cfg, tasks,
-                              model, tokenizer, runtime)
-    registry.client.log_dict(run.run_id, result, f"{GATE_DIR}/{RESULT_NAME}.json")
+        result = check_served(model_uri, tracking_uri, cfg, env_cfg, rollout_cfg, tasks, model, tokenizer, runtime)
+    run.log_dict(result, f"{GATE_DIR}/{RESULT_NAME}.json")
     run.log_metrics(flat_metrics(result))
     return result
 

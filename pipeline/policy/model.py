@@ -5,8 +5,11 @@
   on this CPU), or loads ``cfg.base`` with ``local_files_only=True`` (nothing is downloaded) and sizes its embeddings to
   the tokenizer.
 - :func:`save_policy` writes ``save_pretrained`` weights and tokenizer plus ``policy.json`` (config, data version,
-  git commit, step, anything the caller adds) into a temporary sibling folder, then swaps it in with renames: a failed
-  save never leaves a partial model where a good one stood.
+  step, anything the caller adds) into a temporary sibling folder, then swaps it in with renames: a failed
+  save never leaves a partial model where a good one stood. The folder is a function of the model, the tokenizer and
+  `meta` alone (no time, commit, host or path of the run; keys sorted), so a rerun that trains the same weights
+  writes the same bytes and DVC gives its output the same hash; the run's commit and time are MLflow's to record
+  (:mod:`pipeline.core.tracking` tags every run with its git commit, and MLflow stamps its start and end).
 - :func:`load_policy` loads such a folder back and refuses, with an :class:`AgentRLError` that says what to fix, a
   missing path, a folder that is not a model, and a tokenizer that does not fit the model's embedding.
 - A foreign base (docs/models.md): :func:`load_base_tokenizer` adds the protocol markers and a pad token, checks its
@@ -27,8 +30,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ POLICY_JSON = "policy.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
+# Keys a saved policy never holds: they differ between two runs that train the same weights (older policies have
+# git_commit and saved_at: they are read as they are, and dropped when their meta is saved again).
+RUN_SPECIFIC = frozenset({"git_commit", "saved_at"})
 
 
 # ------------------------------------------------------------------------------------------------------------ memory
@@ -262,14 +266,6 @@ def n_parameters(model) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- save and load
-def git_commit(cwd: str | Path | None = None) -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
 def check_pair(model, tokenizer, where: str) -> None:
     """A tokenizer fits a model when every one of its ids has an embedding row (and, for our own policies, exactly)."""
     n_embed = model.get_input_embeddings().num_embeddings
@@ -297,28 +293,25 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
     """Write model, tokenizer and ``policy.json`` to `path`, atomically (temp folder, then renames).
 
     `meta` is stored under ``policy.json``; conventional keys: ``data_version`` (checksums of the data the model was
-    trained on), ``step``, ``phase``, ``model_config``. ``git_commit``, ``saved_at``, ``n_parameters`` and the HF
-    config are added here. Returns the final path.
+    trained on), ``step``, ``phase``, ``model_config``. ``n_parameters``, ``vocab_size`` and the HF config are added
+    here. Returns the final path.
+
+    Nothing run-specific is written (no save time, git commit, host or absolute path; the HF config's
+    ``_name_or_path``, the folder the model was loaded from, is left out), and ``policy.json`` is written with sorted
+    keys: saving the same model twice gives byte-identical folders, so DVC hashes a reproduced output alike. Keys of
+    `meta` in :data:`RUN_SPECIFIC` are dropped for the same reason (train passes on the meta of the policy it
+    started from, which a policy saved before this rule still carries).
 
     The weights are stored in fp32 whatever the model computes in: a model trained by a bf16 engine (DeepSpeed on a
     GPU, ``"bf16": "auto"``) is widened on the way out (exact; the live model is not touched), so the artefact's dtype
     and the loaders' behaviour do not depend on where training ran. An fp32 model is saved as it is."""
     path = Path(path)
+    meta = {k: v for k, v in (meta or {}).items() if k not in RUN_SPECIFIC}
     check_pair(model, tokenizer, str(path))
     state_dict = None
     if any(t.is_floating_point() and t.dtype != torch.float32 for t in model.parameters()):
         state_dict = {k: (v.detach().float() if v.is_floating_point() else v) for k, v in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    info = {
-        **(meta or {}),
-        # as a JSON string: policy.json sorts its keys, and the template renders the tools in their own key order
-        **({"chat_tools": json.dumps(bound_tools(tokenizer))} if chat_format(tokenizer) is not None else {}),
-        "git_commit": (meta or {}).get("git_commit") or git_commit(),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "n_parameters": n_parameters(model),
-        "vocab_size": len(tokenizer),
-        "hf_config": model.config.to_dict(),
-    }
 
     def write(tmp: Path) -> None:
         with _quiet_progress():
@@ -328,6 +321,16 @@ def save_policy(model, tokenizer, path: str | Path, meta: dict | None = None) ->
             config["dtype"] = "float32"
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
+        # after save_pretrained, which fills in the config's `architectures`: the first save of a fresh model and
+        # every later one then record the same config
+        info = {
+            **(meta or {}),
+            # as a JSON string: policy.json sorts its keys, and the template renders the tools in their own key order
+            **({"chat_tools": json.dumps(bound_tools(tokenizer))} if chat_format(tokenizer) is not None else {}),
+            "n_parameters": n_parameters(model),
+            "vocab_size": len(tokenizer),
+            "hf_config": {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"},
+        }
         (tmp / POLICY_JSON).write_text(json.dumps(info, indent=2, sort_keys=True, default=str) + "\n")
 
     replace_dir(path, write)
