@@ -43,7 +43,9 @@ def test_the_served_version_passes_and_its_figures_reach_deploy_json_and_the_gat
     written = json.loads((project / "metrics" / "deploy.json").read_text())
     s = written["served_consistency"]
     assert s["status"] == "pass" and s["reasons"] == [], s["reasons"]
-    assert s["model_uri"] == f"models:/{NAME}/{out['version']}" and s["tasks"] == N_TASKS and s["states"] >= N_TASKS
+    registry = ModelRegistry(NAME)
+    run_id = registry.client.get_model_version(NAME, out["version"]).run_id  # the artefact the version points at
+    assert s["model_uri"] == f"runs:/{run_id}/model" and s["tasks"] == N_TASKS and s["states"] >= N_TASKS
     assert s["prompts_identical"] and s["tokens_identical"] and s["replay_identical"]
     assert 0 < s["hidden_mse"]["max"] <= s["hidden_mse"]["bound"]  # int8 is not fp32, and within the bound
     assert s["hidden_mse"]["vs_training_path_max"] == 0.0  # the served weights are the trained ones, bit for bit
@@ -54,7 +56,6 @@ def test_the_served_version_passes_and_its_figures_reach_deploy_json_and_the_gat
     assert lat["difference_ms_per_action"] == pytest.approx(lat["served_http_ms_per_action"]
                                                             - lat["in_process_ms_per_action"])
     assert out["decision"].passed
-    registry = ModelRegistry(NAME)
     assert registry.tags(out["version"])["gate.served_consistency"] == "pass"
     assert registry.gate_inputs(out["version"]).served_consistency["status"] == "pass"
     assert registry.alias_version("champion") == out["version"]
@@ -62,6 +63,8 @@ def test_the_served_version_passes_and_its_figures_reach_deploy_json_and_the_gat
 
 @pytest.mark.slow
 def test_a_version_with_other_weights_fails_the_check_and_is_not_promoted(project, tmp_path, monkeypatch):
+    import torch
+
     import pipeline.deploy.pyfunc as pyfunc
     from pipeline.deploy.registry import ModelRegistry
     from pipeline.policy.model import build_policy, load_policy, save_policy
@@ -73,11 +76,15 @@ def test_a_version_with_other_weights_fails_the_check_and_is_not_promoted(projec
     _, tok, _ = load_policy(project / "models" / "policy")
     other = build_policy(TINY.model_copy(update={"seed": 1}), tok)  # the same architecture, other weights
     save_policy(other, tok, tmp_path / "other", {"phase": "train", "step": 0})
+    measured, tok2, meta = load_policy(project / "models" / "policy")
+    with torch.no_grad():  # not the champion's weights (an unchanged deploy registers nothing), as good as them
+        next(measured.parameters()).add_(1e-6)
+    save_policy(measured, tok2, tmp_path / "measured", {"phase": "train", "step": 1})
     real = pyfunc.save_pyfunc
     # what gets registered (and served) is another model than the policy the phase measured
     monkeypatch.setattr(pyfunc, "save_pyfunc", lambda path, policy, world, settings:
                         real(path, tmp_path / "other", world, settings))
-    out = run_deploy(project)
+    out = run_deploy(project, policy=str(tmp_path / "measured"))
     s = json.loads((project / "metrics" / "deploy.json").read_text())["served_consistency"]
     assert s["status"] == "fail" and not s["passed"]
     assert any(r.startswith("hidden-state MSE of the served model vs the fp32 training model") for r in s["reasons"])
