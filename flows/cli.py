@@ -390,6 +390,35 @@ def _peak_rss_mib() -> float:
     return round(max(tree_peak_mib(), children_peak_mib()), 1)
 
 
+def section_models() -> dict:
+    """Each `params.yaml` section and the config model that validates it (a new phase adds its section here;
+    scripts/params_table.py documents the same models)."""
+    from pipeline.adapt.config import AdaptConfig
+    from pipeline.build_env.config import BuildEnvConfig
+    from pipeline.check_drift.config import DriftConfig
+    from pipeline.deploy.config import DeployConfig
+    from pipeline.envs.config import EnvConfig
+    from pipeline.evaluate.config import EvaluateConfig
+    from pipeline.policy.config import ModelConfig, RolloutConfig
+    from pipeline.reward_model.config import RewardModelConfig
+    from pipeline.train.config import TrainConfig
+
+    return {"env": EnvConfig, "build_env": BuildEnvConfig, "model": ModelConfig, "rollout": RolloutConfig,
+            "adapt": AdaptConfig, "reward_model": RewardModelConfig, "train": TrainConfig,
+            "check_drift": DriftConfig, "evaluate": EvaluateConfig, "deploy": DeployConfig}
+
+
+def check_params(path: str) -> None:
+    """Validate every section of the params file a command that writes will read, before it takes the repository lock:
+    a bad file is refused before anything is written (the lock file included). A ConfigError names file and key."""
+    from pipeline.core.config import parse_section, read_params
+
+    data = read_params(path)
+    for section, model in section_models().items():
+        if section in data:
+            parse_section(model, data[section], f"{path}:{section}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
@@ -399,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in LOCKED or (args.command == "schedule" and args.once):
             from pipeline.core.lock import repo_lock
 
+            check_params(args.params)
             with repo_lock(Path(args.params).resolve().parent, " ".join(sys.argv[1:] if argv is None else argv)):
                 rc = args.func(args)
         else:

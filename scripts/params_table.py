@@ -24,22 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
 sys.path.insert(0, str(ROOT))
 
-from pipeline.deploy.config import DeployConfig  # noqa: E402
-from pipeline.check_drift.config import DriftConfig  # noqa: E402
-from pipeline.envs.config import EnvConfig  # noqa: E402
-from pipeline.build_env.config import BuildEnvConfig  # noqa: E402
-from pipeline.evaluate.config import EvaluateConfig  # noqa: E402
-from pipeline.policy.config import ModelConfig, RolloutConfig  # noqa: E402
-from pipeline.adapt.config import AdaptConfig  # noqa: E402
-from pipeline.train.config import TrainConfig  # noqa: E402
-from pipeline.reward_model.config import RewardModelConfig  # noqa: E402
+from flows.cli import section_models  # noqa: E402
 
-# params.yaml section -> model; a new phase adds its section here.
-SECTIONS: dict[str, type[BaseModel]] = {
-    "env": EnvConfig, "build_env": BuildEnvConfig, "model": ModelConfig, "rollout": RolloutConfig,
-    "adapt": AdaptConfig, "reward_model": RewardModelConfig, "train": TrainConfig, "check_drift": DriftConfig, "evaluate": EvaluateConfig,
-    "deploy": DeployConfig,
-}
+# params.yaml section -> model (flows/cli.py keeps the one mapping; a new phase adds its section there).
+SECTIONS: dict[str, type[BaseModel]] = section_models()
 
 
 def _type_name(annotation: Any) -> str:
