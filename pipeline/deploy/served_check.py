@@ -1,9 +1,10 @@
 """Train/serve consistency on the model that is served (the design document, section 5.3: replay deployed episodes
-in the training environment). The deploy phase runs it on the version it has just registered, before the gate.
+in the training environment). The deploy phase runs it on the pyfunc it has just logged in its run (``runs:/<deploy
+run>/model``, the artefact the model version will point at), before the gate decides and before the version exists.
 
 What runs, on the first ``deploy.served_check.tasks`` test tasks (task i with seed ``deploy.seed + i``):
 
-1. **The served path, for real**: ``agentrl serve --model-uri models:/<name>/<version>`` in a subprocess on a free
+1. **The served path, for real**: ``agentrl serve --model-uri runs:/<deploy run>/model`` in a subprocess on a free
    loopback port; each task is one ``POST /solve`` (one at a time: batch size 1, the latency one user sees). The
    response gives each step's action and observation, the per-step rewards, the answer and the outcome.
 2. **Replay in the training environment** (the training world ``deploy.world_dir`` and the ``env`` section): each
@@ -33,7 +34,7 @@ slightly different activations; a near tie between two tokens can then flip. The
 still fails a different model version, whose agreement is far lower (and whose MSE is far over the bound).
 
 A server that does not start or a request that fails is a failed check (with the reason), not an exception: the
-version stays registered as challenger and the gate refuses it.
+version is registered as challenger and the gate refuses it.
 """
 
 from __future__ import annotations
