@@ -141,3 +141,27 @@ def write_params(root: Path, cfg: DeployConfig) -> Path:
     path = root / "params.yaml"
     path.write_text(yaml.safe_dump({"deploy": cfg.model_dump(), "env": ENV.model_dump(), "rollout": ROLL.model_dump()}))
     return path
+
+
+def snapshot(registry) -> dict:
+    """Everything the gate could change: aliases, the history, every version's tags."""
+    if not registry.exists():
+        return {}
+    rm = registry.client.get_registered_model(registry.name)
+    versions = registry.client.search_model_versions(f"name='{registry.name}'")
+    return {"aliases": dict(rm.aliases), "tags": dict(rm.tags),
+            "versions": {v.version: dict(v.tags) for v in versions}}
+
+
+def nudged_policy(project: Path, dest: Path, delta: float) -> str:
+    """A copy of the project's policy with one weight moved by `delta`: other weights (another weights.sha256) that
+    play the same greedy episodes when `delta` is tiny."""
+    import torch
+
+    from pipeline.policy.model import load_policy, save_policy
+
+    model, tok, meta = load_policy(project / "models" / "policy")
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += delta
+    save_policy(model, tok, dest, {k: v for k, v in meta.items() if k in ("phase", "step")})
+    return str(dest)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy_support import ENV, N_TEST, ROLL, TINY, build_project, deploy_config, mlflow_server, tracking_uri, \
-    write_metrics, write_params
+from deploy_support import ENV, N_TEST, ROLL, build_project, deploy_config, mlflow_server, \
+    nudged_policy, snapshot, tracking_uri, write_metrics, write_params
 from pipeline.deploy.config import DeployConfig, DeployGateConfig, QuantizationConfig
-from pipeline.deploy.gate import (bootstrap_worse, check_parity, decide, extract_task_results, mcnemar_worse,
+from pipeline.deploy.gate import (bootstrap_worse, decide, extract_task_results, mcnemar_worse,
                                   pair_results, GateInputs)
 from pipeline.deploy.quantize import Int8Embedding, make_variant, quantize_rows, state_size_bytes
 from pipeline.core.errors import AgentRLError
@@ -211,16 +211,6 @@ def server(tmp_path_factory):
         yield uri
 
 
-def snapshot(registry) -> dict:
-    """Everything the gate could change: aliases, the history, every version's tags."""
-    if not registry.exists():
-        return {}
-    rm = registry.client.get_registered_model(registry.name)
-    versions = registry.client.search_model_versions(f"name='{registry.name}'")
-    return {"aliases": dict(rm.aliases), "tags": dict(rm.tags),
-            "versions": {v.version: dict(v.tags) for v in versions}}
-
-
 def run_deploy(project: Path, name: str, metrics: Path | None = None, **over):
     from pipeline.deploy.main import deploy
 
@@ -240,18 +230,6 @@ def metrics_copy(project: Path, dest: Path, evaluate: list[bool] | None = None, 
         (dest / "evaluate.json").write_text(json.dumps({"per_task_test_success": {  # the evaluate stage's format
             "sft": {t: False for t in ids}, "rl": dict(zip(ids, evaluate))}}))
     return dest
-
-
-def nudged_policy(project: Path, dest: Path, delta: float) -> str:
-    """A copy of the project's policy with one weight moved by `delta`: other weights (another weights.sha256) that
-    play the same greedy episodes when `delta` is tiny."""
-    from pipeline.policy.model import load_policy, save_policy
-
-    model, tok, meta = load_policy(project / "models" / "policy")
-    with torch.no_grad():
-        next(model.parameters()).view(-1)[0] += delta
-    save_policy(model, tok, dest, {k: v for k, v in meta.items() if k in ("phase", "step")})
-    return str(dest)
 
 
 def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(server, project, tmp_path, capsys):

@@ -122,8 +122,12 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
         state: dict = {"published": None}
         try:
             same = registry.unchanged(digest)
-            if same is not None:
-                out = unchanged_record(cfg, registry, digest, meta, *same, time.perf_counter() - t0)
+            if same is not None:  # and a deploy killed between its alias moves is finished here
+                finished = registry.finish_publish(same[1])
+                if finished:
+                    print(f"deploy: {cfg.model_name} v{same[1]}: {finished} (an earlier deploy stopped before)")
+                out = {**unchanged_record(cfg, registry, digest, meta, *same, time.perf_counter() - t0),
+                       "finished": finished}
             else:
                 out = _register(cfg, env_cfg, rollout_cfg, metrics_dir, tracker, registry, runtime, inputs, model,
                                 tokenizer, meta, digest, t0, state)
@@ -214,7 +218,7 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
         "variants": measured["variants"], "parity": measured["parity"], "served_consistency": served,
         "gate": decision.to_dict() if decision else None,
         "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
-        "unchanged": None, "decision": decision,
+        "unchanged": None, "finished": None, "decision": decision,
     }
     return out
 

@@ -25,7 +25,6 @@ its private in-memory copy of the database.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil

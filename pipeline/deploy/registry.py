@@ -204,6 +204,26 @@ class ModelRegistry:
                 return alias, str(mv.version)
         return None
 
+    def finish_publish(self, version: str) -> str | None:
+        """Complete the alias moves of a deploy that was killed inside :meth:`publish` (or whose store went away there
+        for good): `version` carries ``gate.decision=promoted`` decided against the champion that is still in place,
+        but ``champion`` does not point to it, or it does and the history does not end with it. Returns what was
+        completed, or None when nothing was left to do. Called by a deploy rerun whose weights are `version`'s."""
+        tags = self.tags(version)
+        if tags.get("gate.decision") != "promoted":
+            return None
+        champion, history = self.alias_version(CHAMPION), self.history()
+        if champion != version:
+            if tags.get("gate.champion_at_decision", "none") != (champion or "none"):
+                return None  # the champion moved since the decision: it no longer holds, promote by hand
+            self.client.set_registered_model_alias(self.name, CHALLENGER, version)
+            self._move_champion(version, champion, history, [])
+            return f"promoted v{version} to champion, which its recorded gate decision had passed"
+        if not history or history[-1] != version:
+            self._set_history(history + [version])
+            return f"added v{version} to the champion history"
+        return None
+
     def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs, tags: dict | None = None) -> str:
         """:meth:`log_candidate` then :meth:`create_version`: log the pyfunc and the gate inputs into `run_id` and
         create a model version with all its `tags`."""
