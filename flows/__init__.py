@@ -37,7 +37,7 @@ def project_params(params_path: str | Path) -> Path:
             f"{params}: the dvc.yaml stages read the params.yaml next to dvc.yaml; "
             "edit it, or try other values with `dvc exp run -S section.key=value`"
         )
-    read_params(params)
+    read_params(params, only_known=False)  # the stages of a dvc.yaml may read sections of their own
     if not (params.parent / "dvc.yaml").is_file():
         raise AgentRLError(f"{params.parent}: no dvc.yaml next to {params.name}; run from the repository root")
     return params

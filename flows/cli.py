@@ -408,12 +408,13 @@ def section_models() -> dict:
             "check_drift": DriftConfig, "evaluate": EvaluateConfig, "deploy": DeployConfig}
 
 
-def check_params(path: str) -> None:
+def check_params(path: str, only_known: bool = True) -> None:
     """Validate every section of the params file a command that writes will read, before it takes the repository lock:
-    a bad file is refused before anything is written (the lock file included). A ConfigError names file and key."""
+    a bad file is refused before anything is written (the lock file included). A ConfigError names file and key.
+    `only_known` as in :func:`pipeline.core.config.read_params` (False for `agentrl run`)."""
     from pipeline.core.config import parse_section, read_params
 
-    data = read_params(path)
+    data = read_params(path, only_known=only_known)
     for section, model in section_models().items():
         if section in data:
             parse_section(model, data[section], f"{path}:{section}")
@@ -428,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in LOCKED or (args.command == "schedule" and args.once):
             from pipeline.core.lock import repo_lock
 
-            check_params(args.params)
+            check_params(args.params, only_known=args.command != "run")
             with repo_lock(Path(args.params).resolve().parent, " ".join(sys.argv[1:] if argv is None else argv)):
                 rc = args.func(args)
         else:

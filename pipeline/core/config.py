@@ -71,12 +71,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
+def read_params(path: str | Path = DEFAULT_PARAMS, *, only_known: bool = True) -> dict[str, Any]:
     """Read a params file as a mapping of known sections.
 
     A missing file, a folder, a file larger than :data:`MAX_PARAMS_BYTES`, text that is not UTF-8, malformed or too
-    deeply nested YAML, a key given twice, a top level that is not a mapping and a section name outside
-    :data:`SECTIONS` are each a :class:`ConfigError` naming the file (and the line or the key)."""
+    deeply nested YAML, a key given twice, a top level that is not a mapping and (with `only_known`, what every phase
+    reads with) a section name outside :data:`SECTIONS` are each a :class:`ConfigError` naming the file (and the line
+    or the key). `agentrl run` reads with ``only_known=False``: it orchestrates whatever stages a `dvc.yaml` lists,
+    whose own scripts may read sections of their own; a mistyped phase section still stops the phase that reads the
+    file."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{path}: is a folder, not a params file")
@@ -101,7 +104,7 @@ def read_params(path: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
-    unknown = [k for k in data if k not in SECTIONS]
+    unknown = [k for k in data if k not in SECTIONS] if only_known else []
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), SECTIONS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
