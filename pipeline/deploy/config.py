@@ -89,11 +89,11 @@ class ServeConfig(PhaseConfig):
 
 class ServedCheckConfig(PhaseConfig):
     """Train/serve consistency on the model that is served (pipeline.deploy.served_check): deploy starts `agentrl
-    serve` on the version it registered, plays test tasks through it over HTTP, replays them in the training
-    environment, and refuses promotion when the paths disagree."""
+    serve` on the pyfunc it logged in its run (the artefact the new version will point at), plays test tasks through
+    it over HTTP, replays them in the training environment, and refuses promotion when the paths disagree."""
 
     enabled: bool = Field(
-        True, description="Run the check after registering and before the gate (false: not run; the gate's "
+        True, description="Run the check after logging the pyfunc and before the gate (false: not run; the gate's "
                           "served_consistency check then records 'not run' and passes).")
     tasks: int = Field(
         8, ge=1, le=1000,
@@ -139,8 +139,8 @@ class DeployConfig(PhaseConfig):
                                                              "fastest is reported: the machine is shared and noisy).")
     latency_tasks: int = Field(16, ge=0, description="Test tasks played one at a time (batch size 1) per variant to "
                                                      "measure the latency of one action; 0 skips it.")
-    promote: bool = Field(True, description="Run the gate after registering and promote when it passes (false: "
-                                            "register as challenger only).")
+    promote: bool = Field(True, description="Run the gate (decided before the version is created) and promote when "
+                                            "it passes (false: register as challenger only).")
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="int8 scheme.")
     gate: DeployGateConfig = Field(default_factory=DeployGateConfig, description="Promotion gate.")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="HTTP serving.")
