@@ -225,7 +225,8 @@ def main() -> None:
             while True:
                 if proc.poll() is not None or time.time() > deadline:
                     log.flush()
-                    raise SystemExit(f"the server did not become ready:\n{(tmp / 'serve.log').read_text()[-2000:]}")
+                    tail = (tmp / "serve.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+                    raise SystemExit(f"error: `agentrl serve` on {model_uri} did not become ready: {tail[0]}")
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(f"{base}/ready", timeout=5).status_code == 200:
                         break
@@ -237,11 +238,13 @@ def main() -> None:
             rep = run_soak(base, proc.pid, args.clients, args.seconds, args.warmup, tasks, serve_cfg.max_body_bytes,
                            serve_cfg.max_question_chars)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a server that exited on its own has no group left
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             log.close()
     print_report(rep)
     if rep["n5xx"] or rep["transport_errors"]:

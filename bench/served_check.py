@@ -100,4 +100,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.core.config import ConfigError
+    from pipeline.core.errors import AgentRLError
+
+    try:
+        main()
+    except (AgentRLError, ConfigError) as exc:  # a missing project or model: one line, as the CLI prints it
+        sys.exit(f"error: {exc}")
