@@ -124,8 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def require_trl() -> None:
     try:
-        import datasets  # noqa: F401
         import trl  # noqa: F401
+        import datasets  # noqa: F401
     except ImportError as exc:
         raise BenchError(f"TRL is not installed ({exc}): pip install -e '.[bench]'") from None
 
@@ -204,7 +204,7 @@ def plot(result: dict, path: Path) -> None:
                label="TRL's final validation success")
     ax.set_xlabel("training wall clock, s (evaluation excluded)")
     ax.set_ylabel(f"validation success ({result['eval_tasks']} tasks)")
-    ax.set_title("Validation success vs wall time, same model, tasks, reward, group")
+    ax.set_title(f"Validation success vs training time ({result['budget_s']:.0f} s budget per arm)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
