@@ -46,7 +46,7 @@ environment faithfully with TRL 1.16 on this model: (1) TRL's tool loop (``GRPOT
 ``trl/trainer/grpo_trainer.py`` line 1957, ``while idxs_with_tool and iteration_num <
 self.max_tool_calling_iterations``) ends an episode only when the model writes no tool call, while here the
 environment ends it (the ``answer`` tool, ``env.max_steps``) and pays its verifier reward then; (2) it renders and
-parses tool calls through a chat template with tools and a response parser (``supports_tool_calling``, line 652;
+parses tool calls through a chat template with tools and a response parser (``supports_tool_calling``, line 650;
 ``parse_response``), which the built-in tokenizer does not have, and the adapted model was trained on the
 protocol's text (``<call>tool {json}</call>`` / ``<obs>...</obs>``), not on any template's tool-call syntax: a
 template written for the bench would have to reproduce that text and a parser for it, i.e. re-implement the
@@ -156,8 +156,11 @@ def compare(project: dict, trl: dict) -> dict:
            "goal": f"project time to TRL's final validation success <= {GOAL_RATIO:.2f} x TRL's",
            "trl_best": best, "time_to_trl_best_s": reach_best}
     if target <= start:
+        low = {k: min((p["success"] for p in a["points"][1:]), default=start)
+               for k, a in (("project", project), ("trl", trl))}
         out["verdict"] = (f"not measurable: TRL's final validation success {target:.3f} is not above the start "
-                          f"{start:.3f} (both arms hold it at t = 0)")
+                          f"{start:.3f} (both arms hold it at t = 0); lowest point after the start: project "
+                          f"{low['project']:.3f}, TRL {low['trl']:.3f}")
     elif reach["project"] is None:
         out.update(goal_met=False, verdict=f"goal not met: the project did not reach {target:.3f} within the budget")
     else:

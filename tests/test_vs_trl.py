@@ -97,6 +97,7 @@ def test_compare_ratio_and_goal():
 def test_compare_is_not_measurable_when_trl_ends_at_or_below_the_start():
     out = vs_trl.compare(curve((0, 0.85), (100, 0.9)), curve((0, 0.85), (300, 0.88), (600, 0.84)))
     assert out["goal_met"] is None and out["ratio"] is None and out["verdict"].startswith("not measurable")
+    assert out["verdict"].endswith("lowest point after the start: project 0.900, TRL 0.840")
     assert out["trl_best"] == 0.88 and out["time_to_trl_best_s"] == {"project": 100, "trl": 300}
 
 
