@@ -74,7 +74,8 @@ def load_project(spec: dict):
 
 
 def evaluator(spec: dict, runtime, env_cfg, rollout_cfg, val_tasks, dist):
-    """(model, tokenizer) -> validation summary (``summarize``), the train stage's greedy validation of the validation tasks."""
+    """(model, tokenizer) -> validation summary (``summarize``): the train stage's greedy validation of the first
+    ``eval_tasks`` validation tasks."""
     import torch
 
     from pipeline.policy.rollout import RolloutEngine
