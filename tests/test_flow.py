@@ -543,7 +543,10 @@ def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_
     env = clean_env(root)
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-                "PREFECT_WORKER_QUERY_SECONDS": "2"})  # the worker polls its pool every 2 s (default 10)
+                "PREFECT_WORKER_QUERY_SECONDS": "2",  # the worker polls its pool every 2 s (default 10)
+                # the server's scheduler looks for schedules to fill every 2 s (default 60: a schedule created less
+                # than a minute before its first run would miss it)
+                "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "serve", "worker")}
     server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               cwd=tmp_path, env=env, stdout=logs["server"], stderr=subprocess.STDOUT,
@@ -586,7 +589,7 @@ def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_
 
         # The schedule fires: one more schedule on the deployment, due a few seconds from now; the server's scheduler
         # creates the run and the worker runs it to completion without anyone triggering it.
-        due = (datetime.now(timezone.utc) + timedelta(seconds=15)).replace(microsecond=0)
+        due = (datetime.now(timezone.utc) + timedelta(seconds=20)).replace(microsecond=0)
         made = prefect("deployment", "schedule", "create", name, "--interval", "3600", "--anchor-date",
                        due.isoformat(), "--timezone", "UTC")
         assert made.returncode == 0, made.stdout + made.stderr
