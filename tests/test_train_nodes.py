@@ -5,8 +5,11 @@ machines), whose checkpoint a single node with two ranks resumes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -96,13 +99,14 @@ def test_two_nodes_on_loopback_write_a_checkpoint_that_one_node_with_two_ranks_r
                                                 str(port), "--master_addr", "127.0.0.1", "--no_ssh", "--node_rank",
                                                 str(k)]
         procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+                                      text=True, start_new_session=True))
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
-        for p in procs:
+        for p in procs:  # a launcher and its ranks, should one node hang waiting for the other
             if p.poll() is None:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "dist_world_size=2" in logs[1] and "update 2/4" in logs[0]  # one rank on each node, rank 0 on node 0
