@@ -8,8 +8,9 @@ invocation, on tiny configurations. Starts and stops every service itself (tests
 
 Parts (each row: the default, the scale-out setup, their ratio):
 - mlflow: one `deploy` of a tiny policy (variants measured, pyfunc logged, version registered, gate, aliases) with a
-  local SQLite store and file artefacts (MLFLOW_TRACKING_URI=sqlite:///...), against an `mlflow server` on PostgreSQL
-  with artefacts proxied to S3; then loading ``models:/NAME@champion`` from each. The server's start is shown apart.
+  local SQLite store and file artefacts (MLFLOW_TRACKING_URI=sqlite:///...), with an `mlflow server` on SQLite and
+  local files (what the server alone adds), and with an `mlflow server` on PostgreSQL with artefacts proxied to S3;
+  then loading ``models:/NAME@champion``. The PostgreSQL + S3 + server start is shown apart.
 - dvc: `dvc push` and `dvc pull` (after wiping the cache and the workspace copies) of a tiny project's data and models
   plus `--dvc-mb` MB of random bytes, to the default local remote and to an S3 bucket.
 - prefect: one run of the retraining flow (nothing to retrain: the orchestration's own cost) with `agentrl schedule
@@ -76,6 +77,9 @@ def part_mlflow(work: Path, deploys: int) -> None:
     with tracking_uri(f"sqlite:///{work / 'local' / 'mlflow.db'}"):
         (work / "local").mkdir()
         local = deploys_on("bench-local")
+    with mlflow_server(f"sqlite:///{work / 'served' / 'mlflow.db'}", (work / "served" / "artifacts").as_uri(),
+                       work / "served") as uri, tracking_uri(uri):
+        served = deploys_on("bench-served")
     t0 = time.perf_counter()
     with postgres() as db, s3_server("agentrl-mlflow") as s3, \
             mlflow_server(db, "s3://agentrl-mlflow/artifacts", work / "logs", s3_endpoint=s3) as uri:
@@ -83,6 +87,8 @@ def part_mlflow(work: Path, deploys: int) -> None:
         with tracking_uri(uri):
             remote = deploys_on("bench-remote")
     print(f"  PostgreSQL + S3 + mlflow server start (once): {started:.1f} s")
+    row(f"mlflow: one deploy (mean of {deploys})", "sqlite+files", local[0], "server+sqlite+files", served[0])
+    row(f"mlflow: one deploy (mean of {deploys})", "server+sqlite+files", served[0], "server+pg+s3", remote[0])
     row(f"mlflow: one deploy (mean of {deploys})", "sqlite+files", local[0], "server+pg+s3", remote[0])
     row("mlflow: load models:/NAME@champion", "sqlite+files", local[1], "server+pg+s3", remote[1])
 
