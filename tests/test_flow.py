@@ -1,6 +1,7 @@
 """The orchestrated pipeline on a tiny configuration: the whole flow end to end (every phase, lineage tags, registry and
 gate, the summary artifact), a phase failure and the resumed rerun, scheduled retraining on undrifted and drifted data,
-a deployment triggered by hand on a real `prefect server`, and `dvc push`/`dvc pull` to the local remote.
+a deployment triggered by hand on a real `prefect server` and then run by its own schedule on a process worker, and
+`dvc push`/`dvc pull` to the local remote and to an S3 bucket (moto's server, tests/services.py).
 
 Each project is a temporary copy of this repository's code, dvc.yaml and params.yaml (with tiny sizes), in a git
 repository of its own, with its own MLflow store and Prefect home: nothing touches the repository's own state.
