@@ -54,6 +54,7 @@ def test_hostfile_settings_give_the_launcher_its_nodes_and_bad_ones_are_refused(
             nodes_from_env(2 if "num_ranks is 2" in message else 4, env)
 
 
+@pytest.mark.slow  # about 25 s on a loaded machine: a tiny project and an `agentrl` process
 def test_agentrl_train_refuses_a_hostfile_that_does_not_fit_and_writes_nothing(tmp_path):
     project = make_project(tmp_path / "p", ranks=2, updates=2)
     (tmp_path / "hostfile").write_text("node-a slots=1\nnode-b slots=2\n")
