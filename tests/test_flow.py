@@ -1,6 +1,7 @@
 """The orchestrated pipeline on a tiny configuration: the whole flow end to end (every phase, lineage tags, registry and
 gate, the summary artifact), a phase failure and the resumed rerun, scheduled retraining on undrifted and drifted data,
-a deployment triggered by hand on a real `prefect server`, and `dvc push`/`dvc pull` to the local remote.
+a deployment triggered by hand on a real `prefect server` and then run by its own schedule on a process worker, and
+`dvc push`/`dvc pull` to the local remote and to an S3 bucket (moto's server, tests/services.py).
 
 Each project is a temporary copy of this repository's code, dvc.yaml and params.yaml (with tiny sizes), in a git
 repository of its own, with its own MLflow store and Prefect home: nothing touches the repository's own state.
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -430,21 +432,46 @@ def test_a_reference_version_the_workspace_moved_past_is_restored_from_the_dvc_c
 
 
 @pytest.mark.slow
-def test_dvc_push_and_pull_restore_data_and_models_from_the_local_remote(trained):
+@pytest.mark.parametrize("remote", ["local", "s3"])
+def test_dvc_push_and_pull_restore_data_and_models_byte_for_byte(trained, remote):
+    """The project's default local remote, and a bucket on an S3 endpoint (moto's server, tests/services.py) added
+    as a user would (`dvc remote add`, `dvc remote modify endpointurl`; in .dvc/config.local here, so the project's
+    config stays as it is for the other tests)."""
     root, first = trained
     assert first.returncode == 0
-    env = clean_env(root)
     dvc = [sys.executable, "-m", "dvc"]
-    push = subprocess.run([*dvc, "push"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert push.returncode == 0, push.stderr
-    assert (root / ".dvc-remote" / "files" / "md5").is_dir()
-    shutil.rmtree(root / "models")
-    shutil.rmtree(root / "data" / "tasks")
-    shutil.rmtree(root / ".dvc" / "cache")
-    pull = subprocess.run([*dvc, "pull"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert pull.returncode == 0, pull.stderr
-    status = subprocess.run([*dvc, "status", "--json"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    files = lambda: {p.relative_to(root).as_posix(): p.read_bytes()  # noqa: E731  (DVC's files, not git's)
+                     for d in ("models", "data/tasks") for p in sorted((root / d).rglob("*"))
+                     if p.is_file() and p.name != ".gitignore"}
+    before = files()
+    with contextlib.ExitStack() as stack:
+        extra: list[str] = []
+        if remote == "s3":
+            from services import s3_keys, s3_server
+
+            endpoint = stack.enter_context(s3_server("agentrl-dvc"))
+            for args in (("remote", "add", "--local", "s3", "s3://agentrl-dvc/cache"),
+                         ("remote", "modify", "--local", "s3", "endpointurl", endpoint)):
+                subprocess.run([*dvc, *args], cwd=root, check=True, capture_output=True, timeout=120)
+            stack.callback(lambda: (root / ".dvc" / "config.local").unlink(missing_ok=True))
+            extra = ["-r", "s3"]
+        env = clean_env(root)  # after s3_server: it carries the bucket's credentials
+        run = lambda *args: subprocess.run([*dvc, *args], cwd=root, env=env, capture_output=True, text=True,  # noqa: E731
+                                           timeout=300)
+        push = run("push", *extra)
+        assert push.returncode == 0, push.stderr
+        if remote == "s3":
+            assert any(k.startswith("cache/files/md5/") for k in s3_keys(endpoint, "agentrl-dvc", "cache/"))
+        else:
+            assert (root / ".dvc-remote" / "files" / "md5").is_dir()
+        shutil.rmtree(root / "models")
+        shutil.rmtree(root / "data" / "tasks")
+        shutil.rmtree(root / ".dvc" / "cache")
+        pull = run("pull", *extra)
+        assert pull.returncode == 0, pull.stderr
+        status = run("status", "--json")
     assert json.loads(status.stdout) == {}  # every output is back at the version dvc.lock records
+    assert files() == before  # byte for byte
     assert lineage.cache_file(root, lineage.data_versions(root)["models/policy"]).is_file()
 
 
@@ -491,6 +518,17 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def _scheduled_run(port: int, deployment_id: str, due: datetime) -> dict | None:
+    """The deployment's completed flow run that its schedule created for `due` (None while there is none)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/flow_runs/filter", method="POST",
+                                 data=json.dumps({"deployments": {"id": {"any_": [deployment_id]}}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        found = json.loads(r.read())
+    return next((f for f in found if f["auto_scheduled"] and f["state_type"] == "COMPLETED"
+                 and datetime.fromisoformat(f["expected_start_time"]) == due), None)
+
+
 def test_schedule_without_a_server_says_how_to_start_one(tmp_path):
     root = make_project(tmp_path / "project")
     env = clean_env(root)
@@ -501,12 +539,16 @@ def test_schedule_without_a_server_says_how_to_start_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_deployment_run_triggered_by_hand_reaches_the_served_schedule_and_a_worker(tmp_path):
+def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_its_schedule_fires(tmp_path):
     root = make_project(tmp_path / "project")  # no data yet: each run records that there is nothing to do
     port = _free_port()
     env = clean_env(root)
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+                "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+                "PREFECT_WORKER_QUERY_SECONDS": "2",  # the worker polls its pool every 2 s (default 10)
+                # the server's scheduler looks for schedules to fill every 2 s (default 60: a schedule created less
+                # than a minute before its first run would miss it)
+                "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("server", "serve", "worker")}
     server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               cwd=tmp_path, env=env, stdout=logs["server"], stderr=subprocess.STDOUT,
@@ -546,13 +588,22 @@ def test_a_deployment_run_triggered_by_hand_reaches_the_served_schedule_and_a_wo
                                   env=env, stdout=logs["worker"], stderr=subprocess.STDOUT, start_new_session=True)
         run = prefect("deployment", "run", name, "--watch", "--watch-timeout", "300", timeout=360)
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + run.stderr
+
+        # The schedule fires: one more schedule on the deployment, due a few seconds from now; the server's scheduler
+        # creates the run and the worker runs it to completion without anyone triggering it.
+        due = (datetime.now(timezone.utc) + timedelta(seconds=20)).replace(microsecond=0)
+        made = prefect("deployment", "schedule", "create", name, "--interval", "3600", "--anchor-date",
+                       due.isoformat(), "--timezone", "UTC")
+        assert made.returncode == 0, made.stdout + made.stderr
+        _wait(lambda: _scheduled_run(port, inspected["id"], due) is not None, "the scheduled run", 240,
+              (server, worker))
     finally:
         for proc in (worker, served, server):
             if proc is not None:
                 _stop(proc)
         for log in logs.values():
             log.close()
-    records = runs(root, "retrain")  # both runs wrote to the project's own MLflow store
-    assert len(records) == 2 and all(r.info.status == "FINISHED" for r in records)
+    records = runs(root, "retrain")  # every run wrote to the project's own MLflow store
+    assert len(records) == 3 and all(r.info.status == "FINISHED" for r in records)
     assert all(r.data.tags["retrain.decision"] == "nothing needed" for r in records)
     assert all(r.data.tags["retrain.reason"].startswith("no incoming tasks") for r in records)

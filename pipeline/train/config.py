@@ -62,7 +62,7 @@ class TrainConfig(PhaseConfig):
     async_rollouts: bool = Field(False, description="Rollout worker generates with a weight snapshot while the learner trains; the snapshot syncs every `sync_every` updates.")
     sync_every: int = Field(1, ge=1, description="Updates between weight syncs of the asynchronous rollout worker.")
     rollout_workers: int = Field(2, ge=1, le=64, description="Rollout threads of the asynchronous mode, sharing one weight snapshot, so slow tools in one overlap with decoding in the others.")
-    num_ranks: int = Field(2, ge=1, le=1024, description="DeepSpeed processes launched on this machine (CPU ranks here; GPUs where present).")
+    num_ranks: int = Field(2, ge=1, le=1024, description="DeepSpeed processes launched on this machine (CPU ranks here; GPUs where present); with AGENTRL_HOSTFILE, on all its nodes together (pipeline/train/nodes.py).")
     deepspeed_config: str = Field("configs/deepspeed_zero2.json", description="DeepSpeed config file (ZeRO stage, bf16); batch sizes and clipping come from this section, and a file that contradicts them is refused.")
     checkpoint_every: int = Field(10, ge=1, description="Updates between checkpoints (engine state plus curriculum, sampler, normaliser and RNG state).")
     eval_every: int = Field(10, ge=1, description="Updates between greedy evaluations on the validation split.")

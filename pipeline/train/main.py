@@ -9,8 +9,9 @@ Incoming production tasks (``train.incoming_tasks``, default ``data/incoming/*.j
 that breaks the task schema stops the phase before anything trains (:mod:`pipeline.train.incoming`; with several ranks
 it is checked here, before the launcher starts them, so the error is reported once).
 
-Multi-node: the same worker runs under ``deepspeed --hostfile hosts --num_nodes K --num_gpus G --module
-pipeline.train.worker --params params.yaml`` (see the README); nothing in the library changes.
+Several machines: with ``AGENTRL_HOSTFILE`` (and, to start each node without ssh, ``AGENTRL_NODE_RANK`` and
+``AGENTRL_MASTER_ADDR``) the launcher starts the ranks of the hostfile's nodes instead (:mod:`pipeline.train.nodes`);
+the worker is the same.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from pipeline.core.errors import AgentRLError
 from pipeline.train.config import TrainConfig
 
 
-def launcher_command(params_path: str, num_ranks: int, port: int, extra: list[str] | None = None) -> list[str]:
+def launcher_command(params_path: str, num_ranks: int, port: int, extra: list[str] | None = None,
+                     nodes=None) -> list[str]:
+    """The DeepSpeed launcher's command: `num_ranks` ranks on this machine, or the ranks of `nodes`
+    (:class:`pipeline.train.nodes.Nodes`, from AGENTRL_HOSTFILE) with their own port."""
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", str(port), "--module", "pipeline.train.worker",
-            "--params", params_path, *(extra or [])]
+    where = nodes.launcher_args() if nodes is not None else ["--num_gpus", str(num_ranks), "--master_port", str(port)]
+    return [deepspeed, *where, "--module", "pipeline.train.worker", "--params", params_path, *(extra or [])]
 
 
 def main(params_path: str = "params.yaml", stop_after: int | None = None) -> None:
@@ -45,7 +49,10 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
     if (notice := dtype_notice("auto", "cuda" if torch.cuda.is_available() else "cpu")) is not None:
         print(f"train: {notice}", flush=True)
     extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
-    if cfg.num_ranks == 1:
+    from pipeline.train.nodes import nodes_from_env
+
+    nodes = nodes_from_env(cfg.num_ranks)  # AGENTRL_HOSTFILE: ranks on several machines
+    if cfg.num_ranks == 1 and nodes is None:
         from pipeline.train.worker import run_worker
 
         run_worker(params_path, stop_after=stop_after)
@@ -61,7 +68,7 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
         read_incoming(cfg.incoming_tasks, world)  # AgentRLError naming the file, before any rank starts
     finally:
         world.close()
-    cmd = launcher_command(params_path, cfg.num_ranks, free_port(), extra)
+    cmd = launcher_command(params_path, cfg.num_ranks, free_port(), extra, nodes)
     # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
     # display); keep the last lines of everything for the error message
     tail: collections.deque[str] = collections.deque(maxlen=25)
