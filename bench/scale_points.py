@@ -280,18 +280,29 @@ def _prefect(root: Path, data: str) -> float:
 
 # -------------------------------------------------------------------------------------------- thin wrappers
 def sft(p: dict) -> dict:
-    """bench/sft_throughput.py's own child (pipeline.adapt.sft.train_lm on the default model) at sequence length
-    `seq`, full fine-tuning, eager, fp32; and its matmul peak measured in the same process tree."""
+    """bench/sft_throughput.py's own measurement (its `train_child`: pipeline.adapt.sft.train_lm on the default model)
+    at sequence length `seq`, full fine-tuning, eager, fp32, run in this point's process; and its matmul peak,
+    measured right after in the same process."""
     import sft_throughput as S
+    from pipeline.policy.tokenizer import BOS, EOS, PAD
 
-    threads = int(p.get("threads", 1))
-    row = S.run_in_child(S.train_child, "fp32", "full", int(p["steps"]), int(p["batch"]), int(p["seq"]), threads,
-                         1000, 1, False)
-    peak = S.run_in_child(S.peak_child, "fp32", threads)["flops"]
+    class Tokenizer(S._FakeTokenizer):  # the policy now asks its tokenizer for bos/eos as well as pad
+        pad_token, bos_token, eos_token = PAD, BOS, EOS
+
+    S._FakeTokenizer = Tokenizer
+
+    class Box:  # train_child reports through a queue's put
+        def put(self, value):
+            self.value = value
+
+    threads, box = int(p.get("threads", 1)), Box()
+    S.train_child(box, "fp32", "full", int(p["steps"]), int(p["batch"]), int(p["seq"]), threads, 1000, 1, False)
+    row = box.value
+    peak = S.matmul_peak("fp32", threads)["flops"]
     flops = (row["model_flops_per_s"] + row["attn_flops_per_s"]) * row["seconds"]
     return {"times": {"train_steps": row["seconds"]}, "work": {"train_steps": flops},
             "info": {"utilisation": row["model_flops_per_s"] / peak, "tokens_per_s": row["tokens_per_s"],
-                     "peak_gflops": peak / 1e9, "child_peak_mib": row["peak_rss_mb"]}}
+                     "peak_gflops": peak / 1e9}}
 
 
 def rollout(p: dict) -> dict:
