@@ -7,7 +7,8 @@ wrappers around bench/sft_throughput.py and bench/rollout.py, run when named):
 
 - ``build_env``: the phase's generation (world, tasks, demonstrations), its Great Expectations validation and its
   total, against the number of tasks (train 1k, 4k, 10k; ``--full``: 4k, 40k, 400k; validation and test a tenth
-  each) and against the number of products in the world (100, 300, 1200: the most distinct names the shop generates; at 500 training tasks);
+  each) and against the number of products in the world (100, 300, 1200: the most distinct names the shop
+  generates; at 500 training tasks);
 - ``check_drift``: reading a trajectory file, its "trajectories" suite and the behaviour-drift test against the
   number of trajectories (10k, 31.6k, 100k; ``--full`` up to 1M);
 - ``rl``: rollout and learner seconds per RL update (pipeline.train.worker) against the group size, the tasks per
@@ -22,9 +23,9 @@ the slope of log(seconds) on log(size) is fitted, and so is the slope of log(wor
 what the part must process at that size (rows, bytes, parameters × tokens, FLOPs: scale_points.py says which). The
 verdict: ``DEFECT`` when the time's slope exceeds the work's by 0.2 or more while the largest point takes at least
 0.5 s (below that, fixed costs and noise dominate); ``sublinear`` when it is 0.2 or more below (fixed costs not yet
-amortised); else ``as work``. For the ranks series the implied slope is one rank's share of the work (-1), and the verdict says
-whether 2 ranks sped the update up (``speed-up``), did not, or slowed it (a defect only with free cores). The machine
-is shared: the load average is printed at the start and the end.
+amortised); else ``as work``. For the ranks series the implied slope is one rank's share of the work (-1), and the
+verdict says whether 2 ranks sped the update up (``speed-up``), did not, or slowed it (a defect only with free
+cores). The machine is shared: the load average is printed at the start and the end.
 """
 
 from __future__ import annotations
