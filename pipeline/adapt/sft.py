@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.adapt.batching import IGNORE
+from pipeline.adapt.fp32_attention import fp32_attention
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.model import HeapTrimmer
 
@@ -192,7 +193,7 @@ def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip,
             T = int(batch["attention_mask"][rows].sum(1).max())
             ids, att, labels = (batch[k][rows, :T] for k in ("input_ids", "attention_mask", "labels"))
             P = shared_prefix_len(ids, att, labels) if shared_prefix else 0
-            with autocast() if autocast is not None else contextlib.nullcontext():
+            with autocast() if autocast is not None else contextlib.nullcontext(), fp32_attention(model):
                 if P >= MIN_SHARED_PREFIX:
                     logits, labels = prefix_once_forward(forward, ids, att, P), labels[:, P - 1:]
                     shared_tokens += P * (len(ids) - 1)
