@@ -29,7 +29,8 @@ Last measured (2026-12-05, ``--modes full --dtypes bf16 --compile on``, 1 thread
 (:mod:`pipeline.adapt.fp32_attention`), run just before it: 4,158 tokens/s = 84 GFLOP/s, 14 % of a 616 (after: 1,084)
 GFLOP/s peak. The one-second peak moved between 180 and 1,084 GFLOP/s that day and the same code's tokens/s by 2x
 between runs, so the before/after figure to quote is the one measured in one process: compiled steps alternating
-between bf16 and fp32 attention ran 1.35x, 1.51x and 1.63x as fast with fp32 attention (three rounds, load 9.5). In the
+between bf16 and fp32 attention ran 1.35x, 1.51x and 1.63x as fast with fp32 attention (three rounds, load 9.5), and
+1.14x, 1.25x and 1.37x in a second process (load 3.4: 4,588 against 5,575 tokens/s, the medians). In the
 profile of a compiled bf16 step before, the bf16 flash-attention backward took 42 % of the time and all matrix
 multiplies 27 %.
 """
