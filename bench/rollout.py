@@ -28,6 +28,17 @@ Prefix cache (1 thread, loaded machine, ``--methods engine engine_noprefix --dty
 (64 episodes, ``--repeats 2``) 0.88x the prefilled tokens, 1.04x. A single run of seconds can be off by a third on a
 loaded machine (one random-weight run read 0.72x): use ``--repeats``.
 
+Last measured on the trained policy (2026-12-05, ``--policy models/policy --episodes 64 --methods engine
+generate_turn --dtypes fp32 --repeats 2``, a shared 2-core machine): ``--threads 1``: engine 802 tokens/s = 3.1x (b)
+at load average 2.4; in three runs at load 6-9, 3.0x, 3.5x and 3.7x, and once 1.3x, when (b) alone hit a quiet spell
+(321 tokens/s against 118-126 in the other runs). ``--threads 2``: 198 tokens/s = 1.6x (b) at load 2.8, 1.2x and 1.3x
+at load 6-9. A second thread made both methods slower on these loaded cores (the engine 4x, (b) 2x): each of the
+engine's ~190 forwards of tiny matrices, and each cache copy, waits in OpenMP barriers for a thread the other
+processes hold; the 2.3x measured before at ``--threads 2`` was that, not the engine. The side forwards' history
+copies (one per row into a buffer with room for the chunk, instead of a gather and a concatenation) and the cache's
+geometric growth to the left gave 1.05-1.26x engine speed in one process, alternating with the code before (four
+rounds, load 2.6, the same episodes).
+
 ``--policy DIR`` (e.g. models/policy) rolls out a trained policy on data/tasks/validation.jsonl in the world of
 data/env instead: its episodes are a few short actions, so prompt prefills are a larger share of the work (as in
 serving), which is where the prefix cache matters.

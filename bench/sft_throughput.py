@@ -1,7 +1,7 @@
 """SFT training throughput of the policy as achieved FLOP/s against this machine's measured matrix-multiply peak.
 
     python bench/sft_throughput.py [--steps 8] [--batch 32] [--seq 128] [--threads N] [--modes full,lora]
-        [--compile both|on|off]
+        [--compile both|on|off] [--dtypes fp32,bf16]
 
 For each dtype (fp32; bf16 autocast where the CPU supports it) and each mode (full fine-tuning; LoRA as the adapt
 stage trains it), one child process builds the default policy model (``ModelConfig()``; vocabulary sized like the
@@ -22,6 +22,17 @@ How FLOPs are counted (Kaplan et al. 2020, "Scaling Laws for Neural Language Mod
 
 Utilisation = achieved FLOP/s ÷ measured matmul peak FLOP/s of the same dtype. Goal: at least 40 %. The machines are
 shared and noisy: trust ratios measured in one run, not absolute numbers across runs.
+
+Last measured (2026-12-05, ``--modes full --dtypes bf16 --compile on``, 1 thread (``OMP_NUM_THREADS=1``), a shared
+2-core AMX machine at load average 3-5): bf16 full compiled 9,369 tokens/s = 189 GFLOP/s against a matmul peak of 939
+(after: 841) GFLOP/s = 20 % (22 % with attention). The code before attention ran in fp32 during training
+(:mod:`pipeline.adapt.fp32_attention`), run just before it: 4,158 tokens/s = 84 GFLOP/s, 14 % of a 616 (after: 1,084)
+GFLOP/s peak. The one-second peak moved between 180 and 1,084 GFLOP/s that day and the same code's tokens/s by 2x
+between runs, so the before/after figure to quote is the one measured in one process: compiled steps alternating
+between bf16 and fp32 attention ran 1.35x, 1.51x and 1.63x as fast with fp32 attention (three rounds, load 9.5), and
+1.14x, 1.25x and 1.37x in a second process (load 3.4: 4,588 against 5,575 tokens/s, the medians). In the
+profile of a compiled bf16 step before, the bf16 flash-attention backward took 42 % of the time and all matrix
+multiplies 27 %.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import resource
 import sys
 import time
@@ -111,6 +123,7 @@ class _FakeTokenizer:
 
         self.n, self.special = n, {t: i for i, t in enumerate(SPECIAL_TOKENS)}
         self.pad_token, self.pad_token_id = "<pad>", 0
+        self.bos_token, self.eos_token = "<bos>", "<eos>"  # marker_ids reads the roles as a real tokenizer has them
 
     def __len__(self) -> int:
         return self.n
@@ -140,6 +153,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     ap.add_argument("--modes", default="full,lora")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="compute dtypes to run (bf16 only where the CPU supports it)")
     ap.add_argument("--micro-batches", type=int, default=None,
                     help="chunks per step with gradient accumulation (default: adapt.sft.micro_batches' default)")
     ap.add_argument("--compile", choices=["both", "on", "off"], default="both",
@@ -155,10 +169,10 @@ def main(argv=None) -> list[dict]:
 
     threads = args.threads or torch.get_num_threads()
     micro = args.micro_batches or SFTConfig().micro_batches
-    dtypes = ["fp32"] + (["bf16"] if supports_bf16() else [])
+    dtypes = [d for d in args.dtypes.split(",") if d == "fp32" or (d == "bf16" and supports_bf16())]
     rows = []
     print(f"SFT throughput: default policy model, batch {args.batch} x {args.seq} tokens, {args.steps} steps, "
-          f"{threads} threads, {micro} chunk(s) per step")
+          f"{threads} threads, {micro} chunk(s) per step; load average {os.getloadavg()[0]:.1f} at start")
     for dt in dtypes:
         peak = run_in_child(peak_child, dt, threads)
         compiles = {"both": [False, True], "on": [True], "off": [False]}[args.compile]
@@ -176,6 +190,7 @@ def main(argv=None) -> list[dict]:
                   f"(after: {r['peak_after_flops_per_s'] / 1e9:.1f}) GFLOP/s = {r['utilisation']:.0%} "
                   f"({r['utilisation_with_attention']:.0%} with attention); peak RSS {r['peak_rss_mb']:.0f} MB "
                   f"({r['rss_before_mb']:.0f} MB before training)")
+    print(f"load average {os.getloadavg()[0]:.1f} at end (the machine's other work moves every figure)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return rows

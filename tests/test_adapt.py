@@ -289,6 +289,40 @@ def test_a_step_with_the_shared_prefix_computed_once_equals_the_step_without(mic
         assert torch.allclose(g_on[n], g_off[n], atol=1e-6, rtol=1e-4), n
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_bf16_training_runs_attention_in_fp32_and_leaves_the_model_on_sdpa(shared, tokenizer, demos, tasks,
+                                                                          signatures):
+    """Under bf16 autocast on the CPU the training forward's attention kernel, and so its backward, gets fp32 queries,
+    keys and values (pipeline.adapt.fp32_attention: the CPU's bf16 flash-attention backward is ~3x slower than the
+    fp32 one), while the projections stay bf16; outside training forwards the model is plain ``sdpa`` again (the
+    rollout engine accepts only sdpa and eager)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Kernels(TorchDispatchMode):  # below autocast: sees the dtypes the kernels actually run in
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mm = set(), set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "scaled_dot_product" in name:
+                self.attn.add((name.split(".")[1], *(a.dtype for a in args[:4] if isinstance(a, torch.Tensor))))
+            elif name.startswith("aten.mm"):
+                self.mm.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    batch = _batch(tokenizer, demos, tasks, signatures)
+    model = build_policy(TINY, tokenizer)
+    kernels = Kernels()
+    with kernels:
+        sft.train_lm(model, iter([batch]), steps=1, lr=1e-3, shared_prefix=shared,
+                     autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert any("backward" in a[0] for a in kernels.attn) and any("backward" not in a[0] for a in kernels.attn)
+    assert {dt for a in kernels.attn for dt in a[1:]} == {torch.float32}, kernels.attn
+    assert torch.bfloat16 in kernels.mm
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_no_prefix_is_shared_when_a_loss_token_lies_inside_it():
     ids = torch.tensor([[1, 5, 6, 7, 9, 9], [1, 5, 6, 7, 9, 8]])
     att = torch.ones_like(ids)

@@ -403,3 +403,39 @@ def test_prefix_follows_weights_updated_in_place_between_calls(model, tokenizer,
     off = RolloutEngine(policy, tokenizer, runtime, ENV, ROLL.model_copy(update={"prefix_cache": False}))
     assert_same_episodes(after, off.run(tasks[:4], [0, 1, 2, 3], greedy=True))
     assert [r["logprobs"] for r in after] != [r["logprobs"] for r in before]
+
+
+def test_a_side_forward_extends_its_rows_histories_in_place():
+    """SlotCache.history copies each row's last n columns once into a buffer with room for the chunk; the side
+    forward's update writes the chunk there (no concatenation, no new buffer), after the histories unchanged."""
+    from pipeline.policy.kv_cache import SlotCache
+
+    g = torch.Generator().manual_seed(0)
+    cache = SlotCache(2, 3)
+    for i in range(2):  # 5 columns in every row of every layer
+        cache.update(torch.randn(3, 2, 5, 4, generator=g), torch.randn(3, 2, 5, 4, generator=g), i)
+    side = cache.history([2, 0], 3, 2)
+    for i, (layer, dst) in enumerate(zip(cache.layers, side.layers)):
+        buffer = dst.kbuf
+        new_k, new_v = torch.randn(2, 2, 2, 4, generator=g), torch.randn(2, 2, 2, 4, generator=g)
+        keys, values = side.update(new_k, new_v, i)
+        assert dst.kbuf is buffer and keys.shape == (2, 2, 5, 4)
+        assert torch.equal(keys[:, :, :3], layer.keys[[2, 0], :, 2:]) and torch.equal(keys[:, :, 3:], new_k)
+        assert torch.equal(values[:, :, :3], layer.values[[2, 0], :, 2:]) and torch.equal(values[:, :, 3:], new_v)
+
+
+def test_growing_rows_to_the_left_reallocates_the_cache_a_logarithmic_number_of_times(monkeypatch):
+    """Rows that grow by chunks (SlotCache.place -> ensure_length) move the whole cache only when the free columns on
+    the left run out; the room made is half the used length again, so 200 growths of 10 columns (2,000 columns)
+    copy the cache a handful of times, not once every few chunks."""
+    from pipeline.policy.kv_cache import SlotLayer
+
+    layer = SlotLayer(2)
+    layer.update(torch.zeros(2, 1, 10, 4), torch.zeros(2, 1, 10, 4))
+    moves = []
+    real = SlotLayer._realloc
+    monkeypatch.setattr(SlotLayer, "_realloc", lambda self, *a, **k: (moves.append(a), real(self, *a, **k)))
+    for n in range(20, 2010, 10):
+        layer.ensure_length(n)
+        assert layer.get_seq_length() == n and layer.keys.shape[2] == n
+    assert len(moves) <= 12, len(moves)

@@ -4,7 +4,9 @@
 for a number of steps under a warm-up + cosine learning-rate schedule (:func:`lr_at`); the loss covers the tokens whose
 label is not :data:`~pipeline.adapt.batching.IGNORE` (:func:`masked_lm_loss`): the action tokens in SFT, every token in
 continued pre-training (:mod:`pipeline.adapt.pretrain`). Optionally compiled (``adapt.sft.compile``), in micro-batches,
-with an early ``stop`` callback (checkpoint selection).
+with an early ``stop`` callback (checkpoint selection). Under bf16 autocast on the CPU the training forward's attention
+runs in fp32 (:mod:`pipeline.adapt.fp32_attention`: the CPU's bf16 flash-attention backward alone took 42 % of a
+compiled step).
 
 Deliberately left out: sequence packing across documents (padding is kept small by length-bucketed batches instead, so
 attention never crosses an episode boundary), gradient accumulation across steps, and distributed training (RL owns
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.adapt.batching import IGNORE
+from pipeline.adapt.fp32_attention import fp32_attention
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.model import HeapTrimmer
 
@@ -192,7 +195,7 @@ def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip,
             T = int(batch["attention_mask"][rows].sum(1).max())
             ids, att, labels = (batch[k][rows, :T] for k in ("input_ids", "attention_mask", "labels"))
             P = shared_prefix_len(ids, att, labels) if shared_prefix else 0
-            with autocast() if autocast is not None else contextlib.nullcontext():
+            with autocast() if autocast is not None else contextlib.nullcontext(), fp32_attention(model):
                 if P >= MIN_SHARED_PREFIX:
                     logits, labels = prefix_once_forward(forward, ids, att, P), labels[:, P - 1:]
                     shared_tokens += P * (len(ids) - 1)

@@ -81,6 +81,13 @@ class SlotLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int) -> None:
+        """Take `kbuf`/`vbuf` as the buffers, their first `n` columns as the used range (the rest is written by the
+        next updates)."""
+        self.kbuf, self.vbuf, self.s, self.e = kbuf, vbuf, 0, n
+        self.dtype, self.device, self.is_initialized = kbuf.dtype, kbuf.device, True
+        self._views()
+
     def _views(self) -> None:
         self.keys = self.kbuf[:, :, self.s:self.e]
         self.values = self.vbuf[:, :, self.s:self.e]
@@ -120,8 +127,8 @@ class SlotLayer(CacheLayerMixin):
         need = n - (self.e - self.s)
         if need <= 0:
             return
-        if self.s < need:
-            self._realloc(need + self.LEFT_SLACK, max(64, (self.e - self.s) // 2))
+        if self.s < need:  # room for half the used length again on the left: amortised O(1) per column, as on the right
+            self._realloc(need + max(self.LEFT_SLACK, (self.e - self.s) // 2), max(64, (self.e - self.s) // 2))
         self.s -= need
         self._views()
 
@@ -157,12 +164,21 @@ class SlotCache(Cache):
         layer = self.layers[0]
         return layer.e - layer.s
 
-    def history(self, rows: torch.Tensor, n: int) -> DynamicCache:
-        """A copy of the last `n` columns of `rows`, as a fresh cache to extend them in a side forward."""
-        cache = DynamicCache()
-        for i, layer in enumerate(self.layers):
-            cache.update(layer.kbuf[rows, :, layer.e - n:layer.e], layer.vbuf[rows, :, layer.e - n:layer.e], i)
-        return cache
+    def history(self, rows: list[int], n: int, extra: int) -> "SlotCache":
+        """A copy of the last `n` columns of `rows`, as a fresh cache to extend them in a side forward by `extra`
+        columns: each row is copied once, straight into a buffer with room for the chunk, which the forward then
+        writes in place (a ``DynamicCache`` would gather the rows into one tensor and concatenate the chunk to it:
+        two more copies of every history)."""
+        side = SlotCache(len(self.layers), len(rows))
+        for layer, dst in zip(self.layers, side.layers):
+            bufs = []
+            for buf in (layer.kbuf, layer.vbuf):
+                out = buf.new_empty(len(rows), buf.shape[1], n + extra, buf.shape[3])
+                for i, r in enumerate(rows):
+                    out[i, :, :n] = buf[r, :, layer.e - n:layer.e]
+                bufs.append(out)
+            dst.adopt(*bufs, n)
+        return side
 
     def place(self, row: int, side: Cache, i: int, hist_end: int, kept: int, new_from: int, new: int) -> None:
         """Make `row`'s last columns: `kept` columns of side-cache row `i` ending at `hist_end` (its history), then
@@ -205,20 +221,21 @@ class SharedPrefix:
             n += 1
         return n
 
-    def history(self, hist: list[int]) -> DynamicCache:
-        """A side-forward history of ``len(hist)`` rows laid out as :meth:`SlotCache.history` lays out a row's: row
-        i's last ``hist[i]`` columns are the prefix's first ``hist[i]``; the columns left of them are zeros (masked,
-        finite)."""
+    def history(self, hist: list[int], extra: int) -> SlotCache:
+        """A side-forward history of ``len(hist)`` rows laid out as :meth:`SlotCache.history` lays out a row's, with
+        room for `extra` more columns: row i's last ``hist[i]`` history columns are the prefix's first ``hist[i]``;
+        the columns left of them are zeros (masked, finite)."""
         H = max(hist)
-        side = DynamicCache()
-        for li, layer in enumerate(self.cache.layers):
+        side = SlotCache(len(self.cache.layers), len(hist))
+        for layer, dst_layer in zip(self.cache.layers, side.layers):
             kv = []
             for src in (layer.keys, layer.values):
-                dst = src.new_zeros(len(hist), src.shape[1], H, src.shape[3])
+                dst = src.new_empty(len(hist), src.shape[1], H + extra, src.shape[3])
+                dst[:, :, :H] = 0
                 for i, h in enumerate(hist):
-                    dst[i, :, H - h:] = src[0, :, :h]
+                    dst[i, :, H - h:H] = src[0, :, :h]
                 kv.append(dst)
-            side.update(kv[0], kv[1], li)
+            dst_layer.adopt(kv[0], kv[1], H)
         return side
 
 

@@ -296,8 +296,7 @@ class RolloutEngine:
         cols, qcols = torch.arange(H + C), torch.arange(H, H + C)
         allowed = (valid[:, None, :] & (cols[None, None, :] <= qcols[None, :, None])) | (
             cols[None, None, :] == qcols[None, :, None])
-        rows_t = torch.tensor(rows, device=device)
-        side = DynamicCache() if H == 0 else prefix.history(hist) if from_prefix else cache.history(rows_t, H)
+        side = DynamicCache() if H == 0 else prefix.history(hist, C) if from_prefix else cache.history(rows, H, C)
         # one fresh prompt needs no mask: plain causal attention (sdpa's is_causal fast path)
         mask = None if k == 1 and H == 0 else finish_mask(allowed[:, None], self.impl).to(device)
         logits = self._forward(inp.to(device), mask, pos.to(device), side, prefill=True)
