@@ -1,7 +1,7 @@
 """This project's RL phase against TRL's ``GRPOTrainer``, side by side on this machine, in one run.
 
     python bench/vs_trl.py [--budget 540] [--evals 6] [--eval-tasks 200] [--project .] [--json OUT]
-                           [--plot docs/img/vs_trl.png]
+                           [--plot docs/img/vs_trl.png] [--arms project,trl] [--trl-lr LR] [--reuse-json EARLIER]
 
 Needs TRL (``pip install -e '.[bench]'``: trl and datasets, an optional extra; the product does not import them),
 and a project folder holding ``params.yaml``, ``models/adapted`` and ``data/`` (run ``dvc repro adapt`` first).
@@ -9,6 +9,15 @@ Prints validation success against training wall time for both arms, the time eac
 validation success, their ratio against the goal (this project in at most 1/3 of TRL's time), episodes/s, peak
 memory and final success; writes the plot and, with ``--json``, every figure. Writes nothing else outside a
 temporary folder.
+
+``--trl-lr`` sets the TRL arm's learning rate (default: the shared ``train.lr``; TRL's own default is 1e-6), so a
+reader can see whether the shared rate handicaps TRL. ``--arms trl`` runs the TRL arm alone; ``--reuse-json`` (any
+number of times) adds the arms of earlier ``--json`` results to the table and the plot, each marked as reused and
+named by where it came from, so variants run one at a time end on one plot. A TRL arm is named by its learning rate
+(``trl lr=2e-05``); an arm both run and reused, or reused from two files, or an earlier result with another budget or
+evaluation schedule, is an error, not a silent choice. Reused arms were measured at another time, under the load
+their own run printed; the table says which rows they are. Without a project arm (run or reused) there are no
+time-to-reach figures, only the curves.
 
 What both arms share:
 
@@ -74,6 +83,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -87,6 +97,7 @@ TRL_MAX_STEPS = 10_000  # bounds TRL's learning-rate schedule only; the budget s
 PEAK_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
                 "print('PEAK_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
                 "sys.exit(rc)")
+ARM_NAMES = ("project", "trl")
 NEEDED = ("params.yaml", "models/adapted/config.json", "data/tasks/train.jsonl", "data/tasks/validation.jsonl",
           "data/env")
 
@@ -108,7 +119,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--project", type=Path, default=REPO, help="folder with params.yaml, models/adapted, data/")
     ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "vs_trl.png")
+    ap.add_argument("--arms", default="project,trl", help="comma-separated arms to run: project, trl")
+    ap.add_argument("--trl-lr", type=float, default=None,
+                    help="the TRL arm's learning rate (default: the shared train.lr; TRL's own default is 1e-6)")
+    ap.add_argument("--reuse-json", type=Path, action="append", default=[],
+                    help="an earlier --json result whose arms join this one's table and plot (repeatable)")
     args = ap.parse_args(argv)
+    args.arms = parse_arms(args.arms)
+    if args.trl_lr is not None and not (args.trl_lr > 0 and math.isfinite(args.trl_lr)):
+        raise BenchError(f"--trl-lr must be a positive learning rate, got {args.trl_lr:g}")
+    if args.trl_lr is not None and "trl" not in args.arms:
+        raise BenchError("--trl-lr sets the trl arm's learning rate, but --arms leaves that arm out")
     if not args.budget > 0:
         raise BenchError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     if args.evals < 1:
@@ -120,6 +141,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise BenchError(f"--project {args.project}: {name} not found (the bench needs params.yaml, "
                              f"models/adapted and data/; run `dvc repro adapt` there first)")
     return args
+
+
+def parse_arms(text: str) -> list[str]:
+    """``--arms``: a comma-separated, non-empty subset of the arms, run in the order ``project``, ``trl``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ARM_NAMES]
+    if bad or not names:
+        raise BenchError(f"--arms: {'unknown arm ' + repr(bad[0]) if bad else 'no arm named'} "
+                         f"(a comma-separated list of {', '.join(ARM_NAMES)})")
+    return [n for n in ARM_NAMES if n in names]
+
+
+def shared_lr(project: Path) -> float:
+    """The project's ``train.lr``, the learning rate both arms share unless ``--trl-lr`` says otherwise."""
+    from pipeline.core.config import ConfigError, load_section
+    from pipeline.core.errors import AgentRLError
+    from pipeline.train.config import TrainConfig
+
+    try:
+        return load_section(TrainConfig, "train", project / "params.yaml").lr
+    except (AgentRLError, ConfigError) as exc:
+        raise BenchError(f"--project {project}: {exc}") from None
+
+
+def make_spec(args: argparse.Namespace, trl_lr: float) -> dict:
+    """What each arm's child process reads: the project, the evaluation schedule, and the TRL arm's settings."""
+    return {"project": str(args.project.resolve()), "marks": marks(args.budget, args.evals),
+            "eval_tasks": args.eval_tasks, "max_steps": TRL_MAX_STEPS, "trl_lr": trl_lr}
+
+
+def arm_order(key: str) -> tuple:
+    """The project first, then the TRL arms from the highest learning rate down."""
+    return (0, 0.0) if key == "project" else (1, -float(key.split("=", 1)[1]))
 
 
 def require_trl() -> None:
@@ -173,24 +227,37 @@ def compare(project: dict, trl: dict) -> dict:
 
 
 def table(result: dict) -> list[str]:
-    c = result["comparison"]
-    lines = [f"{'arm':10s} {'final success':>13s} {'time to ' + format(c['target'], '.3f') + ' s':>17s} "
-             f"{'updates':>8s} {'episodes':>9s} {'episodes/s':>11s} {'peak MiB':>9s}"]
-    for name in ("project", "trl"):
-        a = result["arms"][name]
-        reach = c["time_to_target_s"][name]
-        lines.append(f"{name:10s} {a['points'][-1]['success']:13.3f} "
-                     f"{'never' if reach is None else format(reach, '.0f'):>17s} {a['points'][-1]['update']:8d} "
-                     f"{a['episodes']:9d} {a['episodes'] / max(1e-9, a['train_s']):11.2f} {a['peak_mib']:9.0f}")
-    p, t = result["arms"]["project"], result["arms"]["trl"]
-    lines.append(f"project / TRL: episodes/s {(p['episodes'] / p['train_s']) / (t['episodes'] / t['train_s']):.2f}x, "
-                 f"peak memory {p['peak_mib'] / t['peak_mib']:.2f}x")
-    rb = c["time_to_trl_best_s"]
-    lines.append(f"time to TRL's best validation success {c['trl_best']:.3f}: project "
-                 f"{'never' if rb['project'] is None else format(rb['project'], '.0f') + ' s'}, TRL {rb['trl']:.0f} s")
-    lines.append(f"goal: {c['goal']}")
-    lines.append(c["verdict"])
+    """One row per arm (an arm reused from an earlier run is marked ``*``), then each TRL arm's comparison with the
+    project arm: time to reach TRL's final success, the ratio against the goal, episodes/s and memory."""
+    arms, comp = result["arms"], result["comparison"]
+    lines = [f"{'arm':16s} {'start':>6s} {'final':>6s} {'lowest':>6s} {'best':>6s} {'updates':>8s} {'episodes':>9s} "
+             f"{'episodes/s':>11s} {'peak MiB':>9s}"]
+    for name, a in arms.items():
+        s, mark = [p["success"] for p in a["points"]], "*" if "reused_from" in a else ""
+        lines.append(f"{name + mark:16s} {s[0]:6.3f} {s[-1]:6.3f} {min(s[1:] or s):6.3f} {max(s):6.3f} "
+                     f"{a['points'][-1]['update']:8d} {a['episodes']:9d} "
+                     f"{a['episodes'] / max(1e-9, a['train_s']):11.2f} {a['peak_mib']:9.0f}")
+    if any("reused_from" in a for a in arms.values()):
+        lines.append("* reused from an earlier run (" + ", ".join(sorted({a["reused_from"] for a in arms.values()
+                                                                          if "reused_from" in a})) + ")")
+    if not comp:
+        lines.append("no project arm (run it, or --reuse-json a result that has one): no time-to-reach figures")
+    p = arms.get("project")
+    for name, c in comp.items():
+        t, reach, rb = arms[name], c["time_to_target_s"], c["time_to_trl_best_s"]
+        speed = (p["episodes"] / p["train_s"]) / (t["episodes"] / t["train_s"])
+        lines.append(f"project vs {name}: episodes/s {speed:.2f}x, peak memory {p['peak_mib'] / t['peak_mib']:.2f}x; "
+                     f"time to TRL's final {c['target']:.3f}: project {fmt_s(reach['project'])}, TRL "
+                     f"{fmt_s(reach['trl'])}; to TRL's best {c['trl_best']:.3f}: project {fmt_s(rb['project'])}, "
+                     f"TRL {fmt_s(rb['trl'])}")
+        lines.append(f"  {c['verdict']}")
+    if comp:
+        lines.append(f"goal: {next(iter(comp.values()))['goal']}")
     return lines
+
+
+def fmt_s(t: float | None) -> str:
+    return "never" if t is None else f"{t:.0f} s"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -200,11 +267,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-    for name, label in (("project", "this project (train stage)"), ("trl", "TRL GRPOTrainer (rollout_func)")):
-        pts = result["arms"][name]["points"]
+    for name, a in result["arms"].items():
+        label = ("this project (train stage)" if name == "project" else
+                 f"TRL GRPOTrainer, lr {a['config']['learning_rate']:g}")
+        pts = a["points"]
         ax.plot([p["t"] for p in pts], [p["success"] for p in pts], marker="o", label=label)
-    ax.axhline(result["comparison"]["target"], color="grey", linestyle="--", linewidth=0.8,
-               label="TRL's final validation success")
+    start = next(iter(result["arms"].values()))["points"][0]["success"]
+    ax.axhline(start, color="grey", linestyle="--", linewidth=0.8, label="adapted model (t = 0)")
     ax.set_xlabel("training wall clock, s (evaluation excluded)")
     ax.set_ylabel(f"validation success ({result['eval_tasks']} tasks)")
     ax.set_title(f"Validation success vs training time ({result['budget_s']:.0f} s budget per arm)", fontsize=10)
@@ -237,47 +306,85 @@ def run_arm(name: str, spec: dict, tmp: Path) -> dict:
     return result
 
 
+def trl_key(lr: float) -> str:
+    """A TRL arm's name in a result: its learning rate tells the variants apart."""
+    return f"trl lr={lr:g}"
+
+
+def arm_keys(result: dict) -> dict:
+    """A result's arms by name (``project``, ``trl lr=...``). A result written before ``--trl-lr`` existed names its
+    TRL arm ``trl``; its learning rate is in its configuration."""
+    return {(trl_key(a["config"]["learning_rate"]) if k == "trl" else k): a for k, a in result["arms"].items()}
+
+
+def load_reused(paths: list[Path], args: argparse.Namespace, running: list[str]) -> dict:
+    """The arms of earlier results (``--reuse-json``), each marked with the file it came from. An earlier result
+    with another budget, evaluation count or evaluation size, or two sources of one arm, is an error: their curves
+    would not be comparable, or one would silently win."""
+    reused: dict = {}
+    for path in paths:
+        try:
+            old = json.loads(path.read_text())
+            same = (old["budget_s"], old["evals"], old["eval_tasks"]) == (args.budget, args.evals, args.eval_tasks)
+            arms = arm_keys(old)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BenchError(f"--reuse-json {path}: not a result of this bench ({type(exc).__name__}: {exc})") from None
+        if not same:
+            raise BenchError(f"--reuse-json {path}: budget {old['budget_s']:g} s, {old['evals']} evaluations on "
+                             f"{old['eval_tasks']} tasks, this run {args.budget:g} s, {args.evals} on "
+                             f"{args.eval_tasks}: the curves would not be comparable")
+        for key, arm in arms.items():
+            if key in reused or key in running:
+                raise BenchError(f"--reuse-json {path}: arm {key!r} is also "
+                                 f"{'run here' if key in running else 'in ' + reused[key]['reused_from']}")
+            reused[key] = {**arm, "reused_from": arm.get("reused_from", str(path))}
+    return reused
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         require_trl()
+        trl_lr = args.trl_lr if args.trl_lr is not None else shared_lr(args.project)
+        names = {"project": "project", "trl": trl_key(trl_lr)}
+        reused = load_reused(args.reuse_json, args, [names[a] for a in args.arms])
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import trl
 
     load0 = os.getloadavg()
-    print(f"this project vs TRL {trl.__version__} GRPOTrainer: {args.budget:.0f} s of training per arm, "
-          f"{args.evals} evaluations on {args.eval_tasks} validation tasks; {os.cpu_count()} CPUs, load average "
-          f"at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
-    spec = {"project": str(args.project.resolve()), "marks": marks(args.budget, args.evals),
-            "eval_tasks": args.eval_tasks, "max_steps": TRL_MAX_STEPS}
+    print(f"this project vs TRL {trl.__version__} GRPOTrainer: arms {', '.join(names[a] for a in args.arms)}, "
+          f"{args.budget:.0f} s of training per arm, {args.evals} evaluations on {args.eval_tasks} validation tasks; "
+          f"{os.cpu_count()} CPUs, load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+    if reused:
+        print("reused from earlier runs: " + ", ".join(f"{k} ({a['reused_from']})" for k, a in reused.items()))
+    spec = make_spec(args, trl_lr)
+    arms = dict(reused)
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as t:
-        arms = {}
-        for name in ("project", "trl"):
-            print(f"arm {name}:", flush=True)
-            arms[name] = run_arm(name, spec, Path(t))
+        for name in args.arms:
+            print(f"arm {names[name]}:", flush=True)
+            arms[names[name]] = run_arm(name, spec, Path(t))
+    arms = dict(sorted(arms.items(), key=lambda kv: arm_order(kv[0])))
     load1 = os.getloadavg()
     result = {"budget_s": args.budget, "evals": args.evals, "eval_tasks": args.eval_tasks, "trl": trl.__version__,
               "load_start": load0, "load_end": load1, "arms": arms}
-    result["comparison"] = compare(arms["project"], arms["trl"])
+    result["comparison"] = ({k: compare(arms["project"], a) for k, a in arms.items() if k != "project"}
+                            if "project" in arms else {})
+    if args.json:  # first: the figures survive whatever goes wrong below
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
     print("configuration (why: bench/vs_trl.py docstring):")
-    for name in ("project", "trl"):
-        print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in arms[name]["config"].items()))
-    print(f"validation success at t = 0 (adapted model): project child {arms['project']['points'][0]['success']:.3f}, "
-          f"TRL child {arms['trl']['points'][0]['success']:.3f}")
-    for name in ("project", "trl"):
-        print(f"  {name} curve: " + ", ".join(f"{p['t']:.0f}s {p['success']:.3f}" for p in arms[name]["points"]))
+    for name, a in arms.items():
+        print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in a["config"].items()))
+    for name, a in arms.items():
+        print(f"  {name} curve: " + ", ".join(f"{p['t']:.0f}s {p['success']:.3f}" for p in a["points"]))
     for line in table(result):
         print(line)
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     plot(result, args.plot)
     print(f"plot: {args.plot}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

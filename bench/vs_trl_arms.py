@@ -169,6 +169,20 @@ def project_arm(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------- TRL arm
+def grpo_kwargs(spec: dict, cfg, max_new_tokens: int, bf16: bool) -> dict:
+    """The TRL arm's ``GRPOConfig`` arguments: TRL's defaults except the values both arms share, and the learning
+    rate ``spec["trl_lr"]`` (``--trl-lr``; the shared ``train.lr`` when the spec has none)."""
+    lr = spec.get("trl_lr")
+    return dict(
+        output_dir=str(Path(spec["tmp"]) / "trl"), use_cpu=True, report_to="none", save_strategy="no",
+        logging_steps=1, disable_tqdm=True, seed=cfg.seed,
+        learning_rate=cfg.lr if lr is None else lr,
+        # the values both arms share
+        num_generations=cfg.group_size, per_device_train_batch_size=cfg.group_size,
+        gradient_accumulation_steps=cfg.tasks_per_update, max_completion_length=max_new_tokens,
+        bf16=bf16, max_steps=spec["max_steps"])
+
+
 def trl_arm(spec: dict) -> dict:
     """TRL's GRPOTrainer: its defaults, except the values both arms share (see bench/vs_trl.py)."""
     import torch
@@ -272,13 +286,7 @@ def trl_arm(spec: dict) -> dict:
             return control
 
     bf16 = supports_bf16()
-    args = GRPOConfig(
-        output_dir=str(Path(spec["tmp"]) / "trl"), use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=cfg.seed,
-        # the values both arms share
-        learning_rate=cfg.lr, num_generations=cfg.group_size, per_device_train_batch_size=cfg.group_size,
-        gradient_accumulation_steps=cfg.tasks_per_update, max_completion_length=rollout_cfg.max_new_tokens,
-        bf16=bf16, max_steps=spec["max_steps"])
+    args = GRPOConfig(**grpo_kwargs(spec, cfg, rollout_cfg.max_new_tokens, bf16))
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=args, train_dataset=dataset,
                           processing_class=tok, rollout_func=rollout_func, callbacks=[Budget()])

@@ -5,9 +5,11 @@ the ``bench`` extra, and a run takes minutes (the bench is run by hand, docs/pee
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -27,7 +29,7 @@ def fake_project(root: Path) -> Path:
     for name in vs_trl.NEEDED:
         p = root / name
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.mkdir() if name == "data/env" else p.write_text("")
+        p.mkdir(exist_ok=True) if name == "data/env" else p.write_text("")
     return root
 
 
@@ -44,6 +46,12 @@ def run_bench(*args: str, hide_trl: bool = False) -> subprocess.CompletedProcess
     (["--eval-tasks", "-3"], "--eval-tasks must be at least 1"),
     (["--project", "/nonexistent/folder"], "params.yaml not found"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--arms", "project,ppo"], "--arms: unknown arm 'ppo' (a comma-separated list of project, trl)"),
+    (["--arms", ","], "--arms: no arm named"),
+    (["--trl-lr", "0"], "--trl-lr must be a positive learning rate, got 0"),
+    (["--trl-lr", "nan"], "--trl-lr must be a positive learning rate, got nan"),
+    (["--trl-lr", "fast"], "--trl-lr: invalid float value"),
+    (["--arms", "project", "--trl-lr", "1e-6"], "--trl-lr sets the trl arm's learning rate, but --arms leaves"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, args, words):
     out = tmp_path / "out.json"
@@ -118,3 +126,111 @@ def test_clock_leaves_paused_time_out(monkeypatch):
     c.resume()  # 150: 40 s of evaluation
     assert c.elapsed() == 10.0  # 150
     assert c.elapsed() == 25.0  # 165
+
+
+# ------------------------------------------------------------------------------------- --arms, --trl-lr, --reuse-json
+def test_arms_selects_what_runs_in_a_fixed_order(tmp_path):
+    root = str(fake_project(tmp_path / "p"))
+    assert vs_trl.parse_args(["--project", root]).arms == ["project", "trl"]
+    assert vs_trl.parse_args(["--project", root, "--arms", "trl"]).arms == ["trl"]
+    assert vs_trl.parse_args(["--project", root, "--arms", " trl, project "]).arms == ["project", "trl"]
+    assert vs_trl.parse_args(["--project", root, "--arms", "project"]).arms == ["project"]
+
+
+TRAIN = SimpleNamespace(lr=2e-4, seed=3, group_size=8, tasks_per_update=8)
+
+
+def test_trl_lr_reaches_the_grpo_config_arguments(tmp_path):
+    args = vs_trl.parse_args(["--project", str(fake_project(tmp_path / "p")), "--arms", "trl", "--trl-lr", "1e-6"])
+    spec = vs_trl.make_spec(args, args.trl_lr) | {"tmp": str(tmp_path)}
+    kw = vs_trl_arms.grpo_kwargs(spec, TRAIN, 48, False)
+    assert kw["learning_rate"] == 1e-6
+    # the shared values stay as they were
+    assert (kw["num_generations"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"],
+            kw["max_completion_length"], kw["seed"]) == (8, 8, 8, 48, 3)
+    # a spec without one (written before the flag existed) falls back to the shared train.lr
+    assert vs_trl_arms.grpo_kwargs({**spec, "trl_lr": None}, TRAIN, 48, False)["learning_rate"] == 2e-4
+
+
+def test_grpo_config_takes_the_arguments(tmp_path):
+    """Where TRL is installed (the bench extra): TRL's own config class accepts the arguments and keeps the rate."""
+    trl = pytest.importorskip("trl")
+    spec = {"tmp": str(tmp_path), "max_steps": 10, "trl_lr": 2e-5}
+    assert trl.GRPOConfig(**vs_trl_arms.grpo_kwargs(spec, TRAIN, 48, False)).learning_rate == 2e-5
+
+
+def test_default_trl_lr_is_the_projects_train_lr(tmp_path):
+    (tmp_path / "params.yaml").write_text("train:\n  lr: 3.0e-4\n")
+    assert vs_trl.shared_lr(tmp_path) == 3e-4
+    (tmp_path / "params.yaml").write_text("train:\n  lr: -1\n")
+    with pytest.raises(vs_trl.BenchError, match=f"--project {tmp_path}: .*lr"):
+        vs_trl.shared_lr(tmp_path)
+
+
+def arm(lr=None, *points):
+    a = {"points": [{"t": t, "update": u, "success": s} for t, u, s in points], "episodes": 64 * points[-1][1],
+         "train_s": points[-1][0], "peak_mib": 1000.0, "config": {} if lr is None else {"learning_rate": lr}}
+    return a
+
+
+def result_file(path: Path, arms: dict, budget=540.0) -> Path:
+    path.write_text(json.dumps({"budget_s": budget, "evals": 6, "eval_tasks": 200, "arms": arms}))
+    return path
+
+
+def bench_args(tmp_path, *extra):
+    return vs_trl.parse_args(["--project", str(fake_project(tmp_path / "p")), *extra])
+
+
+def test_reused_arms_are_named_by_learning_rate_and_marked(tmp_path):
+    old = result_file(tmp_path / "old.json", {"project": arm(None, (0, 0, 0.9), (500, 50, 0.93)),
+                                              "trl": arm(2e-4, (0, 0, 0.9), (500, 20, 0.85))})
+    reused = vs_trl.load_reused([old], bench_args(tmp_path, "--arms", "trl"), ["trl lr=1e-06"])
+    assert list(reused) == ["project", "trl lr=0.0002"]  # a result from before --trl-lr names its TRL arm "trl"
+    assert {a["reused_from"] for a in reused.values()} == {str(old)}
+    # reused again from a result that already reused it: the first source is kept
+    newer = result_file(tmp_path / "newer.json", {**reused, "trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (500, 20, 0.9))})
+    again = vs_trl.load_reused([newer], bench_args(tmp_path), ["trl lr=2e-05"])
+    assert again["project"]["reused_from"] == str(old) and again["trl lr=1e-06"]["reused_from"] == str(newer)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("runs", "arm 'trl lr=0.0002' is also run here"),
+    ("twice", "arm 'project' is also in"),
+    ("budget", "budget 300 s, 6 evaluations on 200 tasks, this run 540 s, 6 on 200: the curves would not be "
+               "comparable"),
+    ("garbage", "not a result of this bench (JSONDecodeError"),
+    ("missing", "not a result of this bench (FileNotFoundError"),
+])
+def test_reuse_json_conflicts_and_bad_files_are_errors(tmp_path, case, words):
+    arms = {"project": arm(None, (0, 0, 0.9), (500, 50, 0.93)), "trl": arm(2e-4, (0, 0, 0.9), (500, 20, 0.85))}
+    f = result_file(tmp_path / "r.json", arms, budget=300.0 if case == "budget" else 540.0)
+    paths = {"twice": [f, result_file(tmp_path / "r2.json", {"project": arms["project"]})],
+             "garbage": [tmp_path / "g.json"], "missing": [tmp_path / "none.json"]}.get(case, [f])
+    (tmp_path / "g.json").write_text("{not json")
+    running = ["trl lr=0.0002"] if case == "runs" else []
+    with pytest.raises(vs_trl.BenchError) as err:
+        vs_trl.load_reused(paths, bench_args(tmp_path), running)
+    assert words in str(err.value) and str(paths[-1] if case != "runs" else f) in str(err.value)
+
+
+def test_table_lists_every_arm_and_compares_each_trl_arm(tmp_path):
+    arms = {"project": arm(None, (0, 0, 0.9), (100, 10, 0.92), (500, 50, 0.93)) | {"reused_from": "old.json"},
+            "trl lr=0.0002": arm(2e-4, (0, 0, 0.9), (100, 4, 0.82), (500, 20, 0.85)) | {"reused_from": "old.json"},
+            "trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (100, 4, 0.9), (500, 20, 0.91))}
+    arms = dict(sorted(arms.items(), key=lambda kv: vs_trl.arm_order(kv[0])))
+    assert list(arms) == ["project", "trl lr=0.0002", "trl lr=1e-06"]
+    result = {"arms": arms, "comparison": {k: vs_trl.compare(arms["project"], a) for k, a in arms.items()
+                                           if k != "project"}}
+    lines = vs_trl.table(result)
+    assert [ln[:16].strip() for ln in lines[1:4]] == ["project*", "trl lr=0.0002*", "trl lr=1e-06"]
+    assert lines[3].split()[2:6] == ["0.900", "0.910", "0.900", "0.910"]  # start, final, lowest, best
+    assert "* reused from an earlier run (old.json)" in lines
+    assert any(ln.startswith("project vs trl lr=1e-06:") and "time to TRL's final 0.910: project 100 s, TRL 500 s"
+               in ln for ln in lines)
+    assert "  project / TRL time to 0.910: 0.20x (goal <= 0.33x: met)" in lines
+
+
+def test_table_without_a_project_arm_says_so():
+    result = {"arms": {"trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (500, 20, 0.91))}, "comparison": {}}
+    assert vs_trl.table(result)[-1].startswith("no project arm")
