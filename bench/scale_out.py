@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.chdir(tmp):
                 parts[name](Path(tmp) / name)
     load1 = os.getloadavg()
-    print(f"\n| what | default | s | scale-out | s | ratio |\n|---|---|---:|---|---:|---:|")
+    print("\n| what | default | s | scale-out | s | ratio |\n|---|---|---:|---|---:|---:|")
     for what, bn, b, on, o in ROWS:
         print(f"| {what} | {bn} | {b:.2f} | {on} | {o:.2f} | {o / b:.2f}x |")
     print(f"load average at end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
