@@ -57,6 +57,17 @@ def _write(path: Path, recs: list[dict]) -> Path:
     return path
 
 
+class _Recording:
+    """The world, recording how many records each call of its suite check was given."""
+
+    def __init__(self, world):
+        self.world, self.sizes = world, []
+
+    def check_episodes(self, records, *args, **kwargs):
+        self.sizes.append(len(records))
+        return self.world.check_episodes(records, *args, **kwargs)
+
+
 def _old_probes(tasks, episodes, window, n, seed, folded=4):
     """The whole-list algorithm the phase used before streaming: every context in a pool, then a sample."""
     questions = {t["task_id"]: t["question"] for t in tasks}
@@ -78,8 +89,10 @@ def test_chunked_file_gives_the_whole_list_results(records, world, tmp_path):
     assert len(cur) == 50 and len(ref) == 50
     ref_file = load_episodes(_write(tmp_path / "ref.jsonl", ref), "reference episodes", EnvConfig(), world,
                              chunk_size=CHUNK)
-    cur_file = load_episodes(_write(tmp_path / "cur.jsonl", cur), "current episodes", EnvConfig(), world,
+    recording = _Recording(world)
+    cur_file = load_episodes(_write(tmp_path / "cur.jsonl", cur), "current episodes", EnvConfig(), recording,
                              chunk_size=CHUNK)
+    assert recording.sizes == [7] * 7 + [1]  # every record validated, never more than a chunk at once
     assert len(cur_file) == 50 and bool(cur_file) and list(cur_file) == cur  # iteration re-reads the same records
     whole = trajectory_features(cur)
     for k, s in whole.items():
