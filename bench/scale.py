@@ -9,8 +9,9 @@ wrappers around bench/sft_throughput.py and bench/rollout.py, run when named):
   total, against the number of tasks (train 1k, 4k, 10k; ``--full``: 4k, 40k, 400k; validation and test a tenth
   each) and against the number of products in the world (100, 300, 1200: the most distinct names the shop
   generates; at 500 training tasks);
-- ``check_drift``: reading a trajectory file, its "trajectories" suite and the behaviour-drift test against the
-  number of trajectories (10k, 31.6k, 100k; ``--full`` up to 1M);
+- ``check_drift``: loading a current trajectory file as the phase does (reading and its "trajectories" suite), a
+  reference file of the same size (read unchecked, as the demonstrations are) and the behaviour-drift test, against
+  the number of trajectories (10k, 31.6k, 100k; ``--full`` up to 1M);
 - ``rl``: rollout and learner seconds per RL update (pipeline.train.worker) against the group size, the tasks per
   update, the policy's width (d_model 256, 512, 1024) and the DeepSpeed ranks (1, 2);
 - ``orchestration``: DVC (repro, status, status after a touch), MLflow (a run logging the data) and a Prefect flow
@@ -149,8 +150,9 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['verdict']}")
 
 
-def plot(rows: list[dict], path: Path, title: str, labels: dict[str, str] | None = None) -> None:
-    """Log-log plot, one panel per series: each part's points and fitted line, slopes in the legend."""
+def plot(rows: list[dict], path: Path, title: str, labels: dict[str, str] | None = None, memory: bool = False) -> None:
+    """Log-log plot, one panel per series: each part's points and fitted line, slopes in the legend; with `memory`,
+    one more panel per series: the points' peak RSS, one curve per run (before and after a fix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,7 +160,18 @@ def plot(rows: list[dict], path: Path, title: str, labels: dict[str, str] | None
     import numpy as np
 
     names = list(dict.fromkeys(r["series"] for r in rows))
-    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.6), squeeze=False)
+    panels = len(names) * (2 if memory else 1)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6), squeeze=False)
+    if memory:
+        for ax, name in zip(axes[0][len(names):], names):
+            runs = {r.get("run", ""): r for r in rows if r["series"] == name}  # peak RSS is per point, not per part
+            for run, r in runs.items():
+                ax.loglog(r["x"], r["peak_mib"], "o-", ms=4, label=f"{(labels or {}).get(run, run)}peak RSS")
+            ax.set_title(f"{name}: peak RSS", fontsize=9)
+            ax.set_xlabel(r["x_label"], fontsize=8)
+            ax.set_ylabel("MiB", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=6)
     for ax, name in zip(axes[0], names):
         for r in (r for r in rows if r["series"] == name):
             x, t = np.array(r["x"], float), np.array(r["seconds"], float)
@@ -195,12 +208,13 @@ def compare(before: list[dict], after: list[dict], plots: Path) -> None:
         ratios = " ".join(f"{bt / at:.2f}x" if at > 0 else "-" for bt, at in zip(b["seconds"], r["seconds"]))
         print(f"  {r['series']} {r['part']}: slope {b['slope']:.2f} -> {r['slope']:.2f} (work {r['implied_slope']:.2f}); "
               f"seconds {' '.join(f'{t:.3g}' for t in b['seconds'])} -> {' '.join(f'{t:.3g}' for t in r['seconds'])}; "
-              f"{ratios}")
+              f"{ratios}; peak MiB {' '.join(f'{m:.0f}' for m in b['peak_mib'])} -> "
+              f"{' '.join(f'{m:.0f}' for m in r['peak_mib'])}")
         both += [{**b, "run": "before"}, {**r, "run": "after"}]
     for section in dict.fromkeys(r["series"].split("/")[0] for r in both):
         rows = [r for r in both if r["series"].startswith(section + "/")]
         plot(rows, plots / f"scale_{section}_fix.png", f"{section}: before and after the fix (log-log)",
-             {"before": "before ", "after": "after "})
+             {"before": "before ", "after": "after "}, memory=True)
 
 
 def run_section(section: str, full: bool, policy: str | None, env: dict, extra: dict | None = None,

@@ -71,15 +71,17 @@ def build_env(p: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------- check_drift
 def check_drift(p: dict) -> dict:
     """`n` current trajectories in the format check_drift reads (`check_drift.current_trajectories`: run_episode
-    records as a deployed policy logs them, JSON Lines) against `n` reference episodes: reading the file
-    (pipeline.core.jsonl), its "trajectories" suite (the check load_episodes runs) and the behaviour-drift test
-    (trajectory_drift: features and per-feature tests). The records are resampled from expert and random episodes
-    played on 200 generated tasks (as bench/drift.py does; 80/20 expert/random for the reference, 70/30 current)."""
+    records as a deployed policy logs them, JSON Lines) against `n` reference episodes (a demonstrations-like file,
+    read unchecked as the phase reads data/demos/train.jsonl), both loaded as the phase loads them
+    (pipeline.check_drift.main.load_episodes: reading, and for the current file its "trajectories" suite), then the
+    behaviour-drift test (trajectory_drift: features and per-feature tests). The records are resampled from expert
+    and random episodes played on 200 generated tasks (as bench/drift.py does; 80/20 expert/random for the
+    reference, 70/30 current)."""
     from drift import base_episodes, resample
 
     from pipeline.check_drift.checks import trajectory_drift
     from pipeline.check_drift.config import DriftConfig
-    from pipeline.core.jsonl import read_jsonl
+    from pipeline.check_drift.main import load_episodes
     from pipeline.envs.config import EnvConfig
     from pipeline.envs.shop import ShopWorld
     from pipeline.envs.shop.world import generate_world
@@ -91,22 +93,21 @@ def check_drift(p: dict) -> dict:
     for r in expert + rand:  # a served policy's log: no rollout token fields
         for k in ("token_ids", "action_mask", "logprobs"):
             r.pop(k, None)
-    reference = resample(expert, rand, n, 0.8, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "current.jsonl"
-        with path.open("w") as f:
-            for r in resample(expert, rand, n, 0.7, seed=3):
-                f.write(json.dumps(r) + "\n")
-        size = path.stat().st_size
-        current, t_read = _timed(read_jsonl, path, "current trajectories")
-        report, t_suite = _timed(world.check_episodes, current, "trajectories", str(path), EnvConfig())
-    if report is not None and not report.success:
-        raise SystemExit(f"the synthetic trajectories broke the suite:\n{report.describe()}")
-    drift, t_drift = _timed(trajectory_drift, reference, current, DriftConfig())
+        paths = {"reference": Path(tmp) / "reference.jsonl", "current": Path(tmp) / "current.jsonl"}
+        for (name, path), (share, seed) in zip(paths.items(), ((0.8, 2), (0.7, 3))):
+            with path.open("w") as f:
+                for r in resample(expert, rand, n, share, seed=seed):
+                    f.write(json.dumps(r) + "\n")
+        del expert, rand
+        size = paths["current"].stat().st_size
+        current, t_cur = _timed(load_episodes, paths["current"], "current trajectories", EnvConfig(), world)
+        reference, t_ref = _timed(load_episodes, paths["reference"], "demonstrations", EnvConfig(), world, suite=None)
+        drift, t_drift = _timed(trajectory_drift, reference, current, DriftConfig())
     world.close()
-    return {"times": {"read": t_read, "suite": t_suite, "drift_test": t_drift,
-                      "total": t_read + t_suite + t_drift},
-            "work": {"read": size, "suite": n, "drift_test": 2 * n, "total": 2 * n},
+    return {"times": {"load_current": t_cur, "load_reference": t_ref, "drift_test": t_drift,
+                      "total": t_cur + t_ref + t_drift},
+            "work": {"load_current": n, "load_reference": n, "drift_test": 2 * n, "total": 2 * n},
             "info": {"file_bytes": size, "drifted": drift.drifted_features}}
 
 

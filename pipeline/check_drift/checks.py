@@ -264,10 +264,17 @@ def task_drift(reference_tasks: Sequence[dict], current_tasks: Sequence[dict], r
     return compare_features(ref, cur, _selected(TASK_FEATURES, cfg), cfg, "task_drift")
 
 
+def _episode_features(episodes) -> dict[str, pd.Series]:
+    """The trajectory features of a list of records, or those an episode file computed on load."""
+    own = getattr(episodes, "trajectory_features", None)
+    return own() if callable(own) else trajectory_features(episodes)
+
+
 def trajectory_drift(reference: Sequence[dict], current: Sequence[dict], cfg: DriftConfig | None = None) -> DriftReport:
-    """Per-feature drift between two sets of episode records (behaviour drift)."""
+    """Per-feature drift between two sets of episode records (behaviour drift). Either set may be an
+    :class:`~pipeline.check_drift.episodes.EpisodeFile`, whose features were extracted chunk by chunk on load."""
     cfg = cfg or DriftConfig()
-    ref, cur = trajectory_features(reference), trajectory_features(current)
+    ref, cur = _episode_features(reference), _episode_features(current)
     selected = _selected(TRAJECTORY_FEATURES, cfg)
     if cfg.trajectory_outcomes == "test":
         return compare_features(ref, cur, selected, cfg, "trajectory_drift")

@@ -24,7 +24,7 @@ environment (:mod:`pipeline.deploy.served_check`).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -154,29 +154,48 @@ def resolve_callable(spec: str) -> Callable:
     return fn
 
 
-def probes_from_episodes(tasks: Sequence[dict], episodes: Sequence[dict], window: int, n: int, seed: int = 0,
+def probes_from_episodes(tasks: Sequence[dict], episodes: Iterable[dict], window: int, n: int, seed: int = 0,
                          folded: int = 4, signatures: Sequence[str] = ()) -> list[Probe]:
     """Probe observations from episode records: the context before every step of every episode whose task is
     known, a fixed-seed sample of `n` of them; plus `folded` synthetic probes whose history (an episode's steps
-    repeated) is longer than `window`, so the folded-summary branch of the prompt is always exercised."""
+    repeated) is longer than `window`, so the folded-summary branch of the prompt is always exercised.
+
+    `episodes` is read twice (a list, or an episode file that re-reads itself): once to count the contexts and draw
+    which `n` to take, once to build only those, so memory holds the sample, not every step of every episode."""
     sigs = tuple(signatures)
     questions = {t["task_id"]: t["question"] for t in tasks}
-    pool: list[Probe] = []
-    long: list[Probe] = []
-    for ep in episodes:
+
+    def usable(ep: dict):
         q = questions.get(ep.get("task_id"))
         pairs = tuple((s["action"], s["observation"]) for s in ep.get("steps") or [])
-        if q is None or not pairs:
+        return (q, pairs) if q is not None and pairs else (None, ())
+
+    long: list[Probe] = []
+    total = 0
+    for ep in episodes:
+        q, pairs = usable(ep)
+        if not pairs:
             continue
-        pool += [Probe(q, pairs[:k], window, sigs) for k in range(len(pairs))]
+        total += len(pairs)
         if len(long) < folded:
             reps = window // len(pairs) + 2
             long.append(Probe(q, (pairs * reps)[: window + len(pairs)], window, sigs))
-    if not pool:
-        for t in tasks:
-            pool.append(Probe(t["question"], (), window, sigs))
     rng = np.random.default_rng([seed, 8])
-    picked = [pool[i] for i in np.sort(rng.choice(len(pool), size=min(n, len(pool)), replace=False))]
+    if not total:
+        pool = [Probe(t["question"], (), window, sigs) for t in tasks]
+        return [pool[i] for i in np.sort(rng.choice(len(pool), size=min(n, len(pool)), replace=False))] + long
+    wanted = np.sort(rng.choice(total, size=min(n, total), replace=False)).tolist()
+    picked: list[Probe] = []
+    start, j = 0, 0
+    for ep in episodes:
+        if j == len(wanted):
+            break
+        q, pairs = usable(ep)
+        end = start + len(pairs)
+        while j < len(wanted) and wanted[j] < end:
+            picked.append(Probe(q, pairs[: wanted[j] - start], window, sigs))
+            j += 1
+        start = end
     return picked + long
 
 

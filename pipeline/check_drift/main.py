@@ -86,21 +86,15 @@ def current_source(cfg: DriftConfig) -> Path:
     return VALIDATION_TASKS
 
 
-def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, world, suite: str | None = "trajectories") -> list[dict]:
+def load_episodes(path: str | Path, what: str, env_cfg: EnvConfig, world, suite: str | None = "trajectories",
+                  chunk_size: int | None = None):
     """Episode records from a JSONL file, checked with the environment's `suite` check (None: not checked, e.g.
-    demonstrations)."""
-    from pipeline.core.jsonl import read_jsonl
-    from pipeline.core.validation import DataValidationError
+    demonstrations), streamed in chunks so that memory does not grow with the file
+    (:mod:`pipeline.check_drift.episodes`); returns an :class:`~pipeline.check_drift.episodes.EpisodeFile`, which
+    the checks take where they take a list of records."""
+    from pipeline.check_drift.episodes import CHUNK, load_episode_file
 
-    records = read_jsonl(path, what)  # AgentRLError naming the file (and the line) when missing, empty or not JSON
-    if suite is not None:
-        report = world.check_episodes(records, suite, str(path), env_cfg)
-        try:
-            if report is not None:
-                report.raise_if_failed()
-        except DataValidationError as exc:
-            raise AgentRLError(str(exc)) from None
-    return records
+    return load_episode_file(path, what, env_cfg, world, suite, chunk_size or CHUNK)
 
 
 def _world(env_cfg: EnvConfig, path: str | Path):
