@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from services import free_port, wait_http  # noqa: F401  (re-exported: tests import them from here)
 
 from pipeline.deploy.config import DeployConfig
 from pipeline.envs.config import EnvConfig
@@ -26,27 +25,6 @@ TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_positions=512
 ENV = EnvConfig(max_steps=3)
 ROLL = RolloutConfig(max_new_tokens=12, batch_size=16, num_threads=1)
 N_TEST = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 90.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
 @contextlib.contextmanager
