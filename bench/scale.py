@@ -249,6 +249,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--policy", default=None, help="rollout section: a trained policy folder (run from a project "
                                                    "root that has data/)")
     args = ap.parse_args(argv)
+    before = None
+    if args.before:  # read before any section runs: a bad file must not cost a measurement
+        try:
+            before = json.loads(Path(args.before).read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ap.exit(2, f"error: --before {args.before}: not a --json file of this script ({exc})\n")
+    if args.policy and not (Path(args.policy) / "config.json").is_file():
+        ap.exit(2, f"error: --policy {args.policy}: not a policy folder (no config.json)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     for k, v in {"MLFLOW_DISABLE_TELEMETRY": "true", "GX_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
                  "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}.items():
@@ -278,8 +286,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     load1 = os.getloadavg()
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} (2-core machine: above 2 the points "
           f"shared the cores)")
-    if args.before:
-        compare(json.loads(Path(args.before).read_text())["rows"], rows, Path(args.plots))
+    if before is not None:
+        compare(before, rows, Path(args.plots))
     if args.json:
         Path(args.json).write_text(json.dumps({"load_start": load0, "load_end": load1, "rows": rows}, indent=1) + "\n")
     return rows
