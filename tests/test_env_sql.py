@@ -398,6 +398,8 @@ def test_contract_extras(world):
     assert not env.verify_task(Task.from_dict({**task.to_dict(), "answer": "-1"}))
     assert not any(env.leaks_heldout(t) for t in result.tasks["train"])
     assert all(env.leaks_heldout(t) for t in result.tasks["test"] + result.tasks["validation"])
+    assert not any(env.heldout_slices(t) for t in result.tasks["train"])
+    assert all(env.heldout_slices(t) == sorted(t.data["heldout"]) for t in result.tasks["test"])
     assert env.same_answer("12.001", "12") and env.same_answer("a , b", "A, B") and not env.same_answer("b, a", "a, b")
     vocabulary = env.vocabulary()
     assert {"order_lines", "order_date", "unit_price", "cancelled", "web", "enterprise"} <= set(vocabulary)

@@ -85,6 +85,15 @@ def test_split_report_covers_every_metric_per_level_and_template():
     assert set(episode_values(records)) == set(EPISODE_METRICS)
 
 
+def test_split_report_groups_success_by_held_out_slice():
+    records = [{**episode(f"t{i}", i < 3), "slices": ["city"] * (i < 4) + ["month"] * (i >= 2)} for i in range(6)]
+    rep = split_report(records, cfg(), np.random.default_rng(0))
+    assert set(rep["per_slice"]) == {"city", "month"}
+    assert rep["per_slice"]["city"]["n"] == 4 and rep["per_slice"]["city"]["success"]["mean"] == 0.75
+    assert rep["per_slice"]["month"]["n"] == 4 and rep["per_slice"]["month"]["success"]["mean"] == 0.25
+    assert "per_slice" not in split_report([episode("a", True)], cfg(), np.random.default_rng(0))
+
+
 # --------------------------------------------------------------------------------------------------------- flags
 def test_overfitting_is_flagged_above_the_threshold_only():
     train = [episode(f"a{i}", i < 9) for i in range(10)]          # 0.9

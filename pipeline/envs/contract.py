@@ -280,6 +280,12 @@ class Environment(ABC):
         """Whether a task from outside (``data/incoming``) names what validation and test hold out of training."""
         return False
 
+    def heldout_slices(self, task: Any) -> list[str]:
+        """Names of what validation and test hold out of training that `task` exercises (an unseen name, value or id
+        of some kind); `evaluate` reports success per slice (`per_slice`), beside the held-out wordings that
+        `template_seen` marks. [] by default."""
+        return []
+
     def verify_task(self, task: Any) -> bool:
         """Whether the world gives a task from outside its stated answer (False drops it from training)."""
         return True

@@ -228,6 +228,9 @@ class MixedEnvironment(Environment):
     def leaks_heldout(self, task) -> bool:
         return self._of(task).leaks_heldout(task.task)
 
+    def heldout_slices(self, task) -> list[str]:
+        return self._of(task).heldout_slices(task.task)
+
     def verify_task(self, task) -> bool:
         return self._of(task).verify_task(task.task)
 

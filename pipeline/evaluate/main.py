@@ -119,6 +119,18 @@ def validate_episodes(greedy: dict, sampled: dict, env_cfg: EnvConfig, world) ->
     return summary
 
 
+def label_slices(greedy: dict, chosen: dict, world) -> None:
+    """Add to every greedy record the held-out slices its task exercises (:meth:`Environment.heldout_slices`), which
+    the report groups success by (`per_slice`); records of an environment that names none are left as they are."""
+    slices = {t.task_id: list(world.heldout_slices(t)) for ts in chosen.values() for t in ts}
+    if not any(slices.values()):
+        return
+    for splits in greedy.values():
+        for records in splits.values():
+            for r in records:
+                r["slices"] = slices.get(r["task_id"], [])
+
+
 def evaluate(cfg: EvaluateConfig, env_cfg: EnvConfig, rollout_cfg, *, metrics_path: Path = METRICS_PATH,
              plot_path: Path = PLOT_PATH, tracker=None) -> dict:
     """Run the phase (see the module docstring); returns what it wrote to `metrics_path`."""
@@ -139,6 +151,7 @@ def evaluate(cfg: EvaluateConfig, env_cfg: EnvConfig, rollout_cfg, *, metrics_pa
         finally:
             world.close()
         validation = validate_episodes(greedy, sampled, env_cfg, world)
+        label_slices(greedy, chosen, world)
         report = build_report(greedy, sampled, cfg)
         result = {
             "policy_paths": {"sft": cfg.sft_policy, "rl": cfg.rl_policy},

@@ -111,8 +111,8 @@ def _group(records: Sequence[dict], cfg: EvaluateConfig, rng: np.random.Generato
 
 
 def split_report(records: Sequence[dict], cfg: EvaluateConfig, rng: np.random.Generator) -> dict:
-    """Metrics with intervals overall and per level (and per seen/unseen template when both occur, and per
-    environment, overall and per level, in a mixed run)."""
+    """Metrics with intervals overall and per level (and per seen/unseen template when both occur, per held-out slice
+    when records carry `slices`, and per environment, overall and per level, in a mixed run)."""
     if not records:
         raise ValueError("no episodes to report")
     out = {"overall": _group(records, cfg, rng), "per_level": {}}
@@ -121,6 +121,10 @@ def split_report(records: Sequence[dict], cfg: EvaluateConfig, rng: np.random.Ge
     if len({r["template_seen"] for r in records}) == 2:
         out["template_seen"] = _group([r for r in records if r["template_seen"]], cfg, rng)
         out["template_unseen"] = _group([r for r in records if not r["template_seen"]], cfg, rng)
+    slices = sorted({name for r in records for name in r.get("slices", ())})
+    if slices:  # what the environment holds out of training (Environment.heldout_slices), one group per slice
+        out["per_slice"] = {name: _group([r for r in records if name in r.get("slices", ())], cfg, rng)
+                            for name in slices}
     envs = sorted({r.get("env", "") for r in records})
     if len(envs) > 1:
         out["per_env"] = {}

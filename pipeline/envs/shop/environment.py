@@ -219,6 +219,12 @@ class ShopWorld(Environment):
         heldout = {n for split in (w.product_split, w.supplier_split) for n, s in split.items() if s != "train"}
         return bool(heldout.intersection(task.entities))
 
+    def heldout_slices(self, task: Task) -> list[str]:
+        """"products" / "suppliers" when the task names one that training never sees."""
+        w = self.world
+        return [kind for kind, split in (("products", w.product_split), ("suppliers", w.supplier_split))
+                if any(split.get(n, "train") != "train" for n in task.entities)]
+
     def verify_task(self, task: Task) -> bool:
         from pipeline.envs.shop.tools import ToolError
 

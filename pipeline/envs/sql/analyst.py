@@ -239,6 +239,11 @@ class SqlAnalyst(Environment):
         text = f"{task.question} {data.get('sql', '')}"
         return any(f"'{v}" in text for values in self.heldout_values.values() for v in values)
 
+    def heldout_slices(self, task: Task) -> list[str]:
+        """The dimensions (city, category, month) whose value in this task training never sees."""
+        data = task.data if isinstance(task.data, dict) else {}
+        return sorted(dim for dim, v in (data.get("heldout") or {}).items() if v in self.heldout_values.get(dim, ()))
+
     def verify_task(self, task: Task) -> bool:
         """Whether the task's reference SQL, run through the guarded runner, gives its stated answer."""
         episode = self.open_episode(task)
