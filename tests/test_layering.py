@@ -38,7 +38,8 @@ CONFIG_READS = frozenset({
     ("train", "reward_model.config"), ("train", "reward_model.reward"),  # the learned verifier as a reward component
 })
 # Environments only their own package may import (the registry names them by string): dotted package -> its folder.
-PRIVATE_ENVS = {"pipeline.envs.shop": "envs/shop/", "pipeline.envs.sql": "envs/sql/"}
+PRIVATE_ENVS = {"pipeline.envs.shop": "envs/shop/", "pipeline.envs.sql": "envs/sql/",
+                "pipeline.envs.calendar": "envs/calendar/"}
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:

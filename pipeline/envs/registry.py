@@ -2,7 +2,7 @@
 
 ``env.name`` in params.yaml is one of:
 
-- a built-in name: ``shop`` (the default) or ``sql`` (the read-only SQL analyst);
+- a built-in name: ``shop`` (the default), ``sql`` (the read-only SQL analyst) or ``calendar`` (the booking calendar);
 - the name of an entry point in the group ``agentrl.environments`` of an installed package, for example in its
   ``pyproject.toml``: ``[project.entry-points."agentrl.environments"] support = "my_pkg.env:SupportDesk"``;
 - ``module:Class`` for a class importable from the current Python path;
@@ -24,7 +24,8 @@ from pipeline.core.errors import AgentRLError
 from pipeline.envs.contract import Environment
 
 GROUP = "agentrl.environments"
-BUILTIN = {"shop": "pipeline.envs.shop:ShopWorld", "sql": "pipeline.envs.sql:SqlAnalyst"}
+BUILTIN = {"shop": "pipeline.envs.shop:ShopWorld", "sql": "pipeline.envs.sql:SqlAnalyst",
+           "calendar": "pipeline.envs.calendar:CalendarWorld"}
 REQUIRED = ("build", "load", "tools", "task_from_dict", "open_episode")
 
 
