@@ -131,6 +131,8 @@ def test_task_ids_unique_and_held_out_people_disjoint_across_splits(world):
                                                                                 for p in t.data["heldout"]["person"])
     assert not any(env.leaks_heldout(t) for t in result.tasks["train"])
     assert all(env.leaks_heldout(t) for t in result.tasks["test"] + result.tasks["validation"])
+    assert not any(env.heldout_slices(t) for t in result.tasks["train"])
+    assert all(env.heldout_slices(t) == ["people"] for t in result.tasks["test"])
 
 
 def test_held_out_wording_only_in_test(world):

@@ -189,6 +189,12 @@ class CalendarWorld(Environment):
             return True
         return any(re.search(rf"\b{re.escape(p)}\b", task.question) for p in self.heldout_people)
 
+    def heldout_slices(self, task: Task) -> list[str]:
+        """["people"] when the task names a person training never sees."""
+        data = task.data if isinstance(task.data, dict) else {}
+        named = (data.get("heldout") or {}).get("person") or []
+        return ["people"] if any(p in self.heldout_people for p in named) else []
+
     def verify_task(self, task: Task) -> bool:
         """Whether the task's plan, played through the guard on a fresh copy, reaches its goal with its answer."""
         episode = self.open_episode(task)
