@@ -168,7 +168,20 @@ def parse_section(model: type[C], data: Any, where: str) -> C:
         raise ConfigError(format_validation_error(exc, model, where)) from None
 
 
-def load_section(model: type[C], section: str, path: str | Path = DEFAULT_PARAMS) -> C:
-    """Load and validate one `params.yaml` section; a missing section means all defaults."""
+def load_section(model: type[C], section: str, path: str | Path = DEFAULT_PARAMS, *, resolve: bool = True) -> C:
+    """Load and validate one `params.yaml` section; a missing section means all defaults.
+
+    With `resolve` (what every phase reads with), an ``auto`` key of the `env` or `rollout` section takes the value
+    the run's recipe recorded (:func:`pipeline.core.recipe.resolve`: data/recipe.json, models/adapted/policy.json);
+    a record that is missing is a ConfigError naming the key. The phase that derives a value reads its section with
+    ``resolve=False``."""
+    from pipeline.core.recipe import RecipeError, resolve as resolve_recipe
+
     data = read_params(path)
-    return parse_section(model, data.get(section), f"{path}:{section}")
+    cfg = parse_section(model, data.get(section), f"{path}:{section}")
+    if not resolve:
+        return cfg
+    try:
+        return resolve_recipe(cfg, section)
+    except RecipeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
