@@ -127,9 +127,28 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(fields) if fields else []
 
 
+AUTO_TAG = "literal['auto']"  # pydantic's name of the `Literal["auto"]` member of a union (pipeline.core.recipe)
+
+
+def _fold_auto(errors: list[dict]) -> list[dict]:
+    """A key typed ``<value> | 'auto'`` that fits neither gets one error per union member; keep the value's errors,
+    at the key's own location, saying that 'auto' is the other choice."""
+    auto_at = {tuple(e["loc"][:-1]) for e in errors if e["loc"] and e["loc"][-1] == AUTO_TAG}
+    out = []
+    for e in errors:
+        loc = tuple(e["loc"])
+        if loc and loc[-1] == AUTO_TAG:
+            continue
+        base = next((b for b in auto_at if loc[:len(b)] == b and len(loc) > len(b)), None)
+        if base is not None:
+            e = {**e, "loc": base + loc[len(base) + 1:], "msg": f"{e['msg']}, or 'auto'"}
+        out.append(e)
+    return out
+
+
 def format_validation_error(exc: ValidationError, model: type[BaseModel], where: str) -> str:
     lines = []
-    for err in exc.errors():
+    for err in _fold_auto(exc.errors()):
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc)
         full = f"{where}.{key}" if key else where
