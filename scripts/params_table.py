@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,23 @@ SECTIONS: dict[str, type[BaseModel]] = section_models()
 
 def _type_name(annotation: Any) -> str:
     name = getattr(annotation, "__name__", None)
-    return name if name and not getattr(annotation, "__args__", None) else str(annotation).replace("typing.", "")
+    if name and not getattr(annotation, "__args__", None):
+        return name
+    args = typing.get_args(annotation)
+    if typing.Literal["auto"] in args:  # a value or 'auto' (pipeline.core.recipe)
+        return " | ".join("'auto'" if a == typing.Literal["auto"] else _type_name(
+            typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a) for a in args)
+    return str(annotation).replace("typing.", "")
+
+
+def _union_metadata(annotation: Any) -> list[Any]:
+    """Bounds declared on a constrained member of a union (``Annotated[int, Field(ge=1)] | Literal['auto']``)."""
+    out = []
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is typing.Annotated:
+            for meta in typing.get_args(arg)[1:]:
+                out += list(getattr(meta, "metadata", [meta]))
+    return out
 
 
 def _default(value: Any) -> str:
@@ -64,7 +81,8 @@ def rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str, 
             out.append((key, "section", "", "", field.description or ""))
             out.extend(rows(annotation, key))
         else:
-            out.append((key, _type_name(annotation), _default(default), _bounds(field.metadata), field.description or ""))
+            bounds = _bounds(field.metadata or _union_metadata(annotation))
+            out.append((key, _type_name(annotation), _default(default), bounds, field.description or ""))
     return out
 
 

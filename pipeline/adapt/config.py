@@ -86,7 +86,8 @@ class GateConfig(PhaseConfig):
     """The capability gate: an adapted model below any minimum stops the pipeline with a report of what fell short."""
 
     enabled: bool = Field(True, description="Apply the gate (false: only report).")
-    min: dict[str, float] = Field(
+    fraction: float = Field(0.4, gt=0, le=1, description="With `min: auto`: the share f of the expert's margin over chance each minimum asks for (success per taught level: random + f·(expert − random); tool_first_acc: c + f·(1 − c), c = 1/tools; param_acc: f; docs/recipe.md).")
+    min: dict[str, float] | Literal["auto"] = Field(
         default_factory=lambda: {
             "eval/greedy/success_L1": 0.15,
             "eval/greedy/success_L2": 0.4,
@@ -94,7 +95,7 @@ class GateConfig(PhaseConfig):
             "eval/greedy/tool_first_acc": 0.8,
             "eval/greedy/param_acc": 0.45,
         },
-        description="Minimum value of capability metrics by key (pipeline.adapt.capability.metric_keys; an unknown key is an error before training): a regression floor at about 60 % of the default's figures; level 4 has none.",
+        description="Minimum value of capability metrics by key (pipeline.adapt.capability.metric_keys; an unknown key is an error before training), or 'auto': derived from the expert's and the random policy's success on the gate's split, for the levels the demonstrations teach, with `fraction` (docs/recipe.md).",
     )
 
 

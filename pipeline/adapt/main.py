@@ -48,6 +48,7 @@ from pipeline.core.errors import AgentRLError
 from pipeline.core.isolation import tree_peak_mib
 from pipeline.policy.config import ModelConfig, RolloutConfig
 from pipeline.adapt.config import AdaptConfig
+from pipeline.adapt import recipe as recipes
 
 PHASE = "adapt"
 EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artefact
@@ -146,7 +147,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
     peak_mib: dict[str, float] = {}  # the process tree's high-water resident size after each part (tree_peak_mib)
-    capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
+    if cfg.gate.min != "auto":  # an `auto` gate is derived below, from the data
+        capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
     if cfg.sft.compile:
         sft.check_compile_available()  # before pre-training, not minutes into the phase
     check_base_exists(model_cfg)
@@ -158,10 +160,15 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     world = open_environment(env_cfg.name, data_dir / "env")
     inputs = load_inputs(data_dir, cfg.eval.split, world)
     eval_tasks = inputs["eval"][: cfg.eval.max_tasks] if cfg.eval.max_tasks else inputs["eval"]
+    gate = recipes.gate_recipe(cfg.gate, inputs["demos"], [t.level for t in inputs["train"]],
+                               baselines(build_metrics, cfg.eval.split), len(world.tools()), cfg.eval.split)
+    gate_min = gate["value"]
 
     t = time.perf_counter()
     model, tokenizer, source = base_policy(model_cfg, data_dir, world)
     seconds["base"] = time.perf_counter() - t
+    rollout_cfg, recipe = recipes.token_recipe(rollout_cfg, tokenizer, inputs["demos"])  # before the first rollout
+    recipe[recipes.GATE_KEY] = gate
     n_base = n_parameters(model)
     autocast = lambda: autocast_context(model_cfg)  # noqa: E731
     rng = np.random.default_rng([cfg.seed, 2])
@@ -233,12 +240,13 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         world.close()
     seconds["evaluate"] = time.perf_counter() - t
     peak_mib["evaluate"] = round(tree_peak_mib(), 1)
-    shortfalls = capability.check_gate(cap, cfg.gate.min) if cfg.gate.enabled else []
+    shortfalls = capability.check_gate(cap, gate_min) if cfg.gate.enabled else []
     seconds["total"] = time.perf_counter() - t0
     metrics = {
         "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
                  "bf16": resolve_dtype(model_cfg.dtype) == torch.bfloat16, "dtype": model_cfg.dtype},
         "adapter": {"kind": kind, "configured_kind": cfg.adapter.kind, **counts},
+        "recipe": recipe,
         "pretrain": pre_summary,
         "sft": sft_summary,
         "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
@@ -248,7 +256,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                  "temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p,
                  "recovery_failure_rate": cfg.eval.recovery_failure_rate},
         "gate": {"enabled": cfg.gate.enabled, "passed": (not shortfalls) if cfg.gate.enabled else None,
-                 "min": dict(cfg.gate.min),
+                 "min": dict(gate_min),
                  "shortfalls": [{"metric": k, "value": v, "min": lo} for k, v, lo in shortfalls]},
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
         "peak_rss_mib": peak_mib,
@@ -256,14 +264,15 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     if run is not None:
         _log_run(run, metrics, cap, episodes)
     if cfg.gate.enabled:
-        capability.enforce_gate(cap, cfg.gate.min, PHASE)
+        capability.enforce_gate(cap, gate_min, PHASE)
 
     # publish: the model (atomic swap), then the metrics (temp file + rename)
     meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
             "adapt_config": cfg.model_dump(), "base": source, "adapter": kind,
             "step": (pre_summary["steps"] if pre_summary else 0) + (selection["selected_step"] if selection
                                                                      else sft_summary["steps"]),
-            "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]}}
+            "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]},
+            "recipe": {k: v for k, v in recipe.items() if k == recipes.TOKEN_KEY}}  # what later phases' `auto` reads
     save_policy(model, tokenizer, out_dir, meta)
     from pipeline.core.atomic import write_json
 
@@ -283,6 +292,7 @@ def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
     if metrics["gate"]["passed"] is not None:
         flat["eval/gate_passed"] = float(metrics["gate"]["passed"])
     run.log_metrics(flat)
+    run.log_params(recipes.mlflow_params(metrics["recipe"]))
     run.log_dict({k: v for k, v in metrics.items() if k != "capability"}, "adapt_summary.json")
     samples = []
     for lv in LEVELS:
@@ -299,7 +309,7 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str 
 
     env_cfg = load_section(EnvConfig, "env", params_path)
     model_cfg = load_section(ModelConfig, "model", params_path)
-    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path, resolve=False)  # its tokens are derived here
     cfg = load_section(AdaptConfig, "adapt", params_path)
     params = {"env": env_cfg.model_dump(), "model": model_cfg.model_dump(), "rollout": rollout_cfg.model_dump(),
               "adapt": cfg.model_dump()}
@@ -314,4 +324,5 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str 
           f"({metrics['base']['n_parameters'] / 1e6:.2f}M parameters, {metrics['adapter']['trainable_fraction']:.1%} "
           f"trained); {metrics['eval']['split']} success greedy/sampled: {levels}; gate {gate}; "
           f"{metrics['seconds']['total']:.0f}s -> {out_dir}")
+    print(f"adapt: recipe: {recipes.describe(metrics['recipe'])}")
     return metrics

@@ -5,6 +5,9 @@ Outputs (JSON Lines schemas in the README):
 - ``data/env/``: ``world.sqlite`` (tables `products`, `suppliers`), ``corpus.jsonl``, ``entities.json`` (entity split);
 - ``data/tasks/{train,validation,test}.jsonl``;
 - ``data/demos/train.jsonl``: imperfect expert demonstrations of training tasks;
+- ``data/recipe.json``: the limits `env.max_action_chars`, `env.max_steps`, `env.max_policy_chars` derived from the
+  demonstrations where params.yaml says ``auto`` (:mod:`pipeline.core.recipe`), with their evidence (also under
+  ``recipe`` in the metrics);
 - ``metrics/build_env.json``: counts, level mix, checksums, validation summary, expert and random baselines per split,
   and the reward-hacking probes' scores (``reward_hacking_probes``).
 
@@ -36,6 +39,7 @@ from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.atomic import disk_errors, write_json
 from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
+from pipeline.core import recipe as recipes
 from pipeline.envs.config import SPLITS, EnvConfig
 from pipeline.envs.contract import BuildRequest, Environment
 from pipeline.envs.checks import check_environment, sample
@@ -195,10 +199,14 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
             raise AgentRLError(f"build_env: environment {cls.name!r}: {exc}") from None
         tasks = result.tasks
         world = cls.load(stage / "env")
+        min_calls = [t.min_calls for ts in tasks.values() for t in ts]
+        first_cfg = recipes.provisional(env_cfg, min_calls)  # `auto` characters at their bounds until derived
         try:  # the class, tools, tasks and expert (pipeline.envs.checks); nothing is written or published otherwise
-            check_environment(world, tasks, env_cfg)
+            check_environment(world, tasks, first_cfg)
         except EnvironmentError_ as exc:
             raise EnvironmentError_(f"build_env: {exc}; nothing was published") from None
+        demos = build_demos(tasks["train"], world, cfg, first_cfg)  # the same under the limits derived from them
+        env_cfg, recipe = recipes.data_recipe(env_cfg, demos, min_calls)
         over = sum(t.min_calls > env_cfg.max_steps for ts in tasks.values() for t in ts)
         if over:  # the expert check runs with the budget raised; the run's own budget would truncate these
             print(f"build_env: warning: {over} tasks need more calls than env.max_steps={env_cfg.max_steps} allows; "
@@ -211,7 +219,6 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
         t_probe = time.perf_counter()
         probes = probe_rewards(world, tasks["train"], cfg, env_cfg)  # a winning probe stops the phase here
         t_probe = time.perf_counter() - t_probe
-        demos = build_demos(tasks["train"], world, cfg, env_cfg)
         t_gen = time.perf_counter() - t0 - t_probe
         for split, ts in tasks.items():
             write_tasks(ts, stage / "tasks" / f"{split}.jsonl")
@@ -238,6 +245,7 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
                   stage / "demos" / "train.jsonl"]}
         metrics = {
             "environment": cls.name,
+            "recipe": recipe,
             "tasks_over_step_budget": over,
             "counts": {**result.counts, **{f"tasks_{s}": len(ts) for s, ts in tasks.items()}, "demos": len(demos)},
             "level_mix": {s: dict(sorted(Counter(str(t.level) for t in ts).items())) for s, ts in tasks.items()},
@@ -266,6 +274,7 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
         world.close()
         world = None
         publish(stage, data_dir)
+        write_json(data_dir / recipes.RECIPE_FILE.name, recipe)  # what every later phase's `auto` keys resolve to
     finally:
         if world is not None:
             world.close()
@@ -282,6 +291,7 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
         for name, r in probes.get("probes", {}).items():  # a skipped probe (no write tool) has no numbers
             flat.update({f"env/probe_{name}_{k}": r[k] for k in ("mean_return", "ratio") if r.get(k) is not None})
         run.log_metrics(flat)
+        run.log_params(recipes.mlflow_params(recipe))
         run.log_dict(metrics["checksums"], "checksums.json")
         run.log_artifact(str(metrics_path))
     return metrics
@@ -291,7 +301,7 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", metrics_path:
     """Entry point of `agentrl build-env` and of the DVC stage `build_env`."""
     from pipeline.core.tracking import Tracker
 
-    env_cfg = load_section(EnvConfig, "env", params_path)
+    env_cfg = load_section(EnvConfig, "env", params_path, resolve=False)  # its `auto` limits are derived here
     cfg = load_section(BuildEnvConfig, "build_env", params_path)
     resolve_request(cfg, env_cfg)  # a bad option or level fails here, before an MLflow run is opened
     with Tracker().run("build_env", params={"env": env_cfg.model_dump(), "build_env": cfg.model_dump()}) as run:
@@ -303,4 +313,5 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", metrics_path:
     print(f"build_env: environment {metrics['environment']}: {world}, tasks {c['tasks_train']}/{c['tasks_validation']}/"
           f"{c['tasks_test']} (train/validation/test), {c['demos']} demos; {baselines or 'no baselines'} on test; "
           f"{metrics['seconds']['total']:.1f}s")
+    print(f"build_env: recipe: {recipes.describe(metrics['recipe'])}")
     return metrics

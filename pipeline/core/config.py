@@ -127,9 +127,28 @@ def _field_names(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return list(fields) if fields else []
 
 
+AUTO_TAG = "literal['auto']"  # pydantic's name of the `Literal["auto"]` member of a union (pipeline.core.recipe)
+
+
+def _fold_auto(errors: list[dict]) -> list[dict]:
+    """A key typed ``<value> | 'auto'`` that fits neither gets one error per union member; keep the value's errors,
+    at the key's own location, saying that 'auto' is the other choice."""
+    auto_at = {tuple(e["loc"][:-1]) for e in errors if e["loc"] and e["loc"][-1] == AUTO_TAG}
+    out = []
+    for e in errors:
+        loc = tuple(e["loc"])
+        if loc and loc[-1] == AUTO_TAG:
+            continue
+        base = next((b for b in auto_at if loc[:len(b)] == b and len(loc) > len(b)), None)
+        if base is not None:
+            e = {**e, "loc": base + loc[len(base) + 1:], "msg": f"{e['msg']}, or 'auto'"}
+        out.append(e)
+    return out
+
+
 def format_validation_error(exc: ValidationError, model: type[BaseModel], where: str) -> str:
     lines = []
-    for err in exc.errors():
+    for err in _fold_auto(exc.errors()):
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc)
         full = f"{where}.{key}" if key else where
@@ -168,7 +187,20 @@ def parse_section(model: type[C], data: Any, where: str) -> C:
         raise ConfigError(format_validation_error(exc, model, where)) from None
 
 
-def load_section(model: type[C], section: str, path: str | Path = DEFAULT_PARAMS) -> C:
-    """Load and validate one `params.yaml` section; a missing section means all defaults."""
+def load_section(model: type[C], section: str, path: str | Path = DEFAULT_PARAMS, *, resolve: bool = True) -> C:
+    """Load and validate one `params.yaml` section; a missing section means all defaults.
+
+    With `resolve` (what every phase reads with), an ``auto`` key of the `env` or `rollout` section takes the value
+    the run's recipe recorded (:func:`pipeline.core.recipe.resolve`: data/recipe.json, models/adapted/policy.json);
+    a record that is missing is a ConfigError naming the key. The phase that derives a value reads its section with
+    ``resolve=False``."""
+    from pipeline.core.recipe import RecipeError, resolve as resolve_recipe
+
     data = read_params(path)
-    return parse_section(model, data.get(section), f"{path}:{section}")
+    cfg = parse_section(model, data.get(section), f"{path}:{section}")
+    if not resolve:
+        return cfg
+    try:
+        return resolve_recipe(cfg, section)
+    except RecipeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

@@ -6,7 +6,7 @@ generates (world size, task counts, level mix, demonstration flaws). Both mirror
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -31,9 +31,9 @@ class EnvConfig(PhaseConfig):
     """Which environment every phase acts in, and how an episode runs."""
 
     name: str | dict[str, float] = Field("shop", description="The environment: a built-in name (shop, sql), the name of an installed entry point of the group agentrl.environments, or module:Class (see docs/environments.md; `agentrl envs` lists them); or a mapping {name: weight} of two or more for a mixed run, every task in its own environment.")
-    max_steps: int = Field(8, ge=1, le=64, description="Step budget: an episode not answered after this many actions is truncated.")
-    max_policy_chars: int = Field(2000, ge=64, description="Budget of policy-written text per episode, in characters (the environment is tokenizer-agnostic); exceeding it truncates the episode.")
-    max_action_chars: int = Field(256, ge=16, le=4096, description="Longest accepted action text; longer text is an invalid action (the `params` Text space has this length).")
+    max_steps: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(8, description="Step budget: an episode not answered after this many actions is truncated. 'auto': derived by build_env from the tasks and demonstrations (docs/recipe.md).")
+    max_policy_chars: Annotated[int, Field(ge=64)] | Literal["auto"] = Field(2000, description="Budget of policy-written text per episode, in characters (the environment is tokenizer-agnostic); exceeding it truncates the episode. 'auto': derived by build_env from the demonstrations (docs/recipe.md).")
+    max_action_chars: Annotated[int, Field(ge=16, le=4096)] | Literal["auto"] = Field(256, description="Longest accepted action text; longer text is an invalid action (the `params` Text space has this length). 'auto': derived by build_env from the demonstrations (docs/recipe.md).")
     history_window: int = Field(6, ge=1, description="Action/observation pairs kept verbatim in the context; older ones are folded into a one-line summary of their results (design document, section 3.7).")
     tool_latency_s: float = Field(0.0, ge=0, le=10, description="Added latency of every tool call, in seconds (to exercise asynchronous rollouts).")
     tool_timeout_s: float = Field(2.0, gt=0, le=60, description="A tool call slower than this is cut off and reported as a timeout error.")

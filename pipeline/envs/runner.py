@@ -95,6 +95,9 @@ class AgentEnv(gym.Env):
         from pipeline.envs.registry import environment_class, open_environment
 
         self.config = config if isinstance(config, EnvConfig) else EnvConfig.model_validate(config or {})
+        from pipeline.core.recipe import require_resolved
+
+        require_resolved(self.config, "env")  # `auto` limits are numbers by now (pipeline.core.recipe)
         self._owns_world = not isinstance(world, Environment)
         if world is None:
             world = environment_class(self.config.name).default()

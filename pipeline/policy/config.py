@@ -5,7 +5,7 @@ Each mirrors its `params.yaml` section key for key (pydantic, ``extra="forbid"``
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -45,7 +45,7 @@ class RolloutConfig(PhaseConfig):
 
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (logits / T) of sampled rollouts: adapt's sampled capability metrics, and RL rollouts unless `train.rollout_temperature` sets their own.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (renormalised); 1.0 disables it.")
-    max_new_tokens: int = Field(48, ge=1, le=1024, description="Most tokens the policy may write for one action; an action without </call> by then is sent to the environment as it is (an invalid action).")
+    max_new_tokens: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = Field(48, description="Most tokens the policy may write for one action; an action without </call> by then is sent to the environment as it is (an invalid action). 'auto': derived by adapt from the demonstrations in its tokenizer's tokens (docs/recipe.md).")
     batch_size: int = Field(64, ge=1, le=4096, description="Episodes decoded together; when one ends, the next task takes its slot (continuous batching).")
     greedy: bool = Field(False, description="Decode greedily (argmax) instead of sampling: evaluation sets it. RolloutEngine.run(greedy=...) overrides it per call.")
     dtype: Literal["auto", "fp32", "bf16"] = Field("fp32", description="Rollout compute dtype: 'fp32' (log-probabilities equal a fp32 forward's), or 'bf16' / 'auto' where supported (prompt and observation prefills under bf16 autocast, decode steps still fp32; log-probabilities move by ~1e-2).")

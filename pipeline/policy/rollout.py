@@ -88,6 +88,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from pipeline.core.errors import AgentRLError
+from pipeline.core.recipe import require_resolved
 from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
 from pipeline.policy.config import RolloutConfig
@@ -118,6 +119,8 @@ class RolloutEngine:
         self.model, self.tokenizer = model, tokenizer
         self.runtime, self.env_cfg = runtime, env_cfg or EnvConfig()
         self.cfg = cfg or RolloutConfig()
+        require_resolved(self.env_cfg, "env")  # `auto` limits are numbers by now (pipeline.core.recipe)
+        require_resolved(self.cfg, "rollout")
         self.impl = attention_impl(model)
         ids = marker_ids(tokenizer)
         self.pad_id = ids[PAD]
