@@ -119,7 +119,7 @@ def _attributed_tool(action_text: str, names: set[str]) -> str | None:
 
 
 def action_class(action: Mapping | None, max_action_chars: int) -> str | None:
-    """``token_limit``, ``char_limit``, ``unknown_tool``, ``parse_failure`` or None (parsed), see the module docstring."""
+    """``token_limit``, ``char_limit``, ``unknown_tool``, ``parse_failure`` or None (parsed): the module docstring."""
     action = action or {}
     if action.get("token_limit"):
         return "token_limit"
@@ -285,7 +285,8 @@ def copy_figures(records: Sequence[dict], questions: Mapping[str, str], referenc
     return {"source": dict(sorted(sources.items())), "copyable": total["copyable"], "attempted": total["attempted"],
             "copied": total["copied"], "near_misses": total["near_misses"],
             "copy_rate": _rate(total["copied"], total["attempted"]),
-            "reached": _rate(total["attempted"], total["copyable"]), "by_param": by_param, "near_miss_examples": examples}
+            "reached": _rate(total["attempted"], total["copyable"]), "by_param": by_param,
+            "near_miss_examples": examples}
 
 
 # ------------------------------------------------------------------------------------------- families and levels

@@ -67,8 +67,9 @@ def render(report: Mapping, title: str = "learnability") -> str:
     lines.append(f"  copy: {c['copied']}/{c['attempted']} exact ({_pct(c['copy_rate'])}), {c['near_misses']} near "
                  f"misses, {c['attempted']}/{c['copyable']} copyable values reached (episodes by source: {source})")
     if c["by_param"]:
-        lines.append("    " + "; ".join(f"{p} {_pct(v['copy_rate'])} ({v['copied']}/{v['attempted']} of {v['copyable']})"
-                                       for p, v in c["by_param"].items()))
+        lines.append("    " + "; ".join(
+            f"{p} {_pct(v['copy_rate'])} ({v['copied']}/{v['attempted']} of {v['copyable']})"
+            for p, v in c["by_param"].items()))
     for m in c["near_miss_examples"]:
         lines.append(f"    {m['param']}: wanted {m['wanted']!r}, wrote {m['wrote']!r} ({m['task_id']})")
     for kind in ("family", "level"):
