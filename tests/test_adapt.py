@@ -675,11 +675,12 @@ def test_a_demo_file_that_breaks_the_schema_is_refused_by_the_phase(data_dir, tm
     _untouched(tmp_path, published)
 
 
-def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published):
+def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published, capsys):
     cfg = tiny_adapt_config(gate=GateConfig(enabled=True, min={"eval/greedy/success_L1": 0.99}))
     with pytest.raises(capability.CapabilityGateError, match="eval/greedy/success_L1"):
         run_phase(data_dir, tmp_path, cfg=cfg)
     _untouched(tmp_path, published)
+    assert "adapt: learnability on the validation split (greedy)" in capsys.readouterr().out  # why, before it stops
 
 
 def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_path, published):
