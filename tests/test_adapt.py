@@ -565,6 +565,22 @@ def test_phase_publishes_a_loadable_model_and_metrics(good_run):
     assert set(peaks) == {"pretrain", "sft", "evaluate"} and 0 < peaks["pretrain"] <= peaks["sft"] <= peaks["evaluate"]
 
 
+def test_phase_reports_learnability_of_its_greedy_episodes(good_run):
+    from pipeline.policy.learnability_render import flat_metrics, render
+
+    written = json.loads((good_run / "metrics" / "adapt.json").read_text())
+    learn, cap = written["learnability"], written["capability"]
+    n = cap["eval/greedy/episodes"]
+    assert learn["episodes"] == n and learn["success"] == cap["eval/greedy/success"]
+    assert learn["actions"]["n"] == round(cap["eval/greedy/mean_tool_calls"] * n)  # every greedy action, once
+    assert learn["copy"]["source"] == {"reference_calls": n}  # the shop has reference calls for every task
+    assert learn["limits"] == {"max_new_tokens": 24, "max_action_chars": EnvConfig().max_action_chars}
+    assert sum(t["calls"] for t in learn["tools"].values()) + learn["actions"]["unknown_tool"] <= learn["actions"]["n"]
+    assert sum(g["episodes"] for g in learn["level_figures"].values()) == n
+    assert sum(g["demos"] for g in learn["family_figures"].values()) == written["sft"]["demos"]
+    assert flat_metrics(learn)["learnability/episodes"] == n and render(learn).count("\n") > 5
+
+
 @pytest.fixture(scope="module")
 def good_run(data_dir, tmp_path_factory) -> Path:
     """One good run of the phase (models/adapted and metrics/adapt.json), made once per module."""
@@ -659,11 +675,12 @@ def test_a_demo_file_that_breaks_the_schema_is_refused_by_the_phase(data_dir, tm
     _untouched(tmp_path, published)
 
 
-def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published):
+def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published, capsys):
     cfg = tiny_adapt_config(gate=GateConfig(enabled=True, min={"eval/greedy/success_L1": 0.99}))
     with pytest.raises(capability.CapabilityGateError, match="eval/greedy/success_L1"):
         run_phase(data_dir, tmp_path, cfg=cfg)
     _untouched(tmp_path, published)
+    assert "adapt: learnability on the validation split (greedy)" in capsys.readouterr().out  # why, before it stops
 
 
 def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_path, published):

@@ -91,6 +91,13 @@ def test_records_feed_summarize_and_carry_the_run_episode_fields(sampled, runtim
     assert summarize(sampled)["overall"]["n"] == 10
 
 
+def test_actions_cut_at_max_new_tokens_are_marked_in_the_records(sampled, model, tokenizer, runtime):
+    stop = RolloutEngine(model, tokenizer, runtime, ENV, ROLL).stop_ids
+    flags = [a["token_limit"] for rec in sampled for a in rec["actions"]]
+    cut = [len(run) == ROLL.max_new_tokens and run[-1] not in stop for rec in sampled for run in action_runs(rec)]
+    assert flags == cut and any(flags)
+
+
 def test_mask_is_one_exactly_on_sampled_tokens_and_they_decode_to_the_actions(sampled, tokenizer):
     for rec in sampled:
         runs = action_runs(rec)

@@ -132,7 +132,7 @@ def _params_with(name: str, **train_keys) -> str:
     return name
 
 
-def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(in_project):
+def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(in_project, capsys):
     import os
 
     from mlflow.tracking import MlflowClient
@@ -161,11 +161,20 @@ def test_incoming_tasks_join_the_pool_and_are_counted_in_train_json_and_mlflow(i
     expected = {"dir": "incoming-worker", "files": 1, "read": 3, "tasks": 2, "dropped_heldout_entities": 1,
                 "dropped_heldout_templates": 0, "dropped_duplicates": 0, "dropped_unverifiable": 0}
     assert result["completed"] and result["incoming"] == expected
-    assert json.loads(Path("metrics/train-incoming.json").read_text())["incoming"] == expected
+    written = json.loads(Path("metrics/train-incoming.json").read_text())
+    assert written["incoming"] == expected
+    # the learnability report of the RL policy's test episodes: in train.json, in MLflow, printed last
+    learn, rl = written["learnability"], written["test"]["rl"]["overall"]
+    assert learn["episodes"] == rl["n"] and learn["success"] == rl["success_rate"]
+    assert learn["actions"]["n"] == round(rl["mean_tool_calls"] * rl["n"])
+    assert "train: learnability of the RL policy" in capsys.readouterr().out.split("seen-wording headroom")[-1]
     run = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).search_runs(
         [MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_experiment_by_name("agentrl").experiment_id],
         filter_string="attributes.run_name = 'train'", order_by=["attributes.start_time DESC"], max_results=1)[0]
     assert run.data.metrics["incoming/tasks"] == 2 and run.data.metrics["incoming/dropped_heldout_entities"] == 1
+    assert run.data.metrics["learnability/episodes"] == rl["n"]
+    assert "learnability.json" in [a.path for a in MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).list_artifacts(
+        run.info.run_id)]
     assert run.data.tags["incoming.dir"] == "incoming-worker"
     # the checkpoints are keyed by the incoming tasks too: a new batch starts a fresh run instead of resuming this one
     (folder,) = Path("ckpt-incoming").iterdir()

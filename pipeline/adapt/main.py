@@ -20,7 +20,8 @@ Steps (each a library call; this module only does I/O and wiring):
    MLflow; with ``adapt.sft.select_every`` the checkpoint that scores best on validation tasks is kept
    (:class:`pipeline.adapt.capability.CheckpointSelector`);
 5. capability evaluation (:mod:`pipeline.adapt.capability`) on the validation split: success per level greedy and
-   sampled, tool selection, parameters, recovery after injected tool errors;
+   sampled, tool selection, parameters, recovery after injected tool errors; and the learnability report of the
+   greedy episodes (:mod:`pipeline.policy.learnability`: ``learnability`` in the metrics, printed last);
 6. the gate (``adapt.gate``): a model below it raises :class:`~pipeline.adapt.capability.CapabilityGateError` and is
    not published;
 7. only then is the model saved to ``models/adapted`` (``save_policy`` writes a temporary sibling and swaps it in) and
@@ -52,6 +53,7 @@ from pipeline.adapt import recipe as recipes
 
 PHASE = "adapt"
 EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artefact
+LEARN_TITLE = "adapt: learnability on the {split} split (greedy)"
 
 
 # ----------------------------------------------------------------------------------------------------------- inputs
@@ -140,6 +142,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
     from pipeline.envs.registry import open_environment
     from pipeline.adapt import adapters, batching, capability, pretrain, sft
+    from pipeline.policy import learnability
+    from pipeline.policy.learnability_render import render
     from pipeline.policy.demos import NamePool, prompt_signatures
     from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
                                        resolve_dtype, save_policy)
@@ -236,6 +240,9 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     try:
         cap, episodes = capability.evaluate_capabilities(model, tokenizer, world, eval_tasks, env_cfg, rollout_cfg,
                                                          cfg.eval)
+        # why the greedy episodes fail, per tool, limit, copied string, family and level (docs/environments.md)
+        learn = learnability.report_for(world, episodes["greedy"], eval_tasks, inputs["demos"], inputs["train"],
+                                        env_cfg, rollout_cfg)
     finally:
         world.close()
     seconds["evaluate"] = time.perf_counter() - t
@@ -251,6 +258,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         "sft": sft_summary,
         "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
         "per_level": capability.per_level_table(cap),
+        "learnability": learn,
         "baselines": baselines(build_metrics, cfg.eval.split),
         "eval": {"split": cfg.eval.split, "tasks": len(eval_tasks), "sampled_per_task": cfg.eval.sampled_per_task,
                  "temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p,
@@ -263,6 +271,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     }
     if run is not None:
         _log_run(run, metrics, cap, episodes)
+    if shortfalls:  # the gate stops the phase here: say why the policy does not learn first
+        print(render(learn, LEARN_TITLE.format(split=cfg.eval.split)), flush=True)
     if cfg.gate.enabled:
         capability.enforce_gate(cap, gate_min, PHASE)
 
@@ -283,6 +293,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
 
 
 def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
+    from pipeline.policy.learnability_render import flat_metrics
+
     flat = {k: v for k, v in cap.items() if np.isfinite(v)}
     for part in ("pretrain", "sft"):
         if metrics[part]:
@@ -294,6 +306,8 @@ def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
     run.log_metrics(flat)
     run.log_params(recipes.mlflow_params(metrics["recipe"]))
     run.log_dict({k: v for k, v in metrics.items() if k != "capability"}, "adapt_summary.json")
+    run.log_metrics(flat_metrics(metrics["learnability"]))
+    run.log_dict(metrics["learnability"], "learnability.json")
     samples = []
     for lv in LEVELS:
         eps = [e for e in episodes["greedy"] if e["level"] == lv][:EXAMPLES_PER_LEVEL]
@@ -325,4 +339,7 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str 
           f"trained); {metrics['eval']['split']} success greedy/sampled: {levels}; gate {gate}; "
           f"{metrics['seconds']['total']:.0f}s -> {out_dir}")
     print(f"adapt: recipe: {recipes.describe(metrics['recipe'])}")
+    from pipeline.policy.learnability_render import render
+
+    print(render(metrics["learnability"], LEARN_TITLE.format(split=metrics["eval"]["split"])), flush=True)
     return metrics

@@ -53,8 +53,9 @@ class EnvEpisode:
         self.rewards: list[float] = []
         self.events: list[list[str]] | None = [] if "context_actions" in info else None
 
-    def step(self, text: str) -> tuple[bool, str, bool, str]:
-        """Returns (done, observation text, folded, new context)."""
+    def step(self, text: str, token_limit: bool = False) -> tuple[bool, str, bool, str]:
+        """Returns (done, observation text, folded, new context); `token_limit`: the engine cut the action at
+        ``rollout.max_new_tokens`` (recorded in the step's ``actions`` entry)."""
         obs, reward, terminated, truncated, info = self.env.step(text)
         self.obs, self.last_info = obs, info
         self.rewards.append(float(reward))
@@ -62,8 +63,9 @@ class EnvEpisode:
             self.events.append(list(info.get("events", [])))
         self.steps.append({"action": info["action_text"], "observation": info["observation_text"]})
         parsed = parse_action(text, self.tool_names, self.max_chars)
-        self.actions.append({"tool": None, "params": None, "error": parsed.reason} if isinstance(parsed, InvalidAction)
-                            else {"tool": parsed.name, "params": parsed.params})
+        self.actions.append({"tool": None, "params": None, "error": parsed.reason, "token_limit": token_limit}
+                            if isinstance(parsed, InvalidAction)
+                            else {"tool": parsed.name, "params": parsed.params, "token_limit": token_limit})
         done = terminated or truncated
         if done:
             self.info, self.truncated = info, truncated
@@ -93,7 +95,7 @@ class OneAction:
     def __init__(self, context: str, seed: int):
         self.context, self.seed, self.text = context, seed, None
 
-    def step(self, text: str) -> tuple[bool, str, bool, str]:
+    def step(self, text: str, token_limit: bool = False) -> tuple[bool, str, bool, str]:
         self.text = text
         return True, "", False, self.context
 

@@ -41,7 +41,8 @@ What an episode record holds (the :func:`pipeline.policy.episodes.run_episode` f
 plus): ``token_ids`` (the whole episode as the model saw it, prompt included), ``logprobs`` (same length),
 ``action_mask`` (1 exactly on sampled tokens), ``segments`` (start offset of each token segment, see below),
 ``policy_version``, ``actions`` (each step's parsed call: ``{"tool", "params"}``, or ``{"tool": None, "params":
-None, "error": reason}`` for text the protocol rejects), ``step_rewards`` (the reward the environment paid at each
+None, "error": reason}`` for text the protocol rejects; ``token_limit`` True where the action was cut at
+``max_new_tokens`` rather than ended by ``</call>`` or ``<eos>``), ``step_rewards`` (the reward the environment paid at each
 step, the change of R, so they sum to ``return``; per-turn credit reads them) and ``seed``. With
 ``env.context_actions`` on, also ``step_events`` (per step its events, e.g. ``["subgoal_done"]``) and
 ``context_actions`` (:mod:`pipeline.policy.episode_drivers`); a note re-bases the episode like a fold.
@@ -380,14 +381,14 @@ class RolloutEngine:
                 if t not in self.stop_ids and len(act[b]) < cfg.max_new_tokens:
                     continue
                 text = tok.decode(act[b], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                ended.append((b, e, text))
+                ended.append((b, e, text, t not in self.stop_ids))  # last: cut at rollout.max_new_tokens
                 act[b] = []
             # the environment steps of every action that ended in this forward run together (tool calls are I/O:
             # `env.tool_latency_s`, a remote API), then are handled in row order, so episodes do not depend on timing
-            steps, texts = [episodes[e].step for _, e, _ in ended], [text for _, _, text in ended]
-            results = (list(pool.map(lambda step, text: step(text), steps, texts))
-                       if pool is not None and len(ended) > 1 else [step(text) for step, text in zip(steps, texts)])
-            for (b, e, _), (done, obs_text, folded, context) in zip(ended, results):
+            steps, texts = [episodes[e].step for _, e, _, _ in ended], [(text, cut) for _, _, text, cut in ended]
+            results = (list(pool.map(lambda step, tc: step(*tc), steps, texts))
+                       if pool is not None and len(ended) > 1 else [step(*tc) for step, tc in zip(steps, texts)])
+            for (b, e, _, _), (done, obs_text, folded, context) in zip(ended, results):
                 s = streams[e]
                 if done:
                     finish(b)

@@ -24,16 +24,20 @@ from pipeline.train.early_stopping import EarlyStopping, metric_value
 VAL_SEED = 10_000  # validation episodes' seeds are VAL_SEED + i, the same at every evaluation
 
 
-def evaluate_greedy(rollout, tasks: list[Task], dist, seed: int) -> dict:
+def evaluate_greedy(rollout, tasks: list[Task], dist, seed: int, records_out: list | None = None) -> dict:
     """Greedy evaluation split over ranks; returns `summarize` of all records (every rank gets the same), with
     ``per_level_template_seen`` (each level's figures on its seen-wording tasks) where the split also holds tasks in
-    a held-out wording (:func:`pipeline.train.worker.seen_wording_headroom` reads it)."""
+    a held-out wording (:func:`pipeline.train.worker.seen_wording_headroom` reads it). With `records_out`, every
+    rank's records, with their ``steps`` and ``actions`` but without token streams, are appended to it (what the
+    learnability report reads)."""
     mine = tasks[dist.rank::dist.world_size]
     seeds = [seed + i for i in range(len(tasks))][dist.rank::dist.world_size]
     records = rollout.run(mine, seeds, greedy=True) if mine else []
-    light = [{k: v for k, v in r.items() if k not in ("token_ids", "logprobs", "action_mask", "steps", "actions")}
-             for r in records]
+    drop = ("token_ids", "logprobs", "action_mask") + (("steps", "actions") if records_out is None else ())
+    light = [{k: v for k, v in r.items() if k not in drop} for r in records]
     gathered = [r for part in dist.all_gather(light) for r in part]
+    if records_out is not None:
+        records_out.extend(gathered)
     out = summarize(gathered)
     if "template_seen" in out:  # a split with held-out wordings (test): each level's seen-wording figures too
         out["per_level_template_seen"] = summarize([r for r in gathered if r["template_seen"]])["per_level"]

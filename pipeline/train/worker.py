@@ -7,7 +7,8 @@ trains), keeps the best policy (by the validation metric ``train.early_stopping_
 ``early_stopping_patience`` evaluations without improvement) in ``models/policy``, and on rank 0 writes
 ``metrics/train.json`` (SFT against RL on the test split, per level, the seen-wording headroom that bounds RL's
 gain (:func:`seen_wording_headroom`), the early-stopping decision with its reason, ``incoming``: the incoming
-tasks used and dropped, and ``health``: tool faults, stale batches dropped, collapse alarms) and
+tasks used and dropped, ``health``: tool faults, stale batches dropped, collapse alarms, and ``learnability``: the
+report of :mod:`pipeline.policy.learnability` on the RL policy's test episodes, also printed last) and
 ``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``; the ``explore/*`` columns when the tool-choice
 noise of :mod:`pipeline.train.exploration` is on, a health column when its figure is nonzero somewhere).
 
@@ -36,6 +37,7 @@ from pipeline.core.errors import AgentRLError
 from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import run_health
 from pipeline.train.incoming import DROP_REASONS, load_incoming
+from pipeline.policy.learnability_render import flat_metrics, render
 from pipeline.train.reward_weights import REWARD_CURVE_KEYS
 
 CURVE_KEYS = ("update", "rollout/success", "rollout/return", "policy/entropy", "losses/total", "losses/approx_kl",
@@ -57,8 +59,10 @@ HEALTH_CURVE_KEYS = ("faults/failure_rate", "faults/latency_spikes", "faults/too
                      "alarms/advantage_var_collapse")
 
 
-def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, dist) -> dict:
-    """Greedy test-split metrics of each policy (same tasks, same seeds), per level."""
+def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, dist,
+            records: dict[str, list] | None = None) -> dict:
+    """Greedy test-split metrics of each policy (same tasks, same seeds), per level; the episode records of the
+    policies that `records` names are appended to its lists."""
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.train.validation import evaluate_greedy
@@ -66,8 +70,19 @@ def compare(policy_dirs: dict[str, Path], tasks, runtime, env_cfg, rollout_cfg, 
     out = {}
     for name, path in policy_dirs.items():
         model, tok, _ = load_policy(path)
-        out[name] = evaluate_greedy(RolloutEngine(model, tok, runtime, env_cfg, rollout_cfg), tasks, dist, seed=20_000)
+        out[name] = evaluate_greedy(RolloutEngine(model, tok, runtime, env_cfg, rollout_cfg), tasks, dist, seed=20_000,
+                                    records_out=(records or {}).get(name))
     return out
+
+
+def learnability(runtime, records: list[dict], tasks, train_tasks, env_cfg, rollout_cfg, data: Path) -> dict:
+    """The learnability report (:mod:`pipeline.policy.learnability`) of the RL policy's test episodes."""
+    from pipeline.core.jsonl import read_jsonl
+    from pipeline.policy.learnability import report_for
+
+    path = data / "demos" / "train.jsonl"
+    demos = read_jsonl(path, "demonstrations", allow_empty=True) if path.is_file() else []
+    return report_for(runtime, records, tasks, demos, train_tasks, env_cfg, rollout_cfg)
 
 
 def deltas(sft: dict, rl: dict) -> dict:
@@ -183,9 +198,12 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         if not result["completed"]:
             dist.close()
             return result
+        test_records: dict[str, list] = {"rl": []}
         comparison = compare({"sft": Path(adapted), "rl": Path(out)}, test_tasks[:cfg.test_tasks], runtime, env_cfg,
-                             rollout_cfg, dist)
+                             rollout_cfg, dist, test_records)
         if dist.is_main:
+            learn = learnability(runtime, test_records["rl"], test_tasks[:cfg.test_tasks], train_tasks, env_cfg,
+                                 rollout_cfg, data)
             metrics = {
                 "algorithm": cfg.algorithm, "world_size": dist.world_size, "updates": cfg.updates,
                 "best_update": result["best"]["update"], "best_val_success": result["best"]["success"],
@@ -197,6 +215,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                 "early_stopping": result["early_stopping"],
                 "incoming": incoming.summary,
                 "health": run_health(result["history"]),  # tool faults, stale batches dropped, collapse alarms
+                "learnability": learn,  # why the RL policy's test episodes fail (docs/environments.md)
             }
             if "population" in result:  # every member's validation figures and their pairwise diversity
                 metrics["population"] = result["population"]
@@ -213,7 +232,8 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
             es = result["early_stopping"]
             flat.update({"early_stopping/stopped": es["stopped"], "early_stopping/stop_update": es["stop_update"] or 0,
                          "early_stopping/best_update": es["best_update"] or 0})
-            run.log_metrics(flat)
+            run.log_metrics({**flat, **flat_metrics(learn)})
+            run.log_dict(learn, "learnability.json")
             run.set_tags({"early_stopping.stopped": es["stopped"], "early_stopping.reason": es["reason"],
                           "early_stopping.best_update": es["best_update"]})
             run.log_artifact(metrics_path)
@@ -226,6 +246,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                 print("train: seen-wording headroom (the most RL adds without the held-out wording) overall "
                       f"+{head['overall']:.3f}; per level "
                       + ", ".join(f"L{lv} +{head[f'level_{lv}']:.3f}" for lv in comparison["sft"]["per_level"]))
+            print(render(learn, "train: learnability of the RL policy on the test split (greedy)"), flush=True)
     dist.close()
     return result
 
