@@ -44,7 +44,7 @@ unchanged). :func:`marker_ids` maps ``<pad>``/``<bos>``/``<eos>`` to a foreign t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -185,8 +185,9 @@ def encode_turns(tokenizer, context: str, steps: Iterable[tuple[str, str]]) -> t
     return ids, mask
 
 
-def corpus_texts(data_dir: str | Path, signatures: list[str]) -> Iterator[str]:
-    """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``),
+def corpus_texts(data_dir: str | Path, signatures: list[str], documents: Sequence[str] = ()) -> Iterator[str]:
+    """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``, and
+    `documents`: the environment's ``corpus()`` where it offers capability HasCorpus),
     the prompt header of every training question (``tasks/train.jsonl``; the header is in every policy input, so its
     words deserve merges) and the demonstrations' actions and
     observations (``demos/train.jsonl``). Validation and test files are never read."""
@@ -195,6 +196,7 @@ def corpus_texts(data_dir: str | Path, signatures: list[str]) -> Iterator[str]:
     corpus = data_dir / "env" / "corpus.jsonl"  # the world's documents, where its environment writes them
     for doc in iter_jsonl(corpus, "document corpus", hint=hint) if corpus.is_file() else ():
         yield f"{doc.get('title', '')}\n{doc.get('text', '')}"
+    yield from (d for d in documents if isinstance(d, str))
     for task in iter_jsonl(data_dir / "tasks" / "train.jsonl", "training tasks", hint=hint):
         yield render_header(task["question"], signatures)
     for demo in iter_jsonl(data_dir / "demos" / "train.jsonl", "demonstrations", hint=hint):
