@@ -108,8 +108,15 @@ def probe_rewards(world: Environment, train: list, cfg: BuildEnvConfig, env_cfg:
                 f"{r.success_rate:.2f}) on {r.n} training tasks against the expert's {r.expert_return:.3f} "
                 f"({ratio}; build_env.probes.floor {pc.floor:g}): the reward of env.reward pays a degenerate policy; "
                 f"change its weights or shaping; nothing was published")
+    wp = out["write_probe"]
+    if wp["undeclared"]:
+        print(f"build_env: warning: tools {wp['undeclared']} change an episode's state but their ToolSpec does not "
+              f"say writes=True; the write probe called them; declare them as write tools", flush=True)
+    if not wp["ran"]:
+        print(f"build_env: warning: reward-hacking probe 'attempt_writes' did not run: environment {world.name!r} "
+              f"declares no write tool and none was found changing an episode's state", flush=True)
     return {"enabled": True, "tasks": len(chosen), "floor": pc.floor, "expert": expert,
-            "probes": {name: r.as_dict() for name, r in results.items()}}
+            "probes": {name: r.as_dict() for name, r in results.items()}, "write_probe": wp}
 
 
 def validate_outputs(stage: Path, world: Environment) -> list:
