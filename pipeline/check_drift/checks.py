@@ -58,8 +58,8 @@ from scipy import stats
 
 from pipeline.check_drift.config import DriftConfig
 from pipeline.core.errors import AgentRLError
-from pipeline.check_drift.features import (OUTCOME_FEATURES, TASK_FEATURES, TRAJECTORY_FEATURES, Feature, task_features,
-                                     trajectory_features)
+from pipeline.check_drift.features import (OUTCOME_FEATURES, TRAJECTORY_FEATURES, Feature, task_feature_specs,
+                                           task_features, trajectory_features)
 
 OTHER = "(other)"
 SHOWN_CATEGORIES = 8  # categories listed per chi-square result (largest share changes first)
@@ -259,9 +259,11 @@ def task_drift(reference_tasks: Sequence[dict], current_tasks: Sequence[dict], r
     """Per-feature drift between two sets of task records. Entity values are read from `reference_world` and
     `current_world` (default: the reference world); without a world the entity features are skipped."""
     cfg = cfg or DriftConfig()
-    ref = task_features(reference_tasks, reference_world)
-    cur = task_features(current_tasks, current_world if current_world is not None else reference_world)
-    return compare_features(ref, cur, _selected(TASK_FEATURES, cfg), cfg, "task_drift")
+    specs = task_feature_specs(reference_world)  # the entity features: the reference world's numeric columns
+    fields = [k.removeprefix("entity_") for k, f in specs.items() if f.unit == "entity"]
+    ref = task_features(reference_tasks, reference_world, fields)
+    cur = task_features(current_tasks, current_world if current_world is not None else reference_world, fields)
+    return compare_features(ref, cur, _selected(specs, cfg), cfg, "task_drift")
 
 
 def _episode_features(episodes) -> dict[str, pd.Series]:
