@@ -5,7 +5,7 @@ documents of pre-training are the world's text. Both are taken from what the env
 
 1. ``entities.json`` in the world folder (``{kind: {name: split}}``): every kind in it, in the file's order with
    equal drill weights, or the kinds and weights of the environment's ``entity_kinds()`` hook (capability
-   :class:`~pipeline.envs.capabilities.NamesEntities`; the shop's: products 0.75, suppliers 0.25);
+   :class:`~pipeline.envs.capabilities.NamesEntities`; the default world's: its two kinds, 0.75 and 0.25);
 2. otherwise the environment's ``copyable_strings(task)`` (capability :class:`~pipeline.envs.capabilities.HasCorpus`)
    of every training task;
 3. otherwise the strings the demonstrations' calls copy verbatim from their question or an earlier observation

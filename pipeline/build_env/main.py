@@ -2,7 +2,7 @@
 
 Outputs (JSON Lines schemas in the README):
 
-- ``data/env/``: ``world.sqlite`` (tables `products`, `suppliers`), ``corpus.jsonl``, ``entities.json`` (entity split);
+- ``data/env/``: the environment's world files (the default world: ``world.sqlite``, ``corpus.jsonl``, ``entities.json``);
 - ``data/tasks/{train,validation,test}.jsonl``;
 - ``data/demos/train.jsonl``: imperfect expert demonstrations of training tasks;
 - ``metrics/build_env.json``: counts, level mix, checksums, validation summary, expert and random baselines per split,

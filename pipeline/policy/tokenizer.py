@@ -14,13 +14,13 @@ Decisions (the prototype's pitfalls):
   encode(action) + encode(observation)`` whenever the pieces start and end at markers or newlines, which is what the
   prompt format guarantees (:mod:`pipeline.envs.prompt`). That is what lets the engine keep its KV cache across turns.
 - **Every space is a token of its own** (``Split(" ", "isolated")`` before everything else), so a word has the same
-  ids wherever it stands: ``stock`` in "the stock of" (after a space) and in ``"field": "stock"`` (after a quote), or
-  ``Cedar`` in ``of "Cedar Supply"`` and in ``"query": "Cedar Supply flagship product"``. The policy's core skill is
+  ids wherever it stands: ``height`` in "the height of" (after a space) and in ``"field": "height"`` (after a quote),
+  or ``Cedar`` in ``of "Cedar Tower"`` and in ``"query": "Cedar Tower main hall"``. The policy's core skill is
   copying words from the question and from tool results into calls; with GPT-2's space-prefixed words a copy had to
-  map `` stock`` to ``stock``, a per-word mapping that does not transfer to words seen in one position only. Measured
+  map `` height`` to ``height``, a per-word mapping that does not transfer to words seen in one position only. Measured
   with space-prefixed words on the default: the adapted policy never learned which field a level-1 question asks for
   (teacher-forced probability of the right field 0.34 on *training* demonstrations, about one in three), and it wrote
-  a training supplier's name into every level-4 search query. Cost: 34 % more tokens per demonstration (125 to 167
+  a training entity's name into every level-4 search query. Cost: 34 % more tokens per demonstration (125 to 167
   on the default) and 25 % more action tokens, paid in SFT and rollout time.
 - **No normaliser** and ``clean_up_tokenization_spaces=False``: ``decode(encode(text)) == text`` for every valid
   string, so the engine can compare the decoded action with the environment's echo of it.
