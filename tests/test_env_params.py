@@ -115,3 +115,15 @@ def test_the_expert_sees_the_task_files_key_order_in_demonstrations_too(tmp_path
         assert d["steps"][0]["action"] == expert.act({}, {})
     assert list(as_read_back([Task("t", "train", 1, "q", "a", data={"zone": 1, "area": 2})], world)[0].data) == \
         ["area", "zone"]
+
+
+def test_adapt_reports_and_gates_the_environments_levels_only(capsys):
+    from pipeline.adapt import capability
+
+    gate = capability.gate_for_levels({"eval/greedy/success_L1": 0.1, "eval/greedy/success_L4": 0.2,
+                                       "eval/greedy/param_acc": 0.4}, Three.levels)
+    assert gate == {"eval/greedy/success_L1": 0.1, "eval/greedy/param_acc": 0.4}
+    assert "adapt.gate.min keys ['eval/greedy/success_L4'] name levels the environment does not have" in \
+        capsys.readouterr().out
+    capability.check_gate_keys(gate, Three.levels)
+    assert list(capability.per_level_table({"eval/greedy/success_L1": 0.5}, Three.levels)) == ["1", "2", "3"]
