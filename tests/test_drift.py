@@ -23,7 +23,7 @@ import yaml
 from pipeline.check_drift import checks as C
 from pipeline.check_drift.config import DriftConfig
 from pipeline.check_drift.consistency import check_consistency, probes_from_episodes
-from pipeline.check_drift.features import (TASK_FEATURES, TRAJECTORY_FEATURES, Feature, hidden_state_features,
+from pipeline.check_drift.features import (TASK_FEATURES, task_feature_specs, TRAJECTORY_FEATURES, Feature, hidden_state_features,
                                      observation_contexts, task_features, trajectory_features)
 from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.environment import ShopOptions
@@ -95,12 +95,14 @@ def test_doctests():
 # ---------------------------------------------------------------------------------------------------------- features
 def test_task_features_one_series_per_declared_feature_and_entities_counted_once(reference, world):
     feats = task_features(reference.tasks, world)
-    assert set(feats) == set(TASK_FEATURES)
+    assert set(feats) == set(task_feature_specs(world))
+    assert [k for k in task_feature_specs(world) if k.startswith("entity_")] == \
+        ["entity_price", "entity_stock", "entity_weight_kg"]  # the shop's numeric entity columns, as before
     assert all(len(feats[f]) == len(reference.tasks) for f, spec in TASK_FEATURES.items() if spec.unit == "task")
     named = {e for t in reference.tasks for e in t["entities"]}
     products = {p["name"] for p in world.world.products}
     assert len(feats["entity_price"]) == len(named & products)  # one value per distinct product, not per task
-    assert task_features(reference.tasks, None)["entity_price"].empty  # no world: the entity features are missing
+    assert "entity_price" not in task_features(reference.tasks, None)  # no world: no entity features
     numeric = [t for t in reference.tasks if t["answer"].replace(".", "", 1).lstrip("-").isdigit()]
     assert feats["answer_value"].notna().sum() == len(numeric)
 
@@ -191,7 +193,7 @@ def test_task_check_passes_on_two_fresh_reference_samples(reference, world):
     fresh = C.make_reference_sample(world, N, seed=102)
     report = C.task_drift(reference.tasks, fresh.tasks, world, fresh.world)
     assert report.passed, report.describe()
-    assert len(report.tested) == len(TASK_FEATURES)
+    assert len(report.tested) == len(task_feature_specs(world))
 
 
 @pytest.mark.parametrize("kind, expected", [("level_shift", {"level", "family"}), ("value_shift", {"entity_price"})])
@@ -629,3 +631,19 @@ def test_current_world_dir_gives_the_current_tasks_entity_values(project, world)
     _set_params(project, current_world_dir="data/no-such-world")
     with pytest.raises(AgentRLError, match="no-such-world"):
         main()
+
+
+def test_the_entity_features_are_the_numeric_columns_of_any_environments_table():
+    import pandas as pd
+
+    class Rooms:
+        def entity_table(self):
+            return pd.DataFrame({"seats": [10, 40, 25], "floor": [1.0, 2.0, 3.0], "wing": ["a", "b", "a"],
+                                 "open": [True, False, True]}, index=["Blue Hall", "Red Annex", "Loft"])
+
+    specs = task_feature_specs(Rooms())
+    assert [k for k, f in specs.items() if f.unit == "entity"] == ["entity_seats", "entity_floor"]
+    tasks = [{"family": "f", "level": 1, "question": "q", "answer": "1", "entities": ["Blue Hall", "Loft"]},
+             {"family": "f", "level": 1, "question": "q", "answer": "2", "entities": ["Blue Hall"]}]
+    feats = task_features(tasks, Rooms())
+    assert sorted(feats["entity_seats"].tolist()) == [10.0, 25.0]  # each distinct entity once

@@ -17,26 +17,33 @@ import numpy as np
 import torch
 
 from pipeline.core.errors import AgentRLError
-from pipeline.policy.demos import Example, NamePool, augment_names, demo_segments, encode_segment
+from pipeline.policy.demos import Example, demo_segments, encode_segment
+from pipeline.policy.names import NamePool, augment_names
 
 IGNORE = -100  # label of tokens outside the loss (torch's cross_entropy default ignore_index)
 
 
 class DemoSampler:
     """Demonstrations as training items for :func:`item_batches`: item i is demonstration i, tokenized when drawn,
-    with its entity names replaced by fictitious ones (:func:`augment_names`) with probability `augment_prob`."""
+    with its entity names replaced by fictitious ones (:func:`augment_names`) with probability `augment_prob`.
+
+    `names(task record)` gives a task's names to replace (default: its record's ``entities``; adaptation passes
+    :meth:`pipeline.adapt.entity_source.NameSource.names`). `drawn` and `augmented` count the draws and those whose
+    names were really replaced (the share adaptation reports)."""
 
     def __init__(self, tokenizer, demos: Sequence[dict], tasks: dict[str, dict], window: int, max_len: int,
                  augment_prob: float = 0.0, pool: NamePool | None = None, *,
-                 signatures: Mapping[str, Sequence[str]]):
+                 signatures: Mapping[str, Sequence[str]], names: Callable[[dict], Sequence[str]] | None = None):
         missing = [d["demo_id"] for d in demos if d["task_id"] not in tasks]
         if missing:
             raise AgentRLError(f"demonstrations {missing[:5]} refer to tasks that are not in the training tasks")
         if augment_prob > 0 and pool is None:
-            raise AgentRLError("entity augmentation needs a NamePool (data/env/entities.json)")
+            raise AgentRLError("entity augmentation needs a NamePool (pipeline.adapt.entity_source)")
         self.tokenizer, self.demos, self.tasks = tokenizer, list(demos), tasks
         self.window, self.max_len, self.augment_prob, self.pool = window, max_len, augment_prob, pool
         self.signatures = signatures  # task_id -> its tool list, as the prompt shows it (prompt_signatures)
+        self.names = names or (lambda task: task.get("entities", []))
+        self.drawn = self.augmented = 0
         self.truncated = 0  # segments of the plain demonstrations cut at max_len
         self.plain = [self._encode(d, self.tasks[d["task_id"]]["question"], d["steps"], count=True) for d in self.demos]
         self.lengths = [sum(len(e) for e in exs) for exs in self.plain]
@@ -52,12 +59,18 @@ class DemoSampler:
         return out
 
     def __call__(self, i: int, rng: np.random.Generator) -> list[Example]:
+        self.drawn += 1
         if self.augment_prob <= 0 or rng.random() >= self.augment_prob:
             return self.plain[i]
         demo = self.demos[i]
         task = self.tasks[demo["task_id"]]
-        question, steps, _ = augment_names(task["question"], demo["steps"], task.get("entities", []), self.pool, rng)
+        question, steps, mapping = augment_names(task["question"], demo["steps"], self.names(task), self.pool, rng)
+        self.augmented += bool(mapping)
         return self._encode(demo, question, steps)
+
+    def applied(self) -> float:
+        """The share of drawn demonstrations whose names were replaced (0 before any draw)."""
+        return round(self.augmented / self.drawn, 4) if self.drawn else 0.0
 
 
 

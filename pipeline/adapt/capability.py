@@ -337,6 +337,19 @@ def per_level_table(metrics: Mapping[str, float], levels: Sequence[int] = LEVELS
 # ------------------------------------------------------------------------------------------------------------ gate
 
 
+def gate_for_levels(gate_min: Mapping[str, float], levels: Sequence[int]) -> dict[str, float]:
+    """`gate_min` without the per-level keys (``..._L<n>``) of levels the environment does not have, with one printed
+    note naming them (a params file written for another environment's levels is not an error, and not silent)."""
+    import re
+
+    have = {str(lv) for lv in levels}
+    dropped = sorted(k for k in gate_min if (m := re.search(r"_L(\d+)$", k)) and m.group(1) not in have)
+    if dropped:
+        print(f"adapt: note: adapt.gate.min keys {dropped} name levels the environment does not have (its levels: "
+              f"{sorted(int(x) for x in have)}); they are left out of the gate", flush=True)
+    return {k: v for k, v in gate_min.items() if k not in dropped}
+
+
 def check_gate_keys(gate_min: Mapping[str, float], levels: Sequence[int] = LEVELS) -> None:
     """Refuse a gate that names a metric the evaluation never reports (before any training time is spent)."""
     valid = set(metric_keys(levels))

@@ -34,7 +34,7 @@ class PretrainConfig(PhaseConfig):
     lr: float = Field(1e-3, gt=0, le=1, description="Peak learning rate (linear warm-up, cosine decay to 10%).")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
     max_len: int = Field(128, ge=8, description="Longest pre-training sequence in tokens (longer texts are cut).")
-    include_documents: bool = Field(False, description="Add the world's documents (data/env/corpus.jsonl: what `search` returns) to the pre-training text.")
+    include_documents: Literal["auto"] | bool = Field("auto", description="The world's documents in the pre-training text (pipeline.adapt.entity_source.documents): auto, those of an environment that offers corpus() (capability HasCorpus; the built-in ones do not, so their mix is drills alone); true, corpus() or else data/env/corpus.jsonl; false, none.")
     include_questions: bool = Field(False, description="Add the training tasks' questions to the documents (text the policy reads in every prompt; no actions or answers).")
     copy_drills: int = Field(20000, ge=0, description="Synthetic texts that end in a JSON field copied from a quoted fictitious name (pipeline.adapt.drills.copy_drills): they form the copying circuit held-out names need, which SFT alone forms late. 0: none.")
     word_drills: int = Field(10000, ge=0, description="Synthetic texts that copy an unquoted word of a sentence into a JSON field (pipeline.adapt.drills.word_drills): the skill of writing the field a question asks for. 0: none.")

@@ -6,7 +6,9 @@
   for);
 - :func:`copy_accuracy`: the share of drills whose value the model copies exactly, teacher-forced.
 
-Names are fictitious (:class:`pipeline.policy.demos.NamePool`): a drill never names a real entity. Left out: the
+Names are fictitious (:class:`pipeline.policy.names.NamePool`): a drill never names a real entity. The kind of each
+name is drawn by the pool's weights (:meth:`NamePool.draw_kind`, one draw per drill); the second name of a two-name
+drill is of the pool's first kind. Left out: the
 training loop (:mod:`pipeline.adapt.sft`) and which texts pre-training mixes (:mod:`pipeline.adapt.pretrain`).
 """
 
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from pipeline.policy.demos import NamePool
+from pipeline.policy.names import NamePool
 from pipeline.policy.tokenizer import encode_context, encode_continuation
 
 
@@ -35,8 +37,10 @@ def copy_drills(pool: NamePool, n: int, rng: np.random.Generator) -> list[str]:
     learns that copy only after a phase change at about 1,000 steps; pre-training on these drills forms it first.
     """
     texts = []
+    if not pool:  # no kind to draw names of: no drill
+        return texts
     for _ in range(n):
-        kind = "products" if rng.random() < 0.75 else "suppliers"
+        kind = pool.draw_kind(rng)
         q = "'"
         if rng.random() < 0.5:
             names: list[str] = []
@@ -50,7 +54,7 @@ def copy_drills(pool: NamePool, n: int, rng: np.random.Generator) -> list[str]:
             listing = " ".join(f"Item {i}: {q}{name}{q}." for i, name in enumerate(names))
             texts.append(f"{listing}\n{json.dumps({'item': k, 'name': names[k]})}")
         else:
-            a, b = pool.fake(kind, rng, set()), pool.fake("products", rng, set())
+            a, b = pool.fake(kind, rng, set()), pool.fake(pool.primary, rng, set())
             if a and b and a != b:
                 texts.append(f"{q}{a}{q} comes with {q}{b}{q}.\n{json.dumps({'first': a, 'second': b})}")
     return texts
@@ -78,8 +82,10 @@ def word_drills(pool: NamePool, words: Sequence[str], n: int, rng: np.random.Gen
     not quoted, and without these drills the policy wrote the same field whatever the question asked.
     """
     texts = []
+    if not pool or not words:
+        return texts
     for _ in range(n):
-        kind = "products" if rng.random() < 0.75 else "suppliers"
+        kind = pool.draw_kind(rng)
         name = pool.fake(kind, rng, set())
         if not name:
             continue
@@ -91,8 +97,7 @@ def word_drills(pool: NamePool, words: Sequence[str], n: int, rng: np.random.Gen
 
 def drill_words(pool: NamePool, extra: Sequence[str] = ()) -> list[str]:
     """The vocabulary of :func:`word_drills`: the lower-cased words of the training entity names plus `extra`."""
-    words = {w.lower() for part in (pool.firsts, pool.lasts) for names in part.values() for w in names}
-    return sorted(words | set(extra))
+    return sorted(pool.words() | set(extra))
 
 
 @torch.no_grad()
@@ -100,7 +105,7 @@ def copy_accuracy(model, tokenizer, texts: Sequence[str], autocast: Callable | N
     """Share of drills (:func:`copy_drills`, :func:`word_drills`) whose last JSON string value the model copies
     exactly: every token of the value (a whole name, a word) is the greedy prediction after the true text
     before it (teacher-forced). The first token has to be found; the later ones must follow it rather than what the
-    training names make likely (a held-out "Acme Trading" written as the training supplier "Acme Depot")."""
+    training names make likely (a held-out "Acme Trading" written as the training name "Acme Depot")."""
     hits, n = 0, 0
     was = model.training
     model.eval()

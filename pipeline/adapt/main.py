@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from pipeline.core.config import load_section
-from pipeline.envs.config import LEVELS, EnvConfig
+from pipeline.envs.config import EnvConfig
 from pipeline.core.errors import AgentRLError
 from pipeline.core.isolation import tree_peak_mib
 from pipeline.policy.config import ModelConfig, RolloutConfig
@@ -84,7 +84,10 @@ def base_policy(model_cfg: ModelConfig, data_dir: Path, world):
     import pipeline.adapt.adapters  # noqa: F401  (registers the bottleneck model class for a bottleneck base)
 
     if model_cfg.base == "builtin":
-        tokenizer = train_tokenizer(corpus_texts(data_dir, [s.signature() for s in world.tools()]),
+        from pipeline.envs.capabilities import HasCorpus, has_capability
+
+        documents = world.corpus() if has_capability(world, HasCorpus) else ()
+        tokenizer = train_tokenizer(corpus_texts(data_dir, [s.signature() for s in world.tools()], documents),
                                     model_cfg.vocab_size)
         model = build_policy(model_cfg, tokenizer)
         source = "builtin"
@@ -144,15 +147,20 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     from pipeline.adapt import adapters, batching, capability, pretrain, sft
     from pipeline.policy import learnability
     from pipeline.policy.learnability_render import render
-    from pipeline.policy.demos import NamePool, prompt_signatures
+    from pipeline.policy.demos import prompt_signatures
     from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
                                        resolve_dtype, save_policy)
 
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
     peak_mib: dict[str, float] = {}  # the process tree's high-water resident size after each part (tree_peak_mib)
+    from pipeline.envs.registry import environment_class
+
+    levels = tuple(sorted(environment_class(env_cfg.name).levels))  # the environment's, not a fixed 1-4
     if cfg.gate.min != "auto":  # an `auto` gate is derived below, from the data
-        capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {})
+        cfg = cfg.model_copy(update={"gate": cfg.gate.model_copy(update={"min": capability.gate_for_levels(
+            cfg.gate.min, levels)})})
+        capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {}, levels)
     if cfg.sft.compile:
         sft.check_compile_available()  # before pre-training, not minutes into the phase
     check_base_exists(model_cfg)
@@ -178,15 +186,19 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
 
-    entities = data_dir / "env" / "entities.json"  # name augmentation where the environment writes entity names
-    pool = NamePool.from_entities(json.loads(entities.read_text()) if entities.is_file() else {})
+    from pipeline.adapt.entity_source import documents, name_source
+
+    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"])  # drills, augmentation
+    pool = names.pool
+    print(f"adapt: fictitious names for drills and augmentation: {names.source}", flush=True)
 
     # continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is off)
     pre_summary = None
     if cfg.pretrain.steps > 0:
         t = time.perf_counter()
         questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
-        pre_summary = pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg, data_dir, pool,
+        pre_summary = pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg,
+                                                     documents(world, data_dir, cfg.pretrain.include_documents), pool,
                                                      world.vocabulary(), questions, rng, log)
         seconds["pretrain"] = time.perf_counter() - t
         peak_mib["pretrain"] = round(tree_peak_mib(), 1)
@@ -195,7 +207,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     t = time.perf_counter()
     sampler = batching.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
                               env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool,
-                              signatures=prompt_signatures(world, inputs["train"], env_cfg.context_actions))
+                              signatures=prompt_signatures(world, inputs["train"], env_cfg.context_actions),
+                              names=names.names)
     examples = [e for exs in sampler.plain for e in exs]
     kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
     trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))
@@ -221,10 +234,12 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     model = adapters.finalize(trainable_model)
     sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
                    "demos": len(inputs["demos"]), "loss_curve": curve,
-                   "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in LEVELS},
+                   "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in levels},
                    "loss_tokens_per_epoch": sum(sum(e.loss_mask) for e in examples),
                    "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
-                   "entity_augmentation": cfg.sft.entity_augmentation, "selection": selection}
+                   "entity_augmentation": cfg.sft.entity_augmentation if pool else 0.0,
+                   "entity_augmentation_applied": sampler.applied(), "entity_augmentation_source": names.source,
+                   "selection": selection}
     seconds["sft"] = time.perf_counter() - t
     if selector is not None:
         seconds["select"] = selector.seconds
@@ -257,7 +272,7 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         "pretrain": pre_summary,
         "sft": sft_summary,
         "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
-        "per_level": capability.per_level_table(cap),
+        "per_level": capability.per_level_table(cap, levels),
         "learnability": learn,
         "baselines": baselines(build_metrics, cfg.eval.split),
         "eval": {"split": cfg.eval.split, "tasks": len(eval_tasks), "sampled_per_task": cfg.eval.sampled_per_task,
@@ -309,7 +324,7 @@ def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
     run.log_metrics(flat_metrics(metrics["learnability"]))
     run.log_dict(metrics["learnability"], "learnability.json")
     samples = []
-    for lv in LEVELS:
+    for lv in (int(k) for k in metrics["per_level"]):
         eps = [e for e in episodes["greedy"] if e["level"] == lv][:EXAMPLES_PER_LEVEL]
         samples += [{"task_id": e["task_id"], "level": lv, "success": e["success"],
                      "steps": e["steps"], "ground_truth": e["ground_truth"]} for e in eps]
@@ -332,7 +347,7 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str 
                         Path(build_metrics), run)
     pl = metrics["per_level"]
     gate = {True: "passed", False: "failed", None: "off"}[metrics["gate"]["passed"]]
-    levels = " ".join(f"L{lv} {pl[str(lv)]['greedy_success']:.2f}/{pl[str(lv)]['sampled_success']:.2f}" for lv in LEVELS
+    levels = " ".join(f"L{lv} {pl[str(lv)]['greedy_success']:.2f}/{pl[str(lv)]['sampled_success']:.2f}" for lv in pl
                       if pl[str(lv)]["greedy_success"] is not None)
     print(f"adapt: {metrics['adapter']['kind']} on {metrics['base']['source']} "
           f"({metrics['base']['n_parameters'] / 1e6:.2f}M parameters, {metrics['adapter']['trainable_fraction']:.1%} "

@@ -2,8 +2,8 @@
 
 The text (:func:`pretraining_texts` and :mod:`pipeline.adapt.drills`): copy drills (short texts that end in a JSON copy
 of a quoted fictitious name: the skill held-out entities need, which SFT alone forms only after a slow phase change)
-and word drills, optionally with the world's documents (``include_documents``: the design document's continued
-pre-training on the domain corpus, section 3.3.2.1) and the training questions (``include_questions``); never
+and word drills, with the world's documents (``include_documents``, :func:`pipeline.adapt.entity_source.documents`:
+the design document's continued pre-training on the domain corpus, section 3.3.2.1) and the training questions (``include_questions``); never
 demonstrations. Training stops early once the exact-copy accuracy on held-out name drills reaches
 ``adapt.pretrain.copy_target``. By default it runs in a child process (``adapt.pretrain.subprocess``), so that the
 heap the loop leaves behind is returned when the child exits; the weights are the same either way.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,36 +24,33 @@ from pipeline.adapt.batching import batches
 from pipeline.adapt.config import AdaptConfig
 from pipeline.adapt.sft import train_lm
 from pipeline.core.isolation import run_in_child
-from pipeline.core.jsonl import read_jsonl
 from pipeline.policy.config import ModelConfig
 from pipeline.policy.demos import text_examples
 from pipeline.policy.model import autocast_context
 
 
-def pretraining_texts(data_dir: Path, tasks: Sequence[dict] | None = None, documents: bool = True) -> list[str]:
-    """The domain text for continued pre-training: the world's documents, plus the training questions when given.
+def pretraining_texts(documents: Sequence[str] = (), tasks: Sequence[dict] | None = None) -> list[str]:
+    """The domain text for continued pre-training: the world's documents (chosen by
+    :func:`pipeline.adapt.entity_source.documents` under ``include_documents``), plus the training questions when
+    given.
 
-    Only text the environment shows a policy is used (documents are what `search` returns); no action or answer text,
-    so pre-training teaches the domain's language and names, not the demonstrations.
+    Only text the environment shows a policy is used; no action or answer text, so pre-training teaches the domain's
+    language and names, not the demonstrations.
     """
-    texts = []
-    corpus_path = Path(data_dir) / "env" / "corpus.jsonl"  # a world's documents, where its environment writes them
-    if documents and corpus_path.is_file():
-        corpus = read_jsonl(corpus_path, "document corpus", allow_empty=True)
-        texts += [d["text"] for d in corpus if isinstance(d.get("text"), str)]
+    texts = [t for t in documents if isinstance(t, str)]
     if tasks:
         texts += [t["question"] for t in tasks]
     return texts
 
 
-def continued_pretraining(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+def continued_pretraining(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, documents: Sequence[str], pool,
                           vocabulary: list[str], questions: list[str] | None, rng: np.random.Generator, log) -> dict:
     """:func:`pretrain` in a child process (``adapt.pretrain.subprocess``, :func:`pretrain_in_child`) or in this one;
     either way `model`, `rng` and torch's generator end in the same state. Returns the summary."""
     if cfg.pretrain.subprocess:
         out = run_in_child("adapt: continued pre-training (adapt.pretrain.subprocess: false runs it in this "
                            "process)", pretrain_in_child, model, tokenizer, cfg, model_cfg,
-                           data_dir, pool, vocabulary, questions, rng, torch.get_num_threads(),
+                           list(documents), pool, vocabulary, questions, rng, torch.get_num_threads(),
                            torch.get_rng_state())
         model.load_state_dict(torch.load(io.BytesIO(out["state"]), weights_only=True))
         for p in model.parameters():
@@ -64,24 +60,23 @@ def continued_pretraining(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelCo
         for metrics, step in out["logged"]:
             log(metrics, step=step)
         return out["summary"]
-    return pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, vocabulary, questions, rng, log)
+    return pretrain(model, tokenizer, cfg, model_cfg, documents, pool, vocabulary, questions, rng, log)
 
 
-def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool, vocabulary: list[str],
-             questions: list[str] | None, rng: np.random.Generator, log) -> dict:
+def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, documents: Sequence[str], pool,
+             vocabulary: list[str], questions: list[str] | None, rng: np.random.Generator, log) -> dict:
     """Continued pre-training of `model` in place (see the module docstring); returns its summary for
     ``metrics/adapt.json``. `rng` draws the batches (SFT goes on drawing from it); `log(metrics, step=...)` records
     the progress and the copy-accuracy checks."""
     autocast = lambda: autocast_context(model_cfg)  # noqa: E731
-    texts = pretraining_texts(data_dir, [{"question": q} for q in questions] if questions is not None else None,
-                              documents=cfg.pretrain.include_documents)
+    texts = pretraining_texts(documents, [{"question": q} for q in questions] if questions is not None else None)
     n_domain = len(texts)
     texts += drills.copy_drills(pool, cfg.pretrain.copy_drills, np.random.default_rng([cfg.seed, 1]))
     words = drills.drill_words(pool, extra=list(vocabulary))
     texts += drills.word_drills(pool, words, cfg.pretrain.word_drills, np.random.default_rng([cfg.seed, 4]))
-    if not texts:  # an environment without documents, entity names or drill words: nothing to pre-train on
-        print("adapt: continued pre-training skipped: the environment offers no text for it (no corpus.jsonl, "
-              "entities.json or vocabulary)", flush=True)
+    if not texts:  # no documents, and no names to drill (pipeline.adapt.entity_source): nothing to pre-train on
+        print("adapt: continued pre-training skipped: no documents (adapt.pretrain.include_documents, the "
+              "environment's corpus()) and no names to drill (entities.json, copyable strings)", flush=True)
         return {"skipped": "no pre-training text", "steps": 0, "texts": 0, "domain_texts": 0, "drills": 0}
     pre_ex = text_examples(tokenizer, texts, cfg.pretrain.max_len)
     for p in model.parameters():
@@ -116,7 +111,7 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_di
     return summary
 
 
-def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, data_dir: Path, pool,
+def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, documents: Sequence[str], pool,
                       vocabulary: list[str], questions: list[str] | None, rng: np.random.Generator, threads: int,
                       torch_rng: torch.Tensor) -> dict:
     """:func:`pretrain` as run by :func:`pipeline.core.isolation.run_in_child`: returns what the parent needs to go on as
@@ -129,7 +124,7 @@ def pretrain_in_child(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig
     torch.set_num_threads(threads)
     torch.set_rng_state(torch_rng)
     logged: list[tuple[dict, int | None]] = []
-    summary = pretrain(model, tokenizer, cfg, model_cfg, data_dir, pool, vocabulary, questions, rng,
+    summary = pretrain(model, tokenizer, cfg, model_cfg, documents, pool, vocabulary, questions, rng,
                        lambda metrics, step=None: logged.append((metrics, step)))
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)

@@ -42,6 +42,22 @@ class DemoConfig(PhaseConfig):
         return self
 
 
+def option_owners(keys: list[str]) -> dict[str, list[str]]:
+    """{built-in environment: those of `keys` its Options model declares}, for a message about misplaced options."""
+    from pipeline.envs.registry import BUILTIN, environment_class
+
+    out: dict[str, list[str]] = {}
+    for name in BUILTIN:
+        try:
+            fields = environment_class(name).Options.model_fields
+        except Exception:  # noqa: BLE001 -- a built-in that does not load names no owner
+            continue
+        mine = [k for k in keys if k in fields]
+        if mine:
+            out[name] = mine
+    return out
+
+
 class ProbesConfig(PhaseConfig):
     """Reward-hacking probes (:mod:`pipeline.envs.probes`): degenerate policies played with the configured reward on
     a sample of the training tasks; one that earns more than `floor` × the expert's mean return stops the build."""
@@ -65,9 +81,8 @@ class BuildEnvConfig(PhaseConfig):
     )
     options: dict = Field(
         default_factory=dict,
-        description="The environment's own build options, checked by its Options model (the shop: n_products, "
-                    "n_suppliers, heldout_entity_fraction, train_wordings; the SQL analyst: see docs/env-sql.md); "
-                    "{} takes the environment's defaults.",
+        description="The environment's own build options, checked by its Options model (`agentrl envs` and "
+                    "docs/environments.md list each built-in environment's); {} takes the environment's defaults.",
     )
     demos: DemoConfig = Field(default_factory=DemoConfig, description="Demonstration generation.")
     probes: ProbesConfig = Field(default_factory=ProbesConfig, description="Reward-hacking probes run before anything is published.")
@@ -75,14 +90,16 @@ class BuildEnvConfig(PhaseConfig):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data):
-        """A key of an environment's own options written at the top of the section (params files from before the
-        environment contract) is named as moved, rather than as merely unknown."""
+        """A key of a built-in environment's own options written at the top of the section (params files from before
+        the environment contract) is named as moved, with the environment it belongs to, rather than as merely
+        unknown."""
         if isinstance(data, dict):
-            moved = sorted(k for k in data if k in {"n_products", "n_suppliers", "heldout_entity_fraction",
-                                                     "train_wordings"})
-            if moved:
+            owners = option_owners(sorted(k for k in data if k not in cls.model_fields))
+            if owners:
+                moved = sorted({k for ks in owners.values() for k in ks})
+                whose = "; ".join(f"{', '.join(ks)}: options of environment {n!r}" for n, ks in owners.items())
                 raise ValueError(f"{', '.join(moved)}: moved under build_env.options (the environment's own build "
-                                 f"options), e.g. options: {{{moved[0]}: ...}}")
+                                 f"options; {whose}), e.g. options: {{{moved[0]}: ...}}")
         return data
 
     @model_validator(mode="after")

@@ -2,7 +2,7 @@
 
 Outputs (JSON Lines schemas in the README):
 
-- ``data/env/``: ``world.sqlite`` (tables `products`, `suppliers`), ``corpus.jsonl``, ``entities.json`` (entity split);
+- ``data/env/``: the environment's world files (the default world: ``world.sqlite``, ``corpus.jsonl``, ``entities.json``);
 - ``data/tasks/{train,validation,test}.jsonl``;
 - ``data/demos/train.jsonl``: imperfect expert demonstrations of training tasks;
 - ``data/recipe.json``: the limits `env.max_action_chars`, `env.max_steps`, `env.max_policy_chars` derived from the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.build_env.config import BuildEnvConfig
+from pipeline.build_env.config import BuildEnvConfig, option_owners
 from pipeline.core.atomic import disk_errors, write_json
 from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
@@ -46,7 +46,7 @@ from pipeline.envs.checks import check_environment, sample
 from pipeline.envs.probes import run_probes
 from pipeline.envs.registry import EnvironmentError_, environment_class
 from pipeline.envs.runner import AgentEnv
-from pipeline.envs.taskfile import write_tasks
+from pipeline.envs.taskfile import as_read_back, write_tasks
 from pipeline.policy.episodes import evaluate, run_episode
 
 OUTPUT_DIRS = ("env", "tasks", "demos")
@@ -112,8 +112,15 @@ def probe_rewards(world: Environment, train: list, cfg: BuildEnvConfig, env_cfg:
                 f"{r.success_rate:.2f}) on {r.n} training tasks against the expert's {r.expert_return:.3f} "
                 f"({ratio}; build_env.probes.floor {pc.floor:g}): the reward of env.reward pays a degenerate policy; "
                 f"change its weights or shaping; nothing was published")
+    wp = out["write_probe"]
+    if wp["undeclared"]:
+        print(f"build_env: warning: tools {wp['undeclared']} change an episode's state but their ToolSpec does not "
+              f"say writes=True; the write probe called them; declare them as write tools", flush=True)
+    if not wp["ran"]:
+        print(f"build_env: warning: reward-hacking probe 'attempt_writes' did not run: environment {world.name!r} "
+              f"declares no write tool and none was found changing an episode's state", flush=True)
     return {"enabled": True, "tasks": len(chosen), "floor": pc.floor, "expert": expert,
-            "probes": {name: r.as_dict() for name, r in results.items()}}
+            "probes": {name: r.as_dict() for name, r in results.items()}, "write_probe": wp}
 
 
 def validate_outputs(stage: Path, world: Environment) -> list:
@@ -126,8 +133,9 @@ def validate_outputs(stage: Path, world: Environment) -> list:
     return world.validate(stage / "env", records, read(demos_path) if world.expert() is not None else None)
 
 
-def _first_error(exc: Exception, model) -> str:
-    """The first problem of an options model's validation error; an unknown key gets a 'did you mean' hint."""
+def _first_error(exc: Exception, model, given: dict | None = None) -> str:
+    """The first problem of an options model's validation error; an unknown key gets a 'did you mean' hint, and the
+    keys of `given` that belong to another built-in environment are named with it (params written for that one)."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
         e = errors()[0]
@@ -136,7 +144,9 @@ def _first_error(exc: Exception, model) -> str:
             valid = list(model.model_fields)
             close = difflib.get_close_matches(str(e["loc"][0]), valid, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            return f"{where}: unknown key{hint}; valid keys: {', '.join(valid)}"
+            owners = option_owners([k for k in (given or {}) if k not in valid])
+            other = "".join(f"; {', '.join(ks)}: options of environment {name!r}" for name, ks in owners.items())
+            return f"{where}: unknown key{hint}; valid keys: {', '.join(valid) or '(none)'}{other}"
         return f"{where}: {e['msg']}"
     return str(exc)
 
@@ -159,18 +169,38 @@ def publish(stage: Path, data_dir: Path) -> None:
 
 
 def resolve_request(cfg: BuildEnvConfig, env_cfg: EnvConfig) -> tuple[type[Environment], BuildRequest]:
-    """The environment class and what to ask it to build: `build_env.options` checked by its Options model and
-    `level_mix` against its levels (AgentRLError naming the key otherwise)."""
+    """The environment class and what to ask it to build: `build_env.options` checked by its Options model
+    (AgentRLError naming the key, and the environment an unknown key belongs to, otherwise) and `level_mix` restricted
+    to its levels (:func:`levels_for`)."""
     cls = environment_class(env_cfg.name)
     try:
         options = cls.Options.model_validate(cfg.options)
     except ValueError as exc:
-        raise AgentRLError(f"build_env.options for environment {cls.name!r}: {_first_error(exc, cls.Options)}") from None
-    bad = sorted(set(cfg.level_mix) - set(cls.levels))
-    if bad:
-        raise AgentRLError(f"build_env.level_mix names levels {bad} that environment {cls.name!r} does not have "
-                           f"(its levels: {list(cls.levels)})")
-    return cls, BuildRequest(cfg.seed, dict(cfg.tasks_per_split), dict(cfg.level_mix), options)
+        raise AgentRLError(f"build_env.options for environment {cls.name!r}: "
+                           f"{_first_error(exc, cls.Options, cfg.options)}") from None
+    levels_for(cfg.demos.level_coverage, cls, "demos.level_coverage")  # only the note: other levels go unused
+    uncovered = [lv for lv in cls.levels if lv not in cfg.demos.level_coverage]
+    if uncovered and cfg.demos.level_coverage:
+        print(f"build_env: note: levels {uncovered} of environment {cls.name!r} have no build_env.demos."
+              f"level_coverage: their tasks get no demonstrations unless family_coverage names their family",
+              flush=True)
+    return cls, BuildRequest(cfg.seed, dict(cfg.tasks_per_split), levels_for(cfg.level_mix, cls, "level_mix"), options)
+
+
+def levels_for(mix: dict[int, float], cls: type[Environment], key: str) -> dict[int, float]:
+    """`mix` ({level: weight}, `build_env.<key>`) without the levels environment `cls` does not have, with one printed
+    note naming them (params written for another environment's levels are not an error, and not silent); every level
+    of the environment evenly when none is left."""
+    have = set(cls.levels)
+    dropped = sorted(set(mix) - have)
+    kept = {lv: w for lv, w in mix.items() if lv in have}
+    if dropped:
+        fallback = "" if any(kept.values()) else "; none left, so every level of it evenly"
+        print(f"build_env: note: build_env.{key} names levels {dropped} that environment {cls.name!r} does not have "
+              f"(its levels: {list(cls.levels)}); they are left out{fallback}", flush=True)
+    if key == "level_mix" and not any(kept.values()):
+        kept = {lv: 1.0 for lv in cls.levels}
+    return kept
 
 
 def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run=None,
@@ -205,7 +235,8 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
             check_environment(world, tasks, first_cfg)
         except EnvironmentError_ as exc:
             raise EnvironmentError_(f"build_env: {exc}; nothing was published") from None
-        demos = build_demos(tasks["train"], world, cfg, first_cfg)  # the same under the limits derived from them
+        demos = build_demos(as_read_back(tasks["train"], world), world, cfg, first_cfg)  # the file's key order; the same
+        # demonstrations under the limits derived from them
         env_cfg, recipe = recipes.data_recipe(env_cfg, demos, min_calls)
         over = sum(t.min_calls > env_cfg.max_steps for ts in tasks.values() for t in ts)
         if over:  # the expert check runs with the budget raised; the run's own budget would truncate these

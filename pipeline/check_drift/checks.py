@@ -31,15 +31,15 @@ discrepancy with a Gaussian (RBF) kernel whose bandwidth is the median pairwise 
 median heuristic; Gretton et al., "A Kernel Two-Sample Test", JMLR 2012), with its p-value from a permutation test
 with a fixed seed. Chosen over a classifier two-sample test because it needs no training, no train/test split of
 already small samples and no classifier hyper-parameters; the permutation p-value is exact at any sample size (the
-test's level is alpha by construction), and all permutations are evaluated together as one matrix product with the
+test's level is alpha by construction), and all permutations are evaluated together as one matrix multiplication with the
 kernel matrix, so 500 permutations of 200 + 200 observations take tens of milliseconds. Both sides are subsampled to
 ``max_hidden_samples`` before embedding, because the forward passes are the expensive part.
 
 Samples (:func:`make_reference_sample`, :func:`make_drifted_tasks`): fresh samples of the reference distribution come
 from the environment's own generator (:meth:`Environment.sample_tasks`) with a new seed; the documented drifted
 datasets are a shifted level mix (``level_shift``) and shifted values (``value_shift``: the environment's
-:meth:`Environment.value_shifted` copy of the world; the shop redraws every product's price from the upper half of its
-allowed range; answers recomputed on that copy).
+:meth:`Environment.value_shifted` copy of the world; the default world redraws one numeric attribute of every entity
+from the upper half of its allowed range; answers recomputed on that copy).
 :func:`false_alarm_rate` runs a check on repeated drift-free pairs.
 
 Deliberately left out: sequential monitoring (each run is one batch comparison) and per-level conditional tests.
@@ -58,8 +58,8 @@ from scipy import stats
 
 from pipeline.check_drift.config import DriftConfig
 from pipeline.core.errors import AgentRLError
-from pipeline.check_drift.features import (OUTCOME_FEATURES, TASK_FEATURES, TRAJECTORY_FEATURES, Feature, task_features,
-                                     trajectory_features)
+from pipeline.check_drift.features import (OUTCOME_FEATURES, TRAJECTORY_FEATURES, Feature, task_feature_specs,
+                                           task_features, trajectory_features)
 
 OTHER = "(other)"
 SHOWN_CATEGORIES = 8  # categories listed per chi-square result (largest share changes first)
@@ -259,9 +259,11 @@ def task_drift(reference_tasks: Sequence[dict], current_tasks: Sequence[dict], r
     """Per-feature drift between two sets of task records. Entity values are read from `reference_world` and
     `current_world` (default: the reference world); without a world the entity features are skipped."""
     cfg = cfg or DriftConfig()
-    ref = task_features(reference_tasks, reference_world)
-    cur = task_features(current_tasks, current_world if current_world is not None else reference_world)
-    return compare_features(ref, cur, _selected(TASK_FEATURES, cfg), cfg, "task_drift")
+    specs = task_feature_specs(reference_world)  # the entity features: the reference world's numeric columns
+    fields = [k.removeprefix("entity_") for k, f in specs.items() if f.unit == "entity"]
+    ref = task_features(reference_tasks, reference_world, fields)
+    cur = task_features(current_tasks, current_world if current_world is not None else reference_world, fields)
+    return compare_features(ref, cur, _selected(specs, cfg), cfg, "task_drift")
 
 
 def _episode_features(episodes) -> dict[str, pd.Series]:
@@ -325,7 +327,7 @@ def mmd_test(x: np.ndarray, y: np.ndarray, permutations: int = 500, seed: int = 
     """Permutation test of H0: `x` (n, d) and `y` (m, d) come from one distribution; see the module docstring.
 
     The statistic is ``w^T K w`` with ``w = 1/n`` on the first group and ``-1/m`` on the second (the biased squared
-    MMD); each permutation relabels the pooled sample, and all permutations of a block are one product ``K @ W``.
+    MMD); each permutation relabels the pooled sample, and all permutations of a block are one matrix multiplication ``K @ W``.
     p = (1 + #{permuted >= observed}) / (1 + permutations)."""
     rng = np.random.default_rng([seed, 5])
     x = _subsample(np.asarray(x, dtype=np.float64), max_samples, rng)
@@ -468,8 +470,8 @@ def make_drifted_tasks(world, n: int, kind: str, seed: int, level_mix: Mapping[i
     """A documented drifted current dataset from the environment's generator (see :data:`DRIFT_KINDS`):
 
     - ``level_shift``: the level mix :data:`SHIFTED_LEVEL_MIX`, everything else as the reference;
-    - ``value_shift``: the reference level mix on the environment's :meth:`value_shifted` copy of the world (the shop:
-      every price redrawn from the upper half of its range); the answers are computed on that copy, and the returned
+    - ``value_shift``: the reference level mix on the environment's :meth:`value_shifted` copy of the world (the default
+      world: one numeric attribute of every entity redrawn from the upper half of its range); the answers are computed on that copy, and the returned
       sample carries it (its entity features must be read from it, as a production check would read the production
       database).
     """

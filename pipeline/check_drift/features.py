@@ -8,9 +8,11 @@ Units matter for the tests' validity (a two-sample test assumes independent draw
 
 - ``task``: one value per task record;
 - ``entity``: one value per *distinct* entity the sample names, read from the environment's entity table
-  (:meth:`Environment.entity_table`; the shop: its products; an environment without one skips these features). Tasks naming the same
-  product are not independent draws of its price, so per-task entity values would make a small pool of products look
-  like a large sample (held-out splits name ~60 products across 400 tasks) and the KS test fire on nothing;
+  (:meth:`Environment.entity_table`, capability DriftSource); its numeric columns are the features
+  (``entity_<column>``, :func:`task_feature_specs`), and an environment without a table has none. Tasks naming the
+  same entity are not independent draws of its values, so per-task entity values would make a small pool of entities
+  look like a large sample (the default world's held-out splits name ~60 entities across 400 tasks) and the KS test
+  fire on nothing;
 - ``episode``: one value per episode record.
 
 Extraction is one pass over the records into flat lists, then pandas/numpy: 100k episodes take about a second (see
@@ -58,11 +60,7 @@ TASK_FEATURES: dict[str, Feature] = _registry(
     Feature("template", "categorical", "task", "question template id, e.g. 'lookup/2' (unseen templates show here)"),
     Feature("question_chars", "continuous", "task", "question length in characters"),
     Feature("answer_value", "continuous", "task", "ground-truth answer read as a number (text answers are missing)"),
-    Feature("entity_price", "continuous", "entity", "price of each distinct product named, from the world database"),
-    Feature("entity_stock", "continuous", "entity", "stock of each distinct product named, from the world database"),
-    Feature("entity_weight_kg", "continuous", "entity", "weight of each distinct product named, from the world "
-            "database"),
-)
+)  # and one ``entity_<column>`` feature per numeric column of the environment's entity table (task_feature_specs)
 
 TRAJECTORY_FEATURES: dict[str, Feature] = _registry(
     Feature("tool_sequence", "categorical", "episode", "the episode's tools in order, e.g. 'lookup,calc,answer' "
@@ -88,16 +86,31 @@ assert set(OUTCOME_FEATURES) <= set(TRAJECTORY_FEATURES)
 ALL_FEATURES: dict[str, Feature] = {**TASK_FEATURES, **TRAJECTORY_FEATURES}
 assert len(ALL_FEATURES) == len(TASK_FEATURES) + len(TRAJECTORY_FEATURES), "feature names must be unique"
 
-ENTITY_FIELDS = ("price", "stock", "weight_kg")
 _CALL_HEAD = re.compile(r"\s*<call>\s*([A-Za-z_]\w*)")
 NAN = math.nan
 
 
 # ------------------------------------------------------------------------------------------------------------ tasks
-def task_features(records: Sequence[dict], world=None) -> dict[str, pd.Series]:
-    """One series per :data:`TASK_FEATURES` entry; the entity features need `world` (an environment with an entity
-    table) and are all-missing without it. Entities a task names that the world lacks are left out (see
-    :func:`unknown_entities`)."""
+def entity_fields(world) -> tuple[str, ...]:
+    """The numeric columns of `world`'s entity table, in the table's order (() without a world or a table)."""
+    table = world.entity_table() if world is not None else None
+    if table is None:
+        return ()
+    return tuple(str(c) for c in table.columns if pd.api.types.is_numeric_dtype(table[c])
+                 and not pd.api.types.is_bool_dtype(table[c]))
+
+
+def task_feature_specs(world=None) -> dict[str, Feature]:
+    """:data:`TASK_FEATURES` and one ``entity_<column>`` feature per numeric column of `world`'s entity table."""
+    return {**TASK_FEATURES, **{f"entity_{c}": Feature(f"entity_{c}", "continuous", "entity",
+                                                       f"{c} of each distinct entity named, from the environment's "
+                                                       f"entity table") for c in entity_fields(world)}}
+
+
+def task_features(records: Sequence[dict], world=None, fields: Sequence[str] | None = None) -> dict[str, pd.Series]:
+    """One series per feature of :func:`task_feature_specs`; the entity features (`fields`, default: `world`'s
+    numeric entity columns) need `world` (an environment with an entity table). Entities a task names that the world
+    lacks are left out (see :func:`unknown_entities`)."""
     df = pd.DataFrame.from_records([{"entities": [], "template_id": "", **r} for r in records],
                                    columns=["family", "level", "template_id", "question", "answer", "entities"])
     out = {
@@ -107,20 +120,21 @@ def task_features(records: Sequence[dict], world=None) -> dict[str, pd.Series]:
         "question_chars": df["question"].astype(str).str.len().astype(float),
         "answer_value": pd.to_numeric(df["answer"].astype(str), errors="coerce").astype(float),
     }
-    values = entity_values(df["entities"], world)
-    for f in ENTITY_FIELDS:
+    fields = entity_fields(world) if fields is None else tuple(fields)
+    values = entity_values(df["entities"], world, fields)
+    for f in fields:
         out[f"entity_{f}"] = values[f] if values is not None else pd.Series([], dtype=float)
     return out
 
 
-def entity_values(entities: pd.Series, world) -> pd.DataFrame | None:
+def entity_values(entities: pd.Series, world, fields: Sequence[str]) -> pd.DataFrame | None:
     """Numeric attributes of each distinct entity named in `entities` (a series of name lists), from `world`'s
     entity table (columns it lacks are all-missing)."""
     table = world.entity_table() if world is not None else None
     if table is None:
         return None
     names = pd.Index(entities.explode().dropna().astype(str).unique())
-    table = table.reindex(columns=list(ENTITY_FIELDS))
+    table = table.reindex(columns=list(fields))
     return table.loc[names.intersection(table.index, sort=False)].astype(float)
 
 

@@ -157,7 +157,7 @@ def get_suite(name: str) -> SuiteSpec:
 def validate(df: pd.DataFrame, suite_name: str, *, dataset: str | None = None, **params: Any) -> ValidationReport:
     """Validate a frame (already flattened: see :func:`flatten_records`) against suite `suite_name`.
 
-    `params` go to the suite's builder (e.g. `split="train"` for "tasks", `categories=[...]` for "products"); an
+    `params` go to the suite's builder (e.g. `split="train"` for "tasks", `categories=[...]` for an entity table's suite); an
     unknown parameter is a TypeError. A frame without `_row` gets its positional row numbers.
     """
     spec = get_suite(suite_name)

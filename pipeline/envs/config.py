@@ -40,6 +40,6 @@ class EnvConfig(PhaseConfig):
     tool_failure_rate: float = Field(0.0, ge=0, lt=1, description="Chance that a tool call fails with a transient 'temporarily unavailable' error (fault injection; the policy should retry).")
     tool_latency_spike_rate: float = Field(0.0, ge=0, lt=1, description="Chance that a tool call is delayed by a latency spike of `tool_latency_spike_s` on top of `tool_latency_s` (fault injection, drawn from the episode's seed); a call whose total latency reaches `tool_timeout_s` is a timeout error.")
     tool_latency_spike_s: float = Field(0.5, gt=0, le=10, description="Length of one latency spike, in seconds.")
-    randomize_values: bool = Field(False, description="Redraw the numeric attributes of the task's products in every episode's private copy of the database (ground truth recomputed), so a policy must read its tool results instead of memorising them.")
+    randomize_values: bool = Field(False, description="Redraw the numeric attributes of the task's entities in every episode's private copy of the database (ground truth recomputed), so a policy must read its tool results instead of memorising them.")
     reward: RewardWeights = Field(default_factory=RewardWeights, description="Composite reward weights.")
     context_actions: ContextActionsConfig = Field(default_factory=ContextActionsConfig, description="Context management and task decomposition as actions: note, remember/recall (long-term memory), plan (pipeline.envs.context_actions); off by default.")

@@ -3,7 +3,7 @@
 An environment is a Python class that subclasses :class:`Environment`. The pipeline finds it by ``module:Class`` or by
 name in the entry-point group ``agentrl.environments`` (:mod:`pipeline.envs.registry`) and chooses it with
 ``env.name`` in params.yaml. The built-in ones are ``shop`` (:mod:`pipeline.envs.shop`) and ``sql`` (the read-only
-SQL analyst, :mod:`pipeline.envs.sql`).
+SQL environment, :mod:`pipeline.envs.sql`).
 
 Who does what:
 
@@ -12,8 +12,10 @@ Who does what:
   its tools with a JSON Schema each (:class:`ToolSpec`, the OpenAI function shape), turns a task record into a task
   (:meth:`Environment.task_from_dict`), and opens one episode per task (:meth:`Environment.open_episode`), in which it
   executes tool calls (:meth:`Episode.call`) and judges the answer (:meth:`Episode.correct`). It enforces its own
-  safety rules by raising :class:`SafetyViolation`. Optionally it provides a scripted expert (demonstrations and the
-  check below), a random baseline, Great Expectations suites for its data, and drift features of its trajectories.
+  safety rules by raising :class:`SafetyViolation`. That is the core. Everything else is an opt-in capability
+  (:mod:`pipeline.envs.capabilities`: an expert, data suites, drift sources, corpus text, reference calls, ...): the
+  methods below marked optional are the capabilities' hooks with their no-op defaults, and a phase asks
+  :func:`pipeline.envs.capabilities.has_capability` whether an environment really offers one.
 - **The pipeline** owns everything between the model and the environment (:mod:`pipeline.envs.runner`): the text
   protocol and its parser, the prompt, the check of every call's parameters against the tool's schema before the
   environment sees it, the penalties for invalid calls, budgets and truncation, fault injection, the composite reward
@@ -33,7 +35,6 @@ score on every task it is checked on; a tool that raises becomes an error observ
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,11 +62,6 @@ class ToolSpec:
     description: str
     parameters: dict
     writes: bool = False
-
-    def openai(self) -> dict:
-        """The OpenAI function-calling form, which chat templates with tool support render."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
 
     def signature(self) -> str:
         """The compact form the prompt lists, e.g. ``lookup(name, field)``: the schema's properties in order."""
@@ -232,7 +228,7 @@ class Environment(ABC):
     def close(self) -> None:
         """Release the world."""
 
-    # ------------------------------------------------------------------------------------------------- optional
+    # ------------------------------------------------- optional: hooks of the capabilities (pipeline.envs.capabilities)
     def expert(self, flaw: str = "none", rng=None) -> ScriptedPolicy | None:
         """A scripted expert that solves every task in `min_calls` calls (with `flaw`, one imperfection); None if the
         environment has none (then `build_env` writes no demonstrations and adaptation needs data of its own)."""
@@ -307,8 +303,8 @@ class Environment(ABC):
         return None
 
     def entity_table(self):
-        """A pandas DataFrame of the world's entities indexed by the names tasks carry in `entities`, with numeric
-        columns among price, stock and weight_kg (the task drift check's per-entity features), or None."""
+        """A pandas DataFrame of the world's entities indexed by the names tasks carry in `entities`; each numeric
+        column is one of the task drift check's per-entity features (``entity_<column>``), or None."""
         return None
 
     def entity_names(self) -> set[str] | None:
@@ -321,10 +317,8 @@ class Environment(ABC):
 
     def vocabulary(self) -> list[str]:
         """Words the policy must copy exactly from questions into calls (field names, units), drilled in continued
-        pre-training. (A world folder may also hold `corpus.jsonl`, documents {"text": ...} used by pre-training and
-        the built-in tokenizer, and `entities.json`, {"products"|...: {name: split}} used for name augmentation.)"""
+        pre-training's word drills. (A world folder may also hold `corpus.jsonl`, documents {"text": ...} that the
+        built-in tokenizer reads, and `entities.json`, {kind: {name: split}} for the drills and name augmentation:
+        :mod:`pipeline.adapt.entity_source`.)"""
         return []
 
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=True, sort_keys=True)

@@ -39,8 +39,8 @@ _STORES_LOCK = threading.Lock()
 
 def terms(text: str) -> list[str]:
     """
-    >>> terms('Price of "Wild Torch" = 320.5')
-    ['price', 'of', 'wild', 'torch', '320', '5']
+    >>> terms('Height of "Wild Torch" = 320.5')
+    ['height', 'of', 'wild', 'torch', '320', '5']
     """
     return _TERM.findall(str(text).lower())
 

@@ -15,8 +15,11 @@ every environment:
 - ``guess_number``: makes one read call, then answers a number drawn at random from the numeric training answers
   (so small counts, frequent in the data, are guessed as often as they occur);
 - ``call_every_tool``: calls every read tool once (parameters filled from the schema), then answers the guess;
-- ``attempt_writes``: calls every write tool (``ToolSpec.writes``) on an entity named in the question, then answers
-  the guess; skipped (reported as such) where the task's tools include no write tool (the SQL analyst).
+- ``attempt_writes``: calls every write tool on an entity named in the question, then answers the guess. Write tools
+  are those whose ToolSpec says ``writes=True`` and those :func:`pipeline.envs.write_check.undeclared_writes` finds
+  changing an episode's state without saying so (reported as ``undeclared`` so the environment can declare them);
+  where there is none the probe does not run, and the result says so (``write_probe.ran: false``) for `build_env`
+  to print (a read-only environment).
 
 Parameters are filled from each tool's JSON Schema (:func:`fill`): an enum's first value, a string quoted in the
 question for a string (the entity the task is about, so lookups and writes hit real rows), a small integer for a
@@ -96,8 +99,8 @@ def guesses(train: list, probed_ids: set[str]) -> tuple[dict[str, str], str, lis
 def quoted(question: str) -> list[str]:
     """The strings quoted in a question, in order (the entities a task names).
 
-    >>> quoted('Set the stock of "Urban Desk" to 5, then \\'x\\'.')
-    ['Urban Desk', 'x']
+    >>> quoted('Set the size of "Blue Hall" to 5, then \\'x\\'.')
+    ['Blue Hall', 'x']
     """
     return [a or b for a, b in _QUOTED.findall(question)]
 
@@ -107,10 +110,10 @@ def fill(schema: dict, strings: list[str], rng: np.random.Generator):
     boolean, object, array that the schema allows): a small random integer within the bounds, the first of `strings`
     that fits the length bounds (else "x"), False, an object of its required properties, an empty list.
 
-    >>> fill({"type": "object", "properties": {"name": {"type": "string"}, "field": {"enum": ["stock", "price"]},
+    >>> fill({"type": "object", "properties": {"name": {"type": "string"}, "field": {"enum": ["size", "floor"]},
     ...       "n": {"type": ["integer", "string"], "minimum": 3, "maximum": 3}}, "required": ["name", "field", "n"]},
-    ...      ["Urban Desk"], np.random.default_rng(0))
-    {'name': 'Urban Desk', 'field': 'stock', 'n': 3}
+    ...      ["Blue Hall"], np.random.default_rng(0))
+    {'name': 'Blue Hall', 'field': 'size', 'n': 3}
     """
     if "enum" in schema and schema["enum"]:
         return schema["enum"][0]
@@ -144,18 +147,20 @@ class Probe:
     then `final` (an answer, or None to go on repeating the last call until a budget ends)."""
 
     def __init__(self, name: str, world: Environment, family_guess: dict[str, str], overall_guess: str,
-                 numbers: list[str], rng: np.random.Generator):
+                 numbers: list[str], rng: np.random.Generator, undeclared: frozenset[str] = frozenset()):
         if name not in PROBES:
             raise ValueError(f"unknown probe {name!r}; probes are {PROBES}")
         self.name, self.world, self.rng = name, world, rng
         self.family_guess, self.overall_guess, self.numbers = family_guess, overall_guess, numbers
+        self.undeclared = undeclared  # tools found to write without declaring it (treated as write tools)
 
     def applies(self, task) -> bool:
         """Whether the probe has anything to try on `task` (the write probe needs a write tool)."""
         return self.name != "attempt_writes" or bool(self._tools(task, writes=True))
 
     def _tools(self, task, writes: bool) -> list[ToolSpec]:
-        return [s for s in toolset(self.world, task).specs if s.name != ANSWER_TOOL and s.writes == writes]
+        return [s for s in toolset(self.world, task).specs
+                if s.name != ANSWER_TOOL and (s.writes or s.name in self.undeclared) == writes]
 
     def _call(self, spec: ToolSpec, strings: list[str]) -> str:
         return format_action(spec.name, fill(spec.parameters, strings, self.rng))
@@ -226,19 +231,25 @@ def run_probes(world: Environment, train: list, env_cfg: EnvConfig, tasks: list,
     """Play the expert and every probe in `probes` on `tasks` (a sample of `train`) with `env_cfg`'s reward and
     budgets (the step budget raised to the largest `min_calls` played, the text budget lifted, as in the expert check
     of :mod:`pipeline.envs.checks`), fault injection off, episode i of each with seed `seed` + i; returns {"expert": summary, "probes":
-    {name: ProbeResult}}. An environment without an expert has nothing to compare with: {} then."""
+    {name: ProbeResult}, "write_probe": {"ran", "declared", "undeclared"}}. An environment without an expert has
+    nothing to compare with: {} then."""
     if world.expert() is None or not tasks:
         return {}
     cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_failure_rate": 0.0, "tool_latency_spike_rate": 0.0,
                                      "max_policy_chars": 10**9,
                                      "max_steps": max([env_cfg.max_steps, *(t.min_calls for t in tasks)])})
     family_guess, overall_guess, numbers = guesses(train, {t.task_id for t in tasks})
+    from pipeline.envs.write_check import undeclared_writes
+
+    undeclared = frozenset(undeclared_writes(world, tasks, seed))
+    declared = sorted({s.name for t in tasks for s in world.tools_for(t) if s.writes})
     env = AgentEnv(world=world, tasks=tasks, config=cfg)
     try:
         expert = _summary([_play(env, world.expert(), t, seed + i) for i, t in enumerate(tasks)])
         results = {}
         for k, name in enumerate(probes):
-            probe = Probe(name, world, family_guess, overall_guess, numbers, np.random.default_rng([seed, k]))
+            probe = Probe(name, world, family_guess, overall_guess, numbers, np.random.default_rng([seed, k]),
+                          undeclared)
             played = [(i, t) for i, t in enumerate(tasks) if probe.applies(t)]
             if not played:
                 results[name] = ProbeResult(name, 0, None, None, None, 0, None, True,
@@ -253,4 +264,7 @@ def run_probes(world: Environment, train: list, env_cfg: EnvConfig, tasks: list,
                                         s["safety_violations"], ratio, passed, ref)
     finally:
         env.close()
-    return {"expert": expert, "probes": results}
+    writes = results.get("attempt_writes")
+    return {"expert": expert, "probes": results,
+            "write_probe": {"ran": bool(writes and not writes.skipped), "declared": declared,
+                            "undeclared": sorted(undeclared)}}

@@ -2,7 +2,8 @@
 
 ``env.name`` in params.yaml is one of:
 
-- a built-in name: ``shop`` (the default), ``sql`` (the read-only SQL analyst) or ``calendar`` (the booking calendar);
+- a built-in name: ``shop`` (the default), ``sql`` (the read-only SQL environment) or ``calendar`` (the
+  booking calendar);
 - the name of an entry point in the group ``agentrl.environments`` of an installed package, for example in its
   ``pyproject.toml``: ``[project.entry-points."agentrl.environments"] support = "my_pkg.env:SupportDesk"``;
 - ``module:Class`` for a class importable from the current Python path;

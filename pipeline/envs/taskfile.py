@@ -4,10 +4,18 @@ Every phase reads its tasks through :func:`load_task_file`: the pipeline checks 
 the keys of :class:`~pipeline.envs.contract.TaskFields` of the right JSON types, and (with `validate`, at a phase's
 boundary) the environment's own Great Expectations check of its records; only then does the environment turn each
 record into a task (:meth:`Environment.task_from_dict`).
+
+Key order: a record is written with its keys sorted at every depth (:func:`record_json`), so a task's free `data`
+comes back from the file with sorted keys. The pipeline never hands an expert a task that has not made that trip:
+`build_env` writes its demonstrations from the tasks as they read back (:func:`as_read_back`), so demonstrations, RL
+guidance, evaluation and serving all show the expert the same order. (Sorted keys keep the files of every earlier
+build byte for byte as they were; an expert that needs an order of its own should take it from the tool's schema, as
+the built-in experts do.)
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.core.errors import AgentRLError
@@ -18,13 +26,26 @@ TASK_KEYS = {"task_id": str, "split": str, "level": int, "family": str, "questio
              "min_calls": int, "template_seen": bool}
 
 
+def record_json(record: dict) -> str:
+    """One task record as a line of a task file (keys sorted at every depth; see the module docstring)."""
+    return json.dumps(record, sort_keys=True)
+
+
 def write_tasks(tasks: list, path: Path, env: str | None = None) -> None:
-    """One task per line, keys sorted; `env` (a mixed run's) is written into every record. Atomic
+    """One task per line (:func:`record_json`); `env` (a mixed run's) is written into every record. Atomic
     (:mod:`pipeline.core.atomic`): `path` holds the old file or the whole new one."""
-    from pipeline.core.atomic import write_jsonl
+    from pipeline.core.atomic import atomic_open
 
     extra = {"env": env} if env else {}
-    write_jsonl(path, ({**t.to_dict(), **extra} for t in tasks))
+    with atomic_open(path) as fh:
+        for t in tasks:
+            fh.write(record_json({**t.to_dict(), **extra}) + "\n")
+
+
+def as_read_back(tasks: list, world) -> list:
+    """`tasks` as :func:`load_task_file` will give them back from the file :func:`write_tasks` writes (same key
+    order everywhere), for whatever uses a task before it is read from its file (the demonstrations)."""
+    return [world.task_from_dict(json.loads(record_json(t.to_dict()))) for t in tasks]
 
 
 class TaskFileError(AgentRLError, ValueError):

@@ -77,7 +77,7 @@ def verify(calls: list[dict], required_tools: list[str]) -> VerifierReport:
 def plan_step_done(step: str, call: dict) -> bool:
     """Whether `call` ({"tool", "params", "outcome"}) completes the sub-goal `step` (see the module docstring).
 
-    >>> call = {"tool": "lookup", "params": {"name": "Wild Torch", "field": "price"}, "outcome": OK}
+    >>> call = {"tool": "lookup", "params": {"name": "Wild Torch", "field": "height"}, "outcome": OK}
     >>> plan_step_done("lookup", call), plan_step_done("lookup wild torch", call), plan_step_done("lookup lamp", call)
     (True, True, False)
     """

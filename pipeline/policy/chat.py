@@ -50,8 +50,8 @@ ATTR = "agentrl_chat"
 
 # the start-up check's probe conversation (two tool-using turns, as the environment writes them)
 PROBE_SYSTEM = "You are an agent that can use tools."
-PROBE_USER = "Task: What is the price of 'Cedar Supply'?"
-PROBE_TURNS = (('<call>search {"query": "Cedar Supply"}</call>', '<obs>[{"id": 12, "price": 19.5}]</obs>\n'),
+PROBE_USER = "Task: What is the height of 'Cedar Tower'?"
+PROBE_TURNS = (('<call>search {"query": "Cedar Tower"}</call>', '<obs>[{"id": 12, "height": 19.5}]</obs>\n'),
                ('<call>answer {"value": "19.5"}</call>', "<obs>ok</obs>\n"))
 DELTA_BASE = ({"role": "system", "content": "s"}, {"role": "user", "content": "u"})
 DELTA_ACTION = "<call>a {}</call>"

@@ -9,7 +9,7 @@ history outgrows the environment's window the context is folded and is no longer
 demonstration is then cut into segments, each starting from the folded context the policy would really see
 (:func:`demo_segments`).
 
-Entity augmentation (:class:`NamePool`, :func:`augment_names`) replaces the entity names of a demonstration by
+Entity augmentation (:mod:`pipeline.policy.names`) replaces the entity names of a demonstration by
 fictitious ones, so that copying a name from the question or a tool result is the only way to a right call.
 
 Left out: batching and the training loops (:mod:`pipeline.adapt.batching`, :mod:`pipeline.adapt.sft`, the RL
@@ -18,7 +18,6 @@ trainer), and continued pre-training's synthetic drills (:mod:`pipeline.adapt.dr
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pipeline.core.errors import AgentRLError
 from pipeline.core.jsonl import read_jsonl
 from pipeline.envs.context_actions import note_of
 from pipeline.envs.prompt import render_context
+from pipeline.policy.names import NamePool, augment_names  # noqa: F401  (re-exported: the demonstrations' augmentation)
 from pipeline.policy.tokenizer import encode_action, encode_context, encode_observation
 
 
@@ -117,7 +117,7 @@ def demo_examples(tokenizer, demos: Sequence[dict], questions: dict[str, str], w
     caller through the count of truncated examples.
     """
     if augment_prob > 0 and (pool is None or rng is None or entities is None):
-        raise AgentRLError("entity augmentation of demonstrations needs a NamePool (data/env/entities.json), the "
+        raise AgentRLError("entity augmentation of demonstrations needs a NamePool (pipeline.adapt.entity_source), the "
                            "tasks' entities and an RNG")
     out = []
     for d in demos:
@@ -146,65 +146,6 @@ def text_examples(tokenizer, texts: Sequence[str], max_len: int) -> list[Example
         ids = ids[:max_len]
         out.append(Example(ids, [1] * len(ids), "corpus"))
     return out
-
-
-@dataclass(frozen=True)
-class NamePool:
-    """Words to build fictitious entity names from, and every real name (which a fictitious one must never be).
-
-    Product names are "Adjective Noun", supplier names "Word Kind" (pipeline.envs.shop.world); a fictitious name pairs a first
-    word with a last word of the same kind, both taken from *training* entities, such that no real entity of any split
-    has that name: held-out names never enter training text, and a fictitious name has no price to memorise.
-    """
-
-    firsts: dict[str, tuple[str, ...]]
-    lasts: dict[str, tuple[str, ...]]
-    kind_of: dict[str, str]  # real name -> "products" | "suppliers"
-
-    @classmethod
-    def from_entities(cls, entities: dict) -> "NamePool":
-        firsts, lasts, kind_of = {}, {}, {}
-        for kind in ("products", "suppliers"):
-            split_of = entities.get(kind, {})
-            train = [n for n, sp in split_of.items() if sp == "train" and len(n.split()) >= 2]
-            firsts[kind] = tuple(sorted({n.split()[0] for n in train}))
-            lasts[kind] = tuple(sorted({n.split()[-1] for n in train}))
-            kind_of.update({n: kind for n in split_of})
-        return cls(firsts, lasts, kind_of)
-
-    def fake(self, kind: str, rng: np.random.Generator, avoid: set[str]) -> str | None:
-        a, b = self.firsts.get(kind, ()), self.lasts.get(kind, ())
-        for _ in range(64):
-            if not a or not b:
-                return None
-            name = f"{a[int(rng.integers(len(a)))]} {b[int(rng.integers(len(b)))]}"
-            if name not in self.kind_of and name not in avoid:
-                return name
-        return None
-
-
-def augment_names(question: str, steps: Sequence[dict], entities: Sequence[str], pool: NamePool,
-                  rng: np.random.Generator) -> tuple[str, list[dict], dict[str, str]]:
-    """(question, steps, {real name: fictitious name}): the demonstration with every entity the task names replaced by a fictitious name of the same kind, everywhere
-    it occurs (question, actions, observations), consistently within the demonstration.
-
-    Why: the training tasks name only a few hundred products, so a small model lowers its SFT loss fastest by
-    memorising them, and then writes a *training* name for a held-out product (measured: greedy validation success of
-    5% on level 1 at a training loss of 0.19). With fictitious names in part of the demonstrations, the only way to the
-    name in a call is to copy it from the question or from a tool result, which is the skill the validation split asks for.
-    """
-    mapping: dict[str, str] = {}
-    for e in entities:
-        kind = pool.kind_of.get(e)
-        new = pool.fake(kind, rng, set(mapping.values())) if kind else None
-        if new:
-            mapping[e] = new
-    if not mapping:
-        return question, [dict(s) for s in steps], mapping
-    pattern = re.compile("|".join(re.escape(k) for k in sorted(mapping, key=len, reverse=True)))
-    sub = lambda text: pattern.sub(lambda m: mapping[m.group(0)], text)  # noqa: E731
-    return (sub(question), [{**s, "action": sub(s["action"]), "observation": sub(s["observation"])} for s in steps],
-            mapping)
 
 
 def load_demos(path: Path, task_ids: Sequence[str] | None = None) -> list[dict]:

@@ -68,7 +68,7 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
 # once per action (probability ε for a uniformly chosen tool) and then writes the forced name tokens (or samples π as
 # usual). What it records for each token is the
 # log-probability of the *marginal* mixture's conditional q(t | prefix) (:func:`mixture_logprobs`), tracked by the
-# posterior weight of every branch given the tokens written so far (:func:`mixture_posterior`): the product of these
+# posterior weight of every branch given the tokens written so far (:func:`mixture_posterior`): multiplied together, these
 # conditionals is exactly the probability of the action under the mixture, so the learner's truncated importance
 # weight min(c, π_θ/q) corrects for the noise. Once no live branch still forces a token, q = π and the action goes on
 # as an ordinary one. A policy that writes another tokenization of a name is covered by the policy branch.

@@ -14,13 +14,13 @@ Decisions (the prototype's pitfalls):
   encode(action) + encode(observation)`` whenever the pieces start and end at markers or newlines, which is what the
   prompt format guarantees (:mod:`pipeline.envs.prompt`). That is what lets the engine keep its KV cache across turns.
 - **Every space is a token of its own** (``Split(" ", "isolated")`` before everything else), so a word has the same
-  ids wherever it stands: ``stock`` in "the stock of" (after a space) and in ``"field": "stock"`` (after a quote), or
-  ``Cedar`` in ``of "Cedar Supply"`` and in ``"query": "Cedar Supply flagship product"``. The policy's core skill is
+  ids wherever it stands: ``height`` in "the height of" (after a space) and in ``"field": "height"`` (after a quote),
+  or ``Cedar`` in ``of "Cedar Tower"`` and in ``"query": "Cedar Tower main hall"``. The policy's core skill is
   copying words from the question and from tool results into calls; with GPT-2's space-prefixed words a copy had to
-  map `` stock`` to ``stock``, a per-word mapping that does not transfer to words seen in one position only. Measured
+  map `` height`` to ``height``, a per-word mapping that does not transfer to words seen in one position only. Measured
   with space-prefixed words on the default: the adapted policy never learned which field a level-1 question asks for
   (teacher-forced probability of the right field 0.34 on *training* demonstrations, about one in three), and it wrote
-  a training supplier's name into every level-4 search query. Cost: 34 % more tokens per demonstration (125 to 167
+  a training entity's name into every level-4 search query. Cost: 34 % more tokens per demonstration (125 to 167
   on the default) and 25 % more action tokens, paid in SFT and rollout time.
 - **No normaliser** and ``clean_up_tokenization_spaces=False``: ``decode(encode(text)) == text`` for every valid
   string, so the engine can compare the decoded action with the environment's echo of it.
@@ -44,7 +44,7 @@ unchanged). :func:`marker_ids` maps ``<pad>``/``<bos>``/``<eos>`` to a foreign t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -185,8 +185,9 @@ def encode_turns(tokenizer, context: str, steps: Iterable[tuple[str, str]]) -> t
     return ids, mask
 
 
-def corpus_texts(data_dir: str | Path, signatures: list[str]) -> Iterator[str]:
-    """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``),
+def corpus_texts(data_dir: str | Path, signatures: list[str], documents: Sequence[str] = ()) -> Iterator[str]:
+    """The tokenizer's training text, from training data only: the world's documents (``env/corpus.jsonl``, and
+    `documents`: the environment's ``corpus()`` where it offers capability HasCorpus),
     the prompt header of every training question (``tasks/train.jsonl``; the header is in every policy input, so its
     words deserve merges) and the demonstrations' actions and
     observations (``demos/train.jsonl``). Validation and test files are never read."""
@@ -195,6 +196,7 @@ def corpus_texts(data_dir: str | Path, signatures: list[str]) -> Iterator[str]:
     corpus = data_dir / "env" / "corpus.jsonl"  # the world's documents, where its environment writes them
     for doc in iter_jsonl(corpus, "document corpus", hint=hint) if corpus.is_file() else ():
         yield f"{doc.get('title', '')}\n{doc.get('text', '')}"
+    yield from (d for d in documents if isinstance(d, str))
     for task in iter_jsonl(data_dir / "tasks" / "train.jsonl", "training tasks", hint=hint):
         yield render_header(task["question"], signatures)
     for demo in iter_jsonl(data_dir / "demos" / "train.jsonl", "demonstrations", hint=hint):

@@ -39,8 +39,8 @@ MAX_POSITION = 8  # positions from here on share one bucket
 def parse_call(action: str) -> tuple[str, dict] | None:
     """``(tool, params)`` of a ``<call>name {json}</call>`` action, None when it is not one.
 
-    >>> parse_call('<call>lookup {"name": "A", "field": "price"}</call>')
-    ('lookup', {'name': 'A', 'field': 'price'})
+    >>> parse_call('<call>lookup {"name": "A", "field": "height"}</call>')
+    ('lookup', {'name': 'A', 'field': 'height'})
     >>> parse_call('<call>lookup {oops</call>') is None, parse_call('hello') is None
     (True, True)
     """

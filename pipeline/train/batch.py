@@ -7,7 +7,7 @@ Trajectory slicing (`train.sampling.slice_turns` = K > 0, design document 3.4): 
 tool list and, in a folded segment, the summary) followed by the window's own tokens, from the observation that
 precedes its first turn to its last action (the last window runs to the segment's end); the turns in between are
 left out. So no row is longer than the prompt plus K turns, whatever the episode's length, and every action token is
-trained once. The price: the policy is scored on a shorter context than it sampled from, so π_θ/π_behaviour also
+trained once. The cost: the policy is scored on a shorter context than it sampled from, so π_θ/π_behaviour also
 measures that difference; the truncated importance weight (`train.is_clip`) bounds it, and the learner's one-forward
 step reads the recorded log-probabilities as π_behaviour for these rows as for every other. Slices keep their
 episode's index and turn numbers, so advantages, per-turn credit and GAE (over the episode's rows in order) are

@@ -110,7 +110,7 @@ def select_incoming(batches: Sequence[tuple[str | Path, Sequence[Task]]], train_
     gives the task's answer; None skips that check.
 
     >>> from pipeline.envs.contract import Task as T
-    >>> t = T("t1", "train", 1, 'Price of "A"?', "3", data={"entities": ["A"]})
+    >>> t = T("t1", "train", 1, 'Height of "A"?', "3", data={"entities": ["A"]})
     >>> leaks = lambda task: "H" in task.data["entities"]
     >>> used, counts = select_incoming([("b.jsonl", [t, replace(t, task_id="t2", data={"entities": ["H"]})])], [], leaks)
     >>> [u.task_id for u in used], counts["dropped_heldout_entities"]

@@ -1,0 +1,135 @@
+"""Adaptation's names for any environment (pipeline.adapt.entity_source, pipeline.policy.names): the shop's drills
+and augmentation are byte for byte what they were before the kinds became the shop's hook; an environment with other
+kinds, or with no entities.json at all, still gets drills and augmentation, and the metrics say what was applied."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.adapt import drills
+from pipeline.adapt.entity_source import documents, name_source
+from pipeline.envs.capabilities import HasCorpus, NamesEntities, has_capability
+from pipeline.envs.contract import ANSWER_SPEC, Environment, Task
+from pipeline.envs.registry import environment_class
+from pipeline.policy.names import NamePool, augment_names, mine_copyable
+
+# sha256 of the shop's first 500 copy drills, drill vocabulary, first 500 word drills and 20 augmentations (seed 0
+# world, default options), computed with the code as it was before the kinds became a hook
+SHOP_COPY = "3742d4eb5fa916c73b260660398abd036274dd7fa6ea86f6fe6543e5be5a85c7"
+SHOP_WORDS = "ecb002c2651162df64b68d8b273e0c0a8129d02ee98952b867b28653d1f66583"
+SHOP_WORD_DRILLS = "825b134f56989c3d47951d9ede4ae73a7ee792687af7bd337cc371a8ef5cc5c1"
+SHOP_AUGMENT = "70362494623e12694c91719fac0b4b51dd2edf0c6a67eeed6965e11d40841ce0"
+
+
+def _sha(x) -> str:
+    return hashlib.sha256(json.dumps(x).encode()).hexdigest()
+
+
+def _shop_world_dir(tmp_path: Path) -> Path:
+    from pipeline.envs.contract import BuildRequest
+
+    cls = environment_class("shop")
+    out = tmp_path / "data" / "env"
+    out.mkdir(parents=True)
+    cls.build(out, BuildRequest(0, {"train": 4, "validation": 2, "test": 2}, {1: 1.0}, cls.Options()))
+    return out
+
+
+def test_shop_drills_and_augmentation_are_byte_identical_to_before(tmp_path):
+    env_dir = _shop_world_dir(tmp_path)
+    shop = environment_class("shop").load(env_dir)
+    assert has_capability(shop, NamesEntities) and not has_capability(shop, HasCorpus)
+    src = name_source(shop, tmp_path / "data", [], [])
+    pool = src.pool
+    assert src.source == "entities.json kinds ['products', 'suppliers']"
+    copy = drills.copy_drills(pool, 500, np.random.default_rng([0, 1]))
+    words = drills.drill_words(pool, extra=list(shop.vocabulary()))
+    word = drills.word_drills(pool, words, 500, np.random.default_rng([0, 4]))
+    ents = json.loads((env_dir / "entities.json").read_text())
+    names = sorted(n for n, s in ents["products"].items() if s == "train")[:3] + \
+        sorted(n for n, s in ents["suppliers"].items() if s == "train")[:1]
+    q = f'Compare "{names[0]}" and "{names[3]}".'
+    steps = [{"action": f'<call>lookup {{"name": "{names[0]}"}}</call>', "observation": f"{names[3]} sells {names[0]}"}]
+    rng = np.random.default_rng(7)
+    aug = [augment_names(q, steps, names, pool, rng) for _ in range(20)]
+    assert (_sha(copy), _sha(words), _sha(word), _sha(aug)) == (SHOP_COPY, SHOP_WORDS, SHOP_WORD_DRILLS, SHOP_AUGMENT)
+    # the shop's pre-training mix keeps no documents under the default `auto` (it offers no corpus())
+    assert documents(shop, tmp_path / "data", "auto") == []
+    assert documents(shop, tmp_path / "data", True)  # its corpus.jsonl, when asked for
+
+
+class _Kinds(Environment):
+    """Entities of kinds the shop does not have; no hooks."""
+
+    name = "kinds"
+    levels = (1,)
+
+    @classmethod
+    def build(cls, out_dir, request):
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, world_dir):
+        return cls()
+
+    def tools(self):
+        return [ANSWER_SPEC]
+
+    def task_from_dict(self, row):
+        return Task.from_dict(row)
+
+    def open_episode(self, task, rng, randomize_values=False):
+        raise NotImplementedError
+
+
+def test_any_kinds_of_entities_json_give_drills_and_augmentation(tmp_path):
+    env_dir = tmp_path / "data" / "env"
+    env_dir.mkdir(parents=True)
+    ents = {"rooms": {"Blue Hall": "train", "Red Annex": "train", "Green Loft": "test"},
+            "people": {"Ada Stone": "train", "Bo Lind": "train", "Cy Marsh": "validation"}}
+    (env_dir / "entities.json").write_text(json.dumps(ents))
+    tasks = [{"task_id": "t1", "question": "Who booked 'Blue Hall'?"}]
+    src = name_source(_Kinds(), tmp_path / "data", tasks, [])
+    assert src.source == "entities.json kinds ['rooms', 'people']"
+    assert src.names(tasks[0]) == ["Blue Hall"]  # no `entities` in the record: the pool's names in its question
+    copy = drills.copy_drills(src.pool, 40, np.random.default_rng(0))
+    assert len(copy) > 10
+    real = {n for kind in ents.values() for n in kind}
+    for text in copy:
+        assert not any(f"'{n}'" in text for n in real)  # fictitious names only
+    word = drills.word_drills(src.pool, drills.drill_words(src.pool, ["capacity"]), 20, np.random.default_rng(1))
+    assert len(word) == 20
+    q, _, mapping = augment_names(tasks[0]["question"], [], src.names(tasks[0]), src.pool, np.random.default_rng(2))
+    assert set(mapping) == {"Blue Hall"} and "Blue Hall" not in q
+
+
+def test_without_entities_json_names_are_mined_from_the_demonstrations(tmp_path):
+    (tmp_path / "data" / "env").mkdir(parents=True)
+    rooms = ["Oakridge", "Maplewood", "Riverside", "Stonegate", "Harborview", "Kingsley"]
+    tasks = [{"task_id": f"t{i}", "question": f"What is the capacity of '{r}'?"} for i, r in enumerate(rooms)]
+    demos = [{"task_id": f"t{i}", "steps": [
+        {"action": f'<call>capacity {{"room": "{r}", "unit": "seats"}}</call>', "observation": f"{10 + i}"},
+        {"action": f'<call>answer {{"value": "{10 + i}"}}</call>', "observation": ""}]} for i, r in enumerate(rooms)]
+    src = name_source(_Kinds(), tmp_path / "data", tasks, demos)
+    assert src.source == "strings the demonstrations copy from what they read"
+    assert src.names(tasks[2]) == ["Riverside"]  # "seats" is not in the question: not copied, so not mined
+    assert drills.copy_drills(src.pool, 20, np.random.default_rng(0))
+    assert mine_copyable("no quotes", demos[0]["steps"]) == []
+
+
+def test_with_nothing_to_copy_the_source_says_why(tmp_path):
+    (tmp_path / "data" / "env").mkdir(parents=True)
+    src = name_source(_Kinds(), tmp_path / "data", [{"task_id": "t", "question": "2 + 2?"}], [])
+    assert not src.pool and src.source.startswith("none, because the world folder has no entities.json")
+    assert drills.copy_drills(src.pool, 10, np.random.default_rng(0)) == []
+
+
+def test_a_single_word_kind_builds_names_from_halves():
+    pool = NamePool.from_entities({"codes": {"Alpha": "train", "Bravo": "train", "Delta": "test"}})
+    assert pool.joiners == {"codes": ""}
+    name = pool.fake("codes", np.random.default_rng(0), set())
+    assert name and name not in {"Alpha", "Bravo", "Delta"}
