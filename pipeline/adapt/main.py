@@ -50,6 +50,7 @@ from pipeline.core.isolation import tree_peak_mib
 from pipeline.policy.config import ModelConfig, RolloutConfig
 from pipeline.adapt.config import AdaptConfig
 from pipeline.adapt import recipe as recipes
+from pipeline.core.recipe import describe as describe_recipe, mlflow_params as recipe_params
 
 PHASE = "adapt"
 EXAMPLES_PER_LEVEL = 2  # greedy transcripts per level stored as an MLflow artefact
@@ -319,7 +320,7 @@ def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:
     if metrics["gate"]["passed"] is not None:
         flat["eval/gate_passed"] = float(metrics["gate"]["passed"])
     run.log_metrics(flat)
-    run.log_params(recipes.mlflow_params(metrics["recipe"]))
+    run.log_params(recipe_params(metrics["recipe"]))
     run.log_dict({k: v for k, v in metrics.items() if k != "capability"}, "adapt_summary.json")
     run.log_metrics(flat_metrics(metrics["learnability"]))
     run.log_dict(metrics["learnability"], "learnability.json")
@@ -353,7 +354,7 @@ def main(params_path: str = "params.yaml", data_dir: str = "data", out_dir: str 
           f"({metrics['base']['n_parameters'] / 1e6:.2f}M parameters, {metrics['adapter']['trainable_fraction']:.1%} "
           f"trained); {metrics['eval']['split']} success greedy/sampled: {levels}; gate {gate}; "
           f"{metrics['seconds']['total']:.0f}s -> {out_dir}")
-    print(f"adapt: recipe: {recipes.describe(metrics['recipe'])}")
+    print(f"adapt: recipe: {describe_recipe(metrics['recipe'])}")
     from pipeline.policy.learnability_render import render
 
     print(render(metrics["learnability"], LEARN_TITLE.format(split=metrics["eval"]["split"])), flush=True)
