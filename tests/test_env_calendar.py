@@ -5,7 +5,6 @@ command line from build-env to evaluate."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from env_support import MAX_ACTION_CHARS, all_tasks, digest, drive, parse
 from pipeline.envs.contract import BuildRequest, SafetyViolation, Task, ToolError
 from pipeline.envs.calendar import CalendarOptions, CalendarWorld
 from pipeline.envs.calendar.tasks import FAMILIES
@@ -26,8 +26,6 @@ from pipeline.envs.calendar.world import CORPUS_NAME, DB_NAME, META_NAME, ROOM_N
 SMALL = CalendarOptions(n_people=60, weeks=2)
 SIZES = {"train": 80, "validation": 24, "test": 40}
 MIX = {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
-ACTION = re.compile(r"\A<call>([a-z_]+) (\{.*\})</call>\Z", re.DOTALL)
-MAX_ACTION_CHARS = 256  # the pipeline's default longest action text
 
 
 def build(out: Path, seed: int = 0, sizes=SIZES, options=SMALL, mix=MIX):
@@ -42,46 +40,6 @@ def world(tmp_path_factory):
     env = CalendarWorld.load(out)
     yield out, result, env
     env.close()
-
-
-def all_tasks(result) -> list[Task]:
-    return [t for split in ("train", "validation", "test") for t in result.tasks[split]]
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def parse(text: str) -> tuple[str, dict]:
-    m = ACTION.match(text)
-    assert m, f"not an action: {text!r}"
-    return m.group(1), json.loads(m.group(2))
-
-
-def drive(env: CalendarWorld, task: Task, policy, max_steps: int = 12):
-    """Run `policy` on `task` through an episode of `env`; (calls as (tool, outcome), correct, actions)."""
-    episode = env.open_episode(task, np.random.default_rng(0))
-    policy.reset(task)
-    obs, info, calls, actions = {"context": task.question}, {}, [], []
-    try:
-        for _ in range(max_steps):
-            text = policy.act(obs, info)
-            actions.append(text)
-            tool, params = parse(text)
-            if tool == "answer":
-                calls.append((tool, "answer"))
-                return calls, episode.correct(str(params["value"])), actions
-            try:
-                result, outcome = episode.call(tool, params), "ok"
-            except SafetyViolation as exc:
-                result, outcome = str(exc), "safety_violation"
-            except ToolError as exc:
-                result, outcome = str(exc), "tool_error"
-            calls.append((tool, outcome))
-            info = {"tool_result": result, "outcome": outcome}
-        return calls, False, actions
-    finally:
-        episode.close()
 
 
 def of_family(result, family: str, split: str = "train") -> Task:
