@@ -493,7 +493,8 @@ def test_an_environment_from_outside_runs_the_unchanged_command_line(tmp_path):
     assert proc.returncode == 0 and "agentrl_arith:Arith" in proc.stdout, proc.stdout + proc.stderr
     proc = run("build-env")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("build_env: environment arith: 1 worlds, tasks 12/4/4"), proc.stdout
+    assert "\nbuild_env: environment arith: 1 worlds, tasks 12/4/4" in proc.stdout, proc.stdout
+    assert proc.stdout.startswith("build_env: warning: reward-hacking probe 'attempt_writes' did not run"), proc.stdout
     data = tree(root / "data")
 
     # a broken environment named by module:Class: one error line, exit 2, the published data untouched
