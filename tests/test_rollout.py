@@ -290,14 +290,14 @@ def test_tool_threads_step_a_decode_steps_environments_side_by_side_and_change_n
 
     real, lock, live = EnvEpisode.step, threading.Lock(), {"now": 0, "peak": 0}
 
-    def slow_step(self, text):
+    def slow_step(self, text, token_limit=False):
         with lock:
             live["now"] += 1
             live["peak"] = max(live["peak"], live["now"])
         time.sleep(0.02)
         with lock:
             live["now"] -= 1
-        return real(self, text)
+        return real(self, text, token_limit)
 
     monkeypatch.setattr(EnvEpisode, "step", slow_step)
     out = {}
