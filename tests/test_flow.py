@@ -282,8 +282,8 @@ def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
     (parent,) = runs(root, "pipeline")
     assert parent.info.status == "FINISHED" and parent.data.tags["git.commit"] == head
     produced = lineage.data_versions(root)
-    assert set(produced) == {"data/env", "data/tasks", "data/demos", "models/adapted", "models/reward_model",
-                             "models/policy"}
+    assert set(produced) == {"data/env", "data/tasks", "data/demos", "data/recipe.json", "models/adapted",
+                             "models/reward_model", "models/policy"}
     assert lineage.versions_from_tags(parent.data.tags) == produced
     client = mlflow_client(root)
     children = client.search_runs([parent.info.experiment_id],
