@@ -122,16 +122,16 @@ def evaluate(policy_name: str, tasks: list, runtime: Environment, env_cfg: EnvCo
 
 def main(policy: str, tasks: str, out: str, params_path: str = "params.yaml", seed: int = 0,
          world_dir: str = "data/env") -> dict:
+    if policy not in POLICIES and not Path(policy).is_dir():
+        raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
     check_target(out)  # an output path that cannot be written is refused before the episodes run
-    read_task_records(tasks)  # a malformed task file is refused before anything else is read
+    read_task_records(tasks)  # a malformed task file is refused before the params (whose limits may need data)
     env_cfg = load_section(EnvConfig, "env", params_path)
     rollout_cfg = None
     if policy not in POLICIES:
         from pipeline.policy.config import RolloutConfig
 
         rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
-        if not Path(policy).is_dir():
-            raise AgentRLError(f"unknown policy {policy!r}: not one of {', '.join(POLICIES)} and not a model directory")
     runtime = open_environment(env_cfg.name, world_dir)
     try:
         task_list = load_task_file(tasks, runtime)
