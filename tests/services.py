@@ -3,10 +3,11 @@ PostgreSQL (a fresh cluster in a temporary folder), an S3-compatible object stor
 tracking server on either.
 
 PostgreSQL: `initdb`, `pg_ctl` and `postgres` are looked up on PATH, then in Debian's /usr/lib/postgresql/*/bin. initdb
-refuses to run as root, so as root the cluster is created and run by an unprivileged system user (`postgres` when it
-exists, else `agentrl-pg`, created with useradd) through runuser; its folder is a fresh one under the system
-temporary directory (a pytest tmp_path of root's is not readable by that user). Authentication is `trust` on
-127.0.0.1 only.
+refuses to run as root, so as root the cluster is created and run through runuser by an unprivileged user that
+already exists (`postgres` when the package made one, else `nobody`); no user is ever created. Its folder is a
+fresh one under the system temporary directory, handed to that user (a pytest tmp_path of root's is not readable by
+it). `postgres_missing()` names what stops a cluster from starting here, for the tests' skip reason. Authentication
+is `trust` on 127.0.0.1 only.
 
 S3: `moto_server` (from `moto[server]`) keeps its buckets in memory; any access key works. Clients reach it by an
 endpoint URL: `AWS_ENDPOINT_URL` / `MLFLOW_S3_ENDPOINT_URL` for boto3 and MLflow, `dvc remote modify NAME endpointurl`
@@ -30,7 +31,7 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-PG_USER = "agentrl-pg"  # created when running as root on a machine without a `postgres` user
+PG_USERS = ("postgres", "nobody")  # the unprivileged users, in order, that run the cluster when we are root
 
 
 def free_port() -> int:
@@ -79,16 +80,27 @@ def postgres_bin(name: str) -> str | None:
 
 
 def _pg_user() -> str | None:
-    """The unprivileged user that runs the cluster when this process is root (None: run it as ourselves)."""
+    """The existing unprivileged user that runs the cluster when this process is root (None: run it as ourselves)."""
     if os.geteuid() != 0:
         return None
-    for name in ("postgres", PG_USER):
+    for name in PG_USERS:
         with contextlib.suppress(KeyError):
             pwd.getpwnam(name)
             return name
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_USER], check=True,
-                   capture_output=True)
-    return PG_USER
+    raise RuntimeError(f"running as root and none of the users {', '.join(PG_USERS)} exists to run PostgreSQL")
+
+
+def postgres_missing() -> str | None:
+    """Why a PostgreSQL cluster cannot start on this machine (None when it can): the reason a test skips with."""
+    if postgres_bin("initdb") is None or postgres_bin("pg_ctl") is None:
+        return "PostgreSQL's initdb/pg_ctl are not installed (PATH, /usr/lib/postgresql/*/bin)"
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        return "running as root (initdb refuses root) and runuser is not installed to drop to an unprivileged user"
+    try:
+        _pg_user()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 @contextlib.contextmanager

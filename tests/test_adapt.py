@@ -332,6 +332,7 @@ def test_no_prefix_is_shared_when_a_loss_token_lies_inside_it():
     assert sft.shared_prefix_len(ids, att, labels) == 0
     assert sft.shared_prefix_len(ids[:1], att[:1], labels[:1]) == 0  # a single row shares nothing
 
+@pytest.mark.slow
 def test_compiled_sft_steps_equal_eager_steps(tokenizer, demos, tasks, signatures):
     """torch.compile (adapt.sft.compile) trains the module itself and gives the same steps as eager PyTorch (fp32, up
     to the fused kernels' rounding), over batches of two different lengths (the second runs the dynamic graph)."""
@@ -551,6 +552,7 @@ def test_gate_with_an_unknown_metric_is_refused_before_training():
 # ------------------------------------------------------------------------------------------------------ the phase
 
 
+@pytest.mark.slow
 def test_phase_publishes_a_loadable_model_and_metrics(good_run):
     model, tok, meta = load_policy(good_run / "models" / "adapted")
     assert meta["phase"] == "adapt" and meta["adapter"] == "lora" and meta["data_version"]
@@ -565,6 +567,7 @@ def test_phase_publishes_a_loadable_model_and_metrics(good_run):
     assert set(peaks) == {"pretrain", "sft", "evaluate"} and 0 < peaks["pretrain"] <= peaks["sft"] <= peaks["evaluate"]
 
 
+@pytest.mark.slow
 def test_phase_reports_learnability_of_its_greedy_episodes(good_run):
     from pipeline.policy.learnability_render import flat_metrics, render
 
@@ -592,6 +595,7 @@ def good_run(data_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_pretraining_in_a_child_process_gives_the_same_weights(data_dir, tmp_path):
     """adapt.pretrain.subprocess hands back the weights and the batch generator's state: SFT goes on from the same
     point, so the published weights are bit-identical to pre-training in the phase's own process."""
@@ -634,12 +638,14 @@ def _untouched(tmp_path, published):
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["adapted"]  # no temporary folders left
 
 
+@pytest.mark.slow
 def test_a_model_path_that_does_not_exist_is_refused(data_dir, tmp_path, published):
     with pytest.raises(AgentRLError, match="no-such-model"):
         run_phase(data_dir, tmp_path, model_cfg=TINY.model_copy(update={"base": str(tmp_path / "no-such-model")}))
     _untouched(tmp_path, published)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_that_does_not_match_the_model_is_refused(data_dir, tmp_path, published, tokenizer, signatures):
     base = tmp_path / "base"
     shutil.copytree(tmp_path / "models" / "adapted", base)
@@ -651,6 +657,7 @@ def test_a_tokenizer_that_does_not_match_the_model_is_refused(data_dir, tmp_path
     _untouched(tmp_path, published)
 
 
+@pytest.mark.slow
 def test_compiled_sft_without_a_cxx_compiler_is_refused_before_training(data_dir, tmp_path, published, monkeypatch):
     """adapt.sft.compile needs a C++ compiler (Inductor's CPU kernels): without one the phase stops at once, naming
     the key and the way out, and the published model stays as it was."""
@@ -662,6 +669,7 @@ def test_compiled_sft_without_a_cxx_compiler_is_refused_before_training(data_dir
     _untouched(tmp_path, published)
 
 
+@pytest.mark.slow
 def test_a_demo_file_that_breaks_the_schema_is_refused_by_the_phase(data_dir, tmp_path, published):
     bad = tmp_path / "bad-data"
     shutil.copytree(data_dir, bad)
@@ -675,6 +683,7 @@ def test_a_demo_file_that_breaks_the_schema_is_refused_by_the_phase(data_dir, tm
     _untouched(tmp_path, published)
 
 
+@pytest.mark.slow
 def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published, capsys):
     cfg = tiny_adapt_config(gate=GateConfig(enabled=True, min={"eval/greedy/success_L1": 0.99}))
     with pytest.raises(capability.CapabilityGateError, match="eval/greedy/success_L1"):
@@ -683,6 +692,7 @@ def test_a_model_below_the_gate_is_not_published(data_dir, tmp_path, published, 
     assert "adapt: learnability on the validation split (greedy)" in capsys.readouterr().out  # why, before it stops
 
 
+@pytest.mark.slow
 def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_path, published):
     """model.base may name a policy folder (e.g. a previous adapted model): loaded with its own tokenizer."""
     base = tmp_path / "base"
@@ -695,6 +705,7 @@ def test_starting_from_a_saved_policy_continues_from_its_weights(data_dir, tmp_p
 # ------------------------------------------------------------------------------------------ checkpoint selection
 
 
+@pytest.mark.slow
 def test_checkpoint_selection_publishes_the_best_scored_weights_and_stops_on_patience(data_dir, tmp_path, monkeypatch):
     """Scores are scripted (1st check best): the published weights are those the model had at that check, every
     later check is recorded, and patience 2 ends SFT two checks after the best."""
@@ -725,6 +736,7 @@ def test_checkpoint_selection_publishes_the_best_scored_weights_and_stops_on_pat
     assert not all(torch.equal(published[k].float(), v.float()) for k, v in snapshots[2].items())
 
 
+@pytest.mark.slow
 def test_checkpoint_selection_scores_reproduce_on_the_published_model(data_dir, tmp_path):
     """Real figures (no script): the selected score is what the published model scores again on the same tasks."""
     cfg = tiny_adapt_config(adapter=AdapterConfig(kind="none"),
@@ -755,6 +767,7 @@ def test_selection_that_would_score_nothing_before_the_last_step_is_refused():
     assert SFTConfig(steps=1000, select_every=0, select_from=2000).select_every == 0  # off: not checked
 
 
+@pytest.mark.slow
 def test_checkpoint_selection_with_lora_scores_the_unmerged_model_and_publishes_a_merged_one(data_dir, tmp_path):
     """The checks play the peft-wrapped model being trained (with LoRA dropout, off by default); the published model
     is the merged selected one."""

@@ -62,6 +62,7 @@ def test_train_wordings_reach_train_and_validation_through_the_phase_and_leave_t
     assert (tmp_path / "data/tasks/test.jsonl").read_bytes() == (root / "data/tasks/test.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_data_failing_validation_stops_the_phase_and_keeps_the_previous_outputs(built, tmp_path):
     root, _ = built
     first = build(TINY, EnvConfig(), tmp_path / "data", tmp_path / "metrics.json")
@@ -90,6 +91,7 @@ def _agentrl(*args, cwd):
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_eval_cli_scores_the_expert_and_refuses_a_corrupt_task_file(built, tmp_path):
     root, _ = built
     (root / "params.yaml").write_text("env:\n  max_steps: 8\n")
@@ -115,6 +117,7 @@ def test_eval_cli_scores_the_expert_and_refuses_a_corrupt_task_file(built, tmp_p
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 def test_build_env_cli_refuses_bad_params_and_keeps_data(built, tmp_path):
     root, _ = built
     before = (root / "data/tasks/train.jsonl").read_bytes()
@@ -214,6 +217,7 @@ build_env:
 """
 
 
+@pytest.mark.slow
 def test_tracking_off_builds_without_mlflow_and_a_bad_switch_stops_first(tmp_path):
     """``AGENTRL_TRACKING=off``: the phase runs and writes its outputs with MLflow not importable, and no store is made;
     a value that is neither on nor off is refused, naming the variable, before anything is written."""

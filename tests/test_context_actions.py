@@ -300,6 +300,7 @@ train:
 """
 
 
+@pytest.mark.slow
 def test_a_tiny_training_run_with_the_context_actions_on_reports_them_per_update(tmp_path, monkeypatch):
     from pipeline.build_env.config import BuildEnvConfig
     from pipeline.build_env.main import build

@@ -232,6 +232,7 @@ def metrics_copy(project: Path, dest: Path, evaluate: list[bool] | None = None, 
     return dest
 
 
+@pytest.mark.services
 def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(server, project, tmp_path, capsys):
     from pipeline.deploy.main import report
     from pipeline.deploy.registry import ModelRegistry, rollback
@@ -305,6 +306,7 @@ def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(serve
     assert snapshot(registry) == before
 
 
+@pytest.mark.services
 def test_promote_by_hand_dry_run_and_bad_input_leave_the_registry_unchanged(server, project, tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -367,6 +369,7 @@ def test_promote_by_hand_dry_run_and_bad_input_leave_the_registry_unchanged(serv
         ModelRegistry("never-registered").resolve(alias="champion")
 
 
+@pytest.mark.services
 def test_registered_model_loads_as_pyfunc_and_solves_tasks(server, project):
     import mlflow.pyfunc
     import pandas as pd
@@ -392,6 +395,7 @@ def test_registered_model_loads_as_pyfunc_and_solves_tasks(server, project):
         model.predict([{"question": "q", "nonsense": 1}])
 
 
+@pytest.mark.services
 @pytest.mark.slow
 def test_a_tracking_server_that_stops_during_deploy_leaves_every_version_whole_and_the_aliases_in_place(
         project, tmp_path, monkeypatch, capsys):

@@ -475,6 +475,7 @@ def _arith_params() -> dict:
     return params
 
 
+@pytest.mark.services
 @pytest.mark.slow
 def test_an_environment_from_outside_runs_the_unchanged_command_line(tmp_path):
     from deploy_support import free_port, wait_http, write_metrics

@@ -311,6 +311,7 @@ def phase_run(project):
     return result
 
 
+@pytest.mark.slow
 def test_phase_writes_metrics_plots_and_pairs_with_an_independent_evaluation(project, phase_run):
     from pipeline.envs.shop import ShopWorld
     from pipeline.envs.taskfile import load_task_file

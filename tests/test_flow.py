@@ -426,6 +426,7 @@ def test_a_reference_version_the_workspace_moved_past_is_restored_from_the_dvc_c
         reference_path(root, "data/tasks/train.jsonl", {"data/tasks": "f" * 32 + ".dir"}, tmp_path)
 
 
+@pytest.mark.services
 @pytest.mark.slow
 @pytest.mark.parametrize("remote", ["local", "s3"])
 def test_dvc_push_and_pull_restore_data_and_models_byte_for_byte(trained, remote):

@@ -244,6 +244,7 @@ def test_the_rollout_engine_completes_actions_with_the_foreign_model(tiny_dir, t
 
 
 # ------------------------------------------------------------------------------------------------ every phase (slow)
+@pytest.mark.services
 @pytest.mark.slow
 def test_the_foreign_model_goes_through_every_phase(tmp_path):
     """build-env, adapt (LoRA), train, evaluate, check-drift, deploy (int8) and serve with model.base the tiny Qwen2

@@ -331,6 +331,7 @@ def _subprocess_cases(root: Path, tmp: Path) -> dict[str, tuple[list[str], str]]
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["params", "model_folder", "registry_uri", "incoming"])
 def test_the_installed_command_refuses_each_kind(kind, project, tmp_path):
     args, expected = _subprocess_cases(project, tmp_path)[kind]

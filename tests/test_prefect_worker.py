@@ -82,6 +82,7 @@ def test_schedule_without_a_server_says_how_to_start_one(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.services
 def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_its_schedule_fires(tmp_path):
     root = make_project(tmp_path / "project")  # no data yet: each run records that there is nothing to do
     port = _free_port()

@@ -170,6 +170,7 @@ def test_the_default_sql_reward_passes_and_the_write_probe_is_skipped(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ the gate in build_env
+@pytest.mark.slow
 def test_a_hackable_reward_stops_build_env_naming_the_probe_and_data_stays(shop, tmp_path):
     root, metrics, _, _ = shop
     data_before = {p: p.read_bytes() for p in (root / "data").rglob("*") if p.is_file()}

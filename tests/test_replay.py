@@ -172,6 +172,7 @@ def in_project(project, monkeypatch):
     return project
 
 
+@pytest.mark.slow
 def test_replayed_rows_are_trained_with_their_stored_advantage_behaviour_logprobs_and_weights(in_project,
                                                                                               monkeypatch):
     from pipeline.train import learner
@@ -267,6 +268,7 @@ def test_slicing_and_adversarial_sampling_in_the_loop(in_project, monkeypatch):
         assert p[i] / plain[i] == pytest.approx(0.01 * p[i - 1] / plain[i - 1])  # 100× less likely than before
 
 
+@pytest.mark.slow
 def test_a_run_with_replay_and_adversarial_sampling_resumes_as_if_it_had_not_stopped(tmp_path, monkeypatch):
     from pipeline.train.worker import run_worker
 

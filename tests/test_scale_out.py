@@ -14,10 +14,10 @@ import json
 import pytest
 
 from deploy_support import ENV, ROLL, build_project, deploy_config, nudged_policy, snapshot, tracking_uri
-from services import mlflow_server, postgres, postgres_bin, s3_keys, s3_server
+from services import mlflow_server, postgres, postgres_missing, s3_keys, s3_server
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(postgres_bin("initdb") is None, reason="PostgreSQL (initdb) is not installed")]
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.services,
+              pytest.mark.skipif(postgres_missing() is not None, reason=str(postgres_missing()))]
 BUCKET = "agentrl-mlflow"
 
 

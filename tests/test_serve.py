@@ -28,7 +28,8 @@ from pipeline.deploy.config import ServeConfig
 NAME = "policy-serve"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # tests/conftest.py
+              pytest.mark.services]  # every test here reads from an MLflow server, most also from `agentrl serve`
 
 
 @pytest.fixture(scope="module")

@@ -137,6 +137,7 @@ def sql_world(tmp_path_factory):
     env.close()
 
 
+@pytest.mark.slow
 def test_sql_generates_training_tasks_of_the_weak_wording_that_pass_the_suites(sql_world):
     from pipeline.envs.sql.suites import check_splits
     from pipeline.envs.sql.tasks import FAMILIES as SQL_FAMILIES
@@ -302,6 +303,7 @@ def _client_state(ckpt: Path) -> dict:
     return torch.load(states, map_location="cpu", weights_only=False)
 
 
+@pytest.mark.slow
 def test_a_training_run_with_task_generation_adds_weak_spot_tasks_to_the_pool_and_samples_them(project,
                                                                                                  monkeypatch):
     from pipeline.train.worker import run_worker
@@ -335,6 +337,7 @@ def test_a_training_run_with_task_generation_adds_weak_spot_tasks_to_the_pool_an
     assert not any(k.startswith("taskgen/") for k in off["history"][0])
 
 
+@pytest.mark.slow
 def test_a_resumed_run_with_task_generation_continues_identically(project, monkeypatch):
     from pipeline.train.worker import run_worker
 

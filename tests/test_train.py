@@ -261,6 +261,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_p
     assert files(ref / "models/policy") == files(proj / "models/policy")
 
 
+@pytest.mark.slow
 def test_a_finished_run_started_again_restores_its_policy_without_training(tmp_path, monkeypatch, capsys):
     from pipeline.policy.model import load_policy
     from pipeline.train.worker import run_worker
@@ -313,6 +314,7 @@ def test_the_checkpoint_key_hashes_the_train_stage_code_that_dvc_yaml_lists():
     assert all((root / src).exists() for src in worker.TRAIN_SOURCES)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused(tmp_path, monkeypatch):
     from pipeline.train.worker import run_worker
 

@@ -458,6 +458,7 @@ def test_a_new_suite_registers_and_flattens(monkeypatch):
         register_suite("example_rollouts", id_column="episode_id")(trajectories_suite)
 
 
+@pytest.mark.slow
 def test_concurrent_validations_do_not_interfere():
     """Prefect may run tasks in threads: each call has its own context, so results stay separate."""
     good = make_splits()["train"]

@@ -51,16 +51,15 @@ class Dist:
             dist.barrier()
 
     def close(self) -> None:
-        """End of a multi-rank run: wait for every rank, then tear the process group down together. Without it a rank
-        that finished early (rank 1 while rank 0 still writes metrics) exited with SIGABRT in the group's teardown
-        (seen in a clean-clone CI run of `tests/test_train.py::test_two_deepspeed_ranks_train_and_report`). A
-        group of one (tests that call the worker in-process) is left as it is, so a later call in the same process
-        reuses it."""
+        """End of a multi-rank run: every rank waits here until all have written what they write. The group itself
+        is not torn down: its C++ teardown aborted a rank now and then (SIGABRT, "terminate called without an
+        active exception") after the work was done, so a launched rank leaves with `os._exit` instead (the worker's
+        `__main__`). A group of one (tests that call the worker in-process) is left as it is, so a later call in
+        the same process reuses it."""
         if self.world_size > 1:
             import torch.distributed as dist
 
             dist.barrier()
-            dist.destroy_process_group()
 
 
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
