@@ -65,9 +65,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-# Modules that take longest, longest first (from `--durations` of a full run). Under `pytest -n 2 --dist loadfile`
-# each module runs whole on one worker, in collection order; starting the long ones first keeps the two workers
-# busy to the end instead of leaving one module running alone. Order only: a module missing here runs after these.
+# Modules that take longest, longest first (from `--durations` of a full run). Under `pytest -n 2 --dist loadfile
+# --no-loadscope-reorder` (scripts/test) each module runs whole on one worker, in collection order; starting the long
+# ones first keeps the two workers busy to the end instead of leaving one module running alone (xdist's own order,
+# by number of tests, started the whole-pipeline modules last). Order only: a module missing here runs after these.
 LONG_FIRST = ("test_flow", "test_adapt", "test_train", "test_foreign_model", "test_prefect_worker", "test_serve",
               "test_deploy", "test_env_plugins", "test_deploy_kill", "test_env_calendar", "test_foundation",
               "test_faults", "test_train_nodes", "test_replay", "test_served_check", "test_build_env",
@@ -93,13 +94,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # The fast set (`scripts/test --fast`, docs/testing.md) stays fast only if a long test is marked when it is written.
-# Every run lists the unmarked tests that took longer than this (setup included), so a new one shows up at once.
+# Every run lists the unmarked tests whose own call took longer than this, so a new one shows up at once (setup is
+# left out: a module's shared fixture is built in the setup of whichever of its tests runs first).
 FAST_LIMIT_S = 5.0
 _unmarked_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when in ("setup", "call") and not {"slow", "services"} & set(report.keywords):
+    if report.when == "call" and not {"slow", "services"} & set(report.keywords):
         _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
 
 
@@ -107,7 +109,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     long = sorted(((s, n) for n, s in _unmarked_seconds.items() if s > FAST_LIMIT_S), reverse=True)
     if long:
         terminalreporter.section("unmarked tests over the fast set's limit")
-        terminalreporter.write_line(f"{len(long)} test(s) not marked slow or services took over {FAST_LIMIT_S:.0f} s "
-                                    "(setup included); mark them, or make them faster:")
+        terminalreporter.write_line(f"{len(long)} test(s) not marked slow or services took over {FAST_LIMIT_S:.0f} s; "
+                                    "mark them, or make them faster:")
         for seconds, nodeid in long:
             terminalreporter.write_line(f"  {seconds:6.1f} s  {nodeid}")
