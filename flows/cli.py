@@ -36,6 +36,29 @@ STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
 # `schedule` holds it only with --once (served, it would hold it for good; its flow runs' stages take it each).
 LOCKED = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift", "evaluate", "deploy", "promote",
                     "rollback", "run"})
+# Commands that read and write a project's own folders (data/, models/, metrics/, checkpoints/, its MLflow store): each
+# acts on the project its params file belongs to (see enter_project). `run` and `schedule` get the same from DVC,
+# which runs every stage in the folder of dvc.yaml; `eval` takes its own paths for the policy, tasks and output.
+PROJECT_COMMANDS = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift", "evaluate", "deploy",
+                              "promote", "rollback", "serve"})
+
+
+def enter_project(args: argparse.Namespace) -> None:
+    """Act on the project that `--params` belongs to, whatever the working directory.
+
+    A project is a folder with its own dvc.yaml and params.yaml (the repository root, `projects/sql-analyst`, ...):
+    its phases read and write data/, models/, metrics/ and checkpoints/ relative to that folder, as `agentrl run` runs
+    them. When the params file lies in such a folder and it is not the working directory, the command moves there
+    (and says so on stderr) instead of writing one project's outputs into another's. A params file in a folder
+    without dvc.yaml (a file of overrides a test or a script wrote) keeps the working directory as the project.
+    """
+    params = Path(args.params)
+    folder = params.resolve().parent
+    if not (folder / "dvc.yaml").is_file() or folder == Path.cwd().resolve():
+        return
+    args.params = str(params.resolve())
+    os.chdir(folder)
+    print(f"agentrl {args.command}: acting on the project in {folder} (the folder of {params})", file=sys.stderr)
 
 
 def _cmd_build_env(args: argparse.Namespace) -> int:
@@ -426,6 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc: int | str = "exception"
     try:
         tracking_enabled()  # a mistyped AGENTRL_TRACKING stops every command here, before it does anything
+        if args.command in PROJECT_COMMANDS:
+            enter_project(args)
         if args.command in LOCKED or (args.command == "schedule" and args.once):
             from pipeline.core.lock import repo_lock
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -507,3 +509,17 @@ def test_http_retry_defaults_apply_unless_set_and_a_refused_connection_is_a_stor
     assert store_failure(MlflowException("Registered Model with name=m not found",
                                          error_code="RESOURCE_DOES_NOT_EXIST")) is None
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
+
+
+def test_the_pyfunc_class_adds_no_mlflow_type_hint_warning_to_the_output():
+    """MLflow warns when a PythonModel's `predict` has no type hints; ours checks its own requests, and the warning
+    stood beside the one `error:` line of `agentrl serve` and `agentrl promote`. Importing the class is silent, while
+    the same class defined without the filter still warns (the check can fail)."""
+    code = ("import warnings, mlflow.pyfunc\n"
+            "import pipeline.deploy.pyfunc\n"
+            "class Plain(mlflow.pyfunc.PythonModel):\n"
+            "    def predict(self, context, model_input, params=None):\n"
+            "        return model_input\n")
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("Add type hints to the `predict` method") == 1  # Plain's, not AgentPolicyModel's

@@ -1,0 +1,93 @@
+"""Projects apart: a phase command acts on the project its params file belongs to, whatever the working directory.
+
+A project is a folder with its own dvc.yaml and params.yaml (the repository root, projects/sql-analyst, ...). Given
+the params file of another project, every phase command moves into that project's folder before it reads or writes
+anything, so one project's build never lands in another's data/ (flows/cli.py: enter_project).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import flows.cli as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def two_projects(base: Path) -> tuple[Path, Path]:
+    """A repository root and projects/sql-analyst inside it, each with its own dvc.yaml and params.yaml."""
+    root, sql = base / "repo", base / "repo" / "projects" / "sql-analyst"
+    sql.mkdir(parents=True)
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy2(ROOT / name, root / name)
+        shutil.copy2(ROOT / "projects" / "sql-analyst" / name, sql / name)
+    return root, sql
+
+
+@pytest.mark.parametrize("command", sorted(cli.PROJECT_COMMANDS))
+def test_every_phase_command_acts_in_the_folder_of_its_params_file(command, tmp_path, monkeypatch, capsys):
+    root, sql = two_projects(tmp_path)
+    seen = []
+
+    def record(args):
+        seen.append((Path.cwd(), Path(args.params)))
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_" + command.replace("-", "_"), record)
+    monkeypatch.chdir(root)
+    assert cli.main([command, "--params", "projects/sql-analyst/params.yaml"]) == 0  # root -> the SQL analyst
+    monkeypatch.chdir(sql)
+    assert cli.main([command, "--params", "../../params.yaml"]) == 0  # the SQL analyst's folder -> the root
+    assert cli.main([command, "--params", "params.yaml"]) == 0  # its own folder: nothing moves
+    assert [(cwd.resolve(), params.resolve()) for cwd, params in seen] == [
+        (sql.resolve(), (sql / "params.yaml").resolve()),
+        (root.resolve(), (root / "params.yaml").resolve()),
+        (sql.resolve(), (sql / "params.yaml").resolve())]
+    err = capsys.readouterr().err
+    assert err.count(f"agentrl {command}: acting on the project in") == 2  # said when it moves, not otherwise
+
+
+def test_a_params_file_outside_any_project_keeps_the_working_directory(tmp_path, monkeypatch):
+    """A loose file of overrides (no dvc.yaml beside it) is read from where it lies; the working directory stays
+    the project, as before."""
+    root, _ = two_projects(tmp_path)
+    loose = tmp_path / "overrides" / "params.yaml"
+    loose.parent.mkdir()
+    shutil.copy2(root / "params.yaml", loose)
+    seen = []
+    monkeypatch.setattr(cli, "_cmd_evaluate", lambda args: seen.append(Path.cwd()) or 0)
+    monkeypatch.chdir(root)
+    assert cli.main(["evaluate", "--params", str(loose)]) == 0
+    assert seen == [Path.cwd()] and Path.cwd().resolve() == root.resolve()
+
+
+@pytest.mark.slow
+def test_building_another_project_from_the_root_leaves_the_roots_data_alone(tmp_path):
+    """The installed command, from the root, with the SQL analyst's params: the SQL world lands in its own folder;
+    the root's data/ and metrics/ (the default project's) are not touched."""
+    from test_flow import BIN, clean_env
+
+    root, sql = two_projects(tmp_path)
+    params = yaml.safe_load((sql / "params.yaml").read_text())
+    params["build_env"].update({"options": {"n_customers": 60, "n_products": 40, "n_orders": 300},
+                                "tasks_per_split": {"train": 24, "validation": 8, "test": 8},
+                                "probes": {**params["build_env"]["probes"], "tasks": 8}})
+    (sql / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    (root / "data").mkdir()
+    (root / "data" / "mine.txt").write_text("the default project's data")
+    before = sorted(p.relative_to(root) for p in root.rglob("*") if "projects" not in p.parts)
+    proc = subprocess.run([str(BIN / "agentrl"), "build-env", "--params", "projects/sql-analyst/params.yaml"],
+                          cwd=root, env=clean_env(root), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"acting on the project in {sql.resolve()}" in proc.stderr
+    assert json.loads((sql / "metrics" / "build_env.json").read_text())["environment"] == "sql"
+    assert (sql / "data" / "tasks" / "test.jsonl").is_file()
+    after = sorted(p.relative_to(root) for p in root.rglob("*") if "projects" not in p.parts)
+    assert after == before and (root / "data" / "mine.txt").read_text() == "the default project's data"
+    assert not (root / "metrics").exists()
