@@ -514,7 +514,7 @@ def test_http_retry_defaults_apply_unless_set_and_a_refused_connection_is_a_stor
 def test_the_pyfunc_class_adds_no_mlflow_type_hint_warning_to_the_output():
     """MLflow warns when a PythonModel's `predict` has no type hints; ours checks its own requests, and the warning
     stood beside the one `error:` line of `agentrl serve` and `agentrl promote`. Importing the class is silent, while
-    the same class defined without the filter still warns (the check can fail)."""
+    a class defined without the switch still warns (the check can fail)."""
     code = ("import warnings, mlflow.pyfunc\n"
             "import pipeline.deploy.pyfunc\n"
             "class Plain(mlflow.pyfunc.PythonModel):\n"

@@ -44,6 +44,7 @@ def test_every_phase_command_acts_in_the_folder_of_its_params_file(command, tmp_
     assert cli.main([command, "--params", "projects/sql-analyst/params.yaml"]) == 0  # root -> the SQL analyst
     monkeypatch.chdir(sql)
     assert cli.main([command, "--params", "../../params.yaml"]) == 0  # the SQL analyst's folder -> the root
+    monkeypatch.chdir(sql)  # (the command moved this process into the root)
     assert cli.main([command, "--params", "params.yaml"]) == 0  # its own folder: nothing moves
     assert [(cwd.resolve(), params.resolve()) for cwd, params in seen] == [
         (sql.resolve(), (sql / "params.yaml").resolve()),
