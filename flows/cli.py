@@ -46,7 +46,7 @@ PROJECT_COMMANDS = frozenset({"build-env", "adapt", "reward-model", "train", "ch
 def enter_project(args: argparse.Namespace) -> None:
     """Act on the project that `--params` belongs to, whatever the working directory.
 
-    A project is a folder with its own dvc.yaml and params.yaml (the repository root, `projects/sql-analyst`, ...):
+    A project is a folder with its own dvc.yaml and params.yaml (the repository root, each folder under `projects/`):
     its phases read and write data/, models/, metrics/ and checkpoints/ relative to that folder, as `agentrl run` runs
     them. When the params file lies in such a folder and it is not the working directory, the command moves there
     (and says so on stderr) instead of writing one project's outputs into another's. A params file in a folder
