@@ -415,6 +415,9 @@ def test_suites_pass_and_name_a_broken_row(world, tmp_path):
     assert "cal-test-000000" in env.validate(out, leaked, None)[-1].describe()
     report = env.check_task_records([dict(records["train"][0], min_calls=9, answer="1234")], "incoming.jsonl")
     assert not report.success and "min_calls_matches_plan" in report.describe() and "receipt" in report.describe()
+    numbered = dict(records["train"][0], data={**records["train"][0]["data"], "template_id": 7})  # a number, not text
+    report = env.check_task_records([numbered], "incoming.jsonl")
+    assert not report.success and "template_id" in report.describe()
 
 
 def test_drift_features_from_calls(world):

@@ -417,6 +417,9 @@ def test_world_suites_pass_and_name_a_broken_row(world, tmp_path):
     broken_task = dict(records["train"][0], min_calls=9)
     report = env.check_task_records([broken_task], "incoming.jsonl")
     assert not report.success and "min_calls_matches_plan" in report.describe()
+    numbered = dict(records["train"][0], data={**records["train"][0]["data"], "template_id": 7})  # a number, not text
+    report = env.check_task_records([numbered], "incoming.jsonl")
+    assert not report.success and "template_id" in report.describe()
 
 
 def test_drift_features_from_calls(world):

@@ -154,6 +154,7 @@ def _derive_tasks(df: pd.DataFrame) -> dict[str, list]:
     plans = [get(d, "plan") for d in datas]
     return {
         "min_calls_matches_plan": [isinstance(p, list) and m == len(p) + 1 for p, m in zip(plans, min_calls)],
+        "template_id": [get(d, "template_id") for d in datas],  # the wording, "family/index", kept in `data`
         "goal_well_formed": [isinstance(get(d, "goal"), list) and bool(get(d, "goal")) and all(
             isinstance(g, dict) and g.get("op") in ("book", "move", "cancel") for g in get(d, "goal")) for d in datas],
         "receipt_matches_goal": [_receipt_ok(d, a) for d, a in zip(datas, answers)],
@@ -178,6 +179,7 @@ def tasks_suite(split: str | None = None) -> list:
         *V.text(gxe, "answer", max_len=40),
         *V.number(gxe, "min_calls", 4, 8),
         *V.present(gxe, "template_seen", V.BOOL_TYPES),
+        *V.text(gxe, "template_id"),  # a non-blank string of the task's `data` (a number there is refused)
         *V.all_true(gxe, "min_calls_matches_plan"),
         *V.all_true(gxe, "goal_well_formed"),
         *V.all_true(gxe, "receipt_matches_goal"),

@@ -174,6 +174,7 @@ def _derive_tasks(df: pd.DataFrame) -> dict[str, list]:
         "tables_known": [isinstance(t, list) and bool(t) and set(t) <= set(TABLES) for t in tables],
         "min_calls_matches_plan": [isinstance(t, list) and m == len(t) + 2 for t, m in zip(tables, min_calls)],
         "kind": [get(d, "kind") for d in datas],
+        "template_id": [get(d, "template_id") for d in datas],  # the wording, "family/index", kept in `data`
         "heldout_well_formed": [isinstance(get(d, "heldout"), dict) and bool(get(d, "heldout"))
                                 and set(get(d, "heldout")) <= set(HELDOUT_DIMENSIONS) for d in datas],
     }
@@ -194,6 +195,7 @@ def tasks_suite(split: str | None = None) -> list:
         *V.text(gxe, "answer", max_len=200),
         *V.number(gxe, "min_calls", 3, 5),
         *V.present(gxe, "template_seen", V.BOOL_TYPES),
+        *V.text(gxe, "template_id"),  # a non-blank string of the task's `data` (a number there is refused)
         *V.all_true(gxe, "sql_is_select"),
         *V.all_true(gxe, "tables_known"),
         *V.all_true(gxe, "min_calls_matches_plan"),
