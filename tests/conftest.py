@@ -26,6 +26,7 @@ def pytest_configure(config: pytest.Config) -> None:
     mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
     mp.delenv("AGENTRL_TRACKING", raising=False)  # a user's switch must not turn the suite's tracking off
     config.stash[_STORE] = (store, mp)
+    one_torch_thread_per_worker()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -82,7 +83,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
+def one_torch_thread_per_worker() -> None:
     """An xdist worker uses one torch thread: two workers on two cores each with a pool of two only wait on each
     other's OpenMP barriers."""
     import os
