@@ -5,12 +5,16 @@
 `mlflow.db`/`mlartifacts`, whichever phase it runs. A test that needs a store of its own can still point
 MLFLOW_TRACKING_URI elsewhere with monkeypatch.
 
+The memo of passed validations (`pipeline.core.validation_memo`) lives in that folder too, one for the run and
+its workers: the many tiny projects the tests build from the same seeds validate the same data once.
+
 `fixed_seeds` is autouse: every test starts from the same global random state (Python, NumPy, torch), so a test's
 draw is the same in CI as here and in any order; a test that means to range over draws parametrizes its seeds.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +29,10 @@ def pytest_configure(config: pytest.Config) -> None:
     mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store / 'mlflow.db'}")
     mp.delenv("AGENTRL_PARENT_RUN_ID", raising=False)
     mp.delenv("AGENTRL_TRACKING", raising=False)  # a user's switch must not turn the suite's tracking off
+    if not hasattr(config, "workerinput") or not os.environ.get("AGENTRL_VALIDATION_MEMO"):
+        # one memo of passed validations for the whole run, shared by the xdist workers (they inherit this
+        # process's environment) and by every child process; never the user's own (pipeline.core.validation_memo)
+        mp.setenv("AGENTRL_VALIDATION_MEMO", str(store / "validation-memo"))
     config.stash[_STORE] = (store, mp)
     one_torch_thread_per_worker()
 

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline.core import validation_memo as memo
+
 ROW = "_row"  # the record's position in its source (file line, table row); added to every validated frame
 SPLIT = "_split"  # the split a record was read from, in cross-split frames
 MAX_SHOWN = 10  # offending rows (and values) kept per failed expectation
@@ -157,16 +159,23 @@ def get_suite(name: str) -> SuiteSpec:
 def validate(df: pd.DataFrame, suite_name: str, *, dataset: str | None = None, **params: Any) -> ValidationReport:
     """Validate a frame (already flattened: see :func:`flatten_records`) against suite `suite_name`.
 
+    A pass of the same frame under the same suite and parameters is looked up in the memo of passed validations
+    first (:mod:`pipeline.core.validation_memo`), which spares the import of GX and the run.
     `params` go to the suite's builder (e.g. `split="train"` for "tasks", `categories=[...]` for an entity table's suite); an
     unknown parameter is a TypeError. A frame without `_row` gets its positional row numbers.
     """
     spec = get_suite(suite_name)
-    expectations = spec.build(**params)
     if ROW not in df.columns:
         df = df.assign(**{ROW: np.arange(len(df))})
     df = _with_object_strings(df)
-    index_columns = [c for c in (ROW, spec.id_column) if c in df.columns]
-    results = _run_gx(df, expectations, index_columns, name=suite_name)
+    memo_key = memo.key(spec, params, df) if memo.folder() is not None else None
+    results = memo.load(memo_key)
+    if results is None:
+        expectations = spec.build(**params)
+        index_columns = [c for c in (ROW, spec.id_column) if c in df.columns]
+        results = _run_gx(df, expectations, index_columns, name=suite_name)
+        if all(r["success"] for r in results):
+            memo.store(memo_key, results)
     return ValidationReport(dataset or suite_name, suite_name, len(df), results)
 
 
