@@ -91,11 +91,13 @@ def make_project(root: Path) -> Path:
 
 def clean_env(root: Path) -> dict[str, str]:
     """The environment of a user in `root`: no MLflow store of the test run, Prefect settings, parent run or rank
-    variables (a process group of this test process)."""
+    variables (a process group of this test process); the run's memo of passed validations is kept."""
     from pipeline.train.distributed import RANK_VARS  # a test that trained in-process leaves its rank variables set
 
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_")) and k not in RANK_VARS}
+    if "AGENTRL_VALIDATION_MEMO" in os.environ:  # the run's shared memo (tests/conftest.py), never the user's own
+        env["AGENTRL_VALIDATION_MEMO"] = os.environ["AGENTRL_VALIDATION_MEMO"]
     env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     return env

@@ -592,7 +592,8 @@ def _mini_repo(root: Path) -> None:
 
 
 def _agentrl_run(root: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING_URI", "AGENTRL_"))
+           or k == "AGENTRL_VALIDATION_MEMO"}  # the run's shared memo (tests/conftest.py)
     exe = Path(sys.executable).parent / "agentrl"
     return subprocess.run([str(exe), "run"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
