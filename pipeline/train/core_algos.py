@@ -24,10 +24,6 @@ import torch.nn.functional as F
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum()
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""
     mask = mask.to(x.dtype)
