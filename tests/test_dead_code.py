@@ -20,6 +20,7 @@ or, if a framework calls it, add it to :data:`CALLBACKS` saying which.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -36,6 +37,16 @@ CALLBACKS = {
     ("SlotLayer", "get_max_length"): "transformers' Cache layer interface",
 }
 WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(path: Path) -> tuple[str, ast.AST | None]:
+    """The text of `path` and its syntax tree (None for a file that is not Python): each file is parsed once."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        return text, ast.parse(text)
+    except SyntaxError:
+        return text, None
 
 
 def defined_functions(root: Path, folders=DEFINED_IN) -> list[tuple[str, int, str | None, str, list[str]]]:
@@ -55,7 +66,7 @@ def defined_functions(root: Path, folders=DEFINED_IN) -> list[tuple[str, int, st
                     else:
                         visit(child, child.name if isinstance(child, ast.ClassDef) else cls)
 
-            visit(ast.parse(path.read_text(encoding="utf-8")), None)
+            visit(_parse(path)[1], None)
     return out
 
 
@@ -67,10 +78,8 @@ def used_names(root: Path, folders=USED_IN, config_files=CONFIG_FILES) -> set[st
         for path in sorted((root / folder).rglob("*")):
             if not path.is_file() or not (path.suffix == ".py" or (folder == "scripts" and not path.suffix)):
                 continue
-            text = path.read_text(encoding="utf-8", errors="replace")
-            try:
-                tree = ast.parse(text)
-            except SyntaxError:  # a shell script: every word counts
+            text, tree = _parse(path)
+            if tree is None:  # a shell script: every word counts
                 used.update(WORD.findall(text))
                 continue
             for node in ast.walk(tree):
