@@ -88,7 +88,7 @@ def mlflow_run(root: Path, run_id: str | None, recorded: str | None = None) -> d
     `run_id`: the run the user asked for (an error when the store lacks it). Otherwise `recorded`, the run the run
     record names, and when the store lacks that, the latest run named ``pipeline`` (a note says so).
     """
-    from pipeline.core.tracking import EXPERIMENT, Tracker, tracking_enabled
+    from pipeline.core.tracking import EXPERIMENT, Tracker, store_failure, tracking_enabled
 
     if not tracking_enabled():
         return {"note": "tracking is off (AGENTRL_TRACKING=off)"}
@@ -106,7 +106,9 @@ def mlflow_run(root: Path, run_id: str | None, recorded: str | None = None) -> d
         try:
             client.get_run(recorded)
             run_id = recorded
-        except MlflowException:
+        except MlflowException as exc:
+            if store_failure(exc):  # the store did not answer: the caller's one error line
+                raise
             note = f"the run record's run {recorded} is not in this store; the latest pipeline run instead"
     try:
         if run_id is None:
@@ -122,6 +124,8 @@ def mlflow_run(root: Path, run_id: str | None, recorded: str | None = None) -> d
                                       filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
                                       order_by=["attributes.start_time ASC"])
     except MlflowException as exc:
+        if store_failure(exc):
+            raise
         raise AgentRLError(f"run {run_id or '(latest)'} in {uri}: {str(exc).splitlines()[0]}") from None
 
     def describe(r: Any) -> dict[str, Any]:
@@ -222,7 +226,10 @@ def write_report(root: str | Path, out: str | Path | None = None, run_id: str | 
     root = Path(root).resolve()
     path = atomic.check_target(Path(out) if out is not None else root / DEFAULT_OUT)
     facts = collect(root)
-    run = mlflow_run(root, run_id, facts["record"].get("run_id"))
+    from pipeline.core.tracking import store_errors
+
+    with store_errors("agentrl report (the run's MLflow run)", "no report was written"):
+        run = mlflow_run(root, run_id, facts["record"].get("run_id"))
     atomic.write_text(path, render(root, facts, run))
     return path
 

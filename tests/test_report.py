@@ -145,3 +145,19 @@ def test_a_run_that_stopped_early_reports_the_phases_it_reached(project):
     facts = collect(project)
     assert [p for p, f in facts["phases"].items() if f["present"]] == ["build_env", "adapt", "reward_model"]
     assert facts["gate"] is None
+
+
+def test_a_tracking_server_that_does_not_answer_is_one_error_line(project, monkeypatch, capsys):
+    import socket
+
+    committed_metrics(project)
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert report(project) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: agentrl report (the run's MLflow run): the MLflow tracking "
+                                               f"server at http://127.0.0.1:{port} did not answer"), err
+    assert err[0].endswith("no report was written") and not (project / DEFAULT_OUT).exists()
