@@ -56,3 +56,13 @@ def test_a_broken_link_is_found(tmp_path):
                                    "[ok](b.md) [gone](c.md) [bad](b.md#nothing) [web](https://example.org/x.md)\n")
     (tmp_path / "b.md").write_text("# B\n")
     assert broken_links([tmp_path / "a.md"], tmp_path) == ["a.md: c.md (no such file)", "a.md: b.md#nothing (no such heading)"]
+
+
+def test_front_pages_stay_short():
+    """The README is a front page and experiments.md the figures behind today's defaults, not lab notebooks: the
+    README at most 350 lines, experiments.md at most 500, with its dated "Record" as the last section."""
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 350
+    experiments = (ROOT / "docs" / "experiments.md").read_text(encoding="utf-8")
+    assert len(experiments.splitlines()) <= 500
+    sections = re.findall(r"^## (.+)$", FENCE.sub("", experiments), flags=re.MULTILINE)
+    assert sections[-1] == "Record", sections
