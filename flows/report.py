@@ -174,7 +174,8 @@ def _mlflow_lines(run: dict[str, Any]) -> list[str]:
     lines = [f"Parent run `{run['run_id']}` ({run['status']}), started {run['start']:%Y-%m-%d %H:%M:%S} UTC, "
              f"{took}; store `{run['uri']}`."]
     if run["commit"]:
-        lines.append(f"Git commit `{run['commit']}`" + (" with uncommitted changes." if run["dirty"] == "true" else "."))
+        dirty = " with uncommitted changes." if run["dirty"] == "true" else "."
+        lines.append(f"Git commit `{run['commit']}`{dirty}")
     if run["other"]:
         lines.append(f"Note: {run['other']}.")
     if run["failed_stage"]:
@@ -191,8 +192,8 @@ def _mlflow_lines(run: dict[str, Any]) -> list[str]:
 def _cost_line(c: dict[str, float]) -> str:
     return (f"Wall time {c['total_s']:.1f} s, of which the stages' own commands {c['stage_commands_s']:.1f} s and "
             f"orchestration {c['overhead_s']:.1f} s ({100 * c['overhead_share']:.1f} %). Peak memory "
-            f"{c['peak_rss_children_mib']:.0f} MiB (the largest stage, with the child processes it waits on); the flow's "
-            f"own process {c['peak_rss_self_mib']:.0f} MiB.")
+            f"{c['peak_rss_children_mib']:.0f} MiB (the largest stage, with the child processes it waits on); the "
+            f"flow's own process {c['peak_rss_self_mib']:.0f} MiB.")
 
 
 def render(root: Path, facts: dict[str, Any], run: dict[str, Any]) -> str:

@@ -35,7 +35,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
                "variants.int8.success", "seconds"),
 }
 MAX_FALLBACK = 6
-RUN_RECORD = "metrics/pipeline_run.json"  # the last run's stage times, peak memory, status and MLflow run (git, not DVC)
+# The last run's stage times, peak memory, status and MLflow parent run (tracked by git, not DVC).
+RUN_RECORD = "metrics/pipeline_run.json"
 
 
 def _get(doc: Any, dotted: str) -> Any:
