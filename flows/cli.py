@@ -178,6 +178,13 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from flows.report import write_report
+
+    print(f"wrote {write_report(Path(args.params).resolve().parent, args.out, args.run_id)}")
+    return 0
+
+
 def _cmd_stages(args: argparse.Namespace) -> int:
     from pipeline.core.graph import load_stages
 
@@ -386,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--incoming", default="data/incoming", metavar="DIR",
                    help="with --once: folder of incoming task files (default: %(default)s)")
     p.set_defaults(func=_cmd_schedule)
+
+    p = sub.add_parser(
+        "report", help="write a markdown report card of the last run (default: metrics/report.md)",
+        description="Each phase's headline figures, the gate's decision, times, memory, the MLflow run and the plots "
+                    "of the project's last run, from metrics/*.json and its MLflow run (flows/report.py).")
+    params_option(p)
+    p.add_argument("--out", default=None, metavar="FILE", help="where to write it (default: metrics/report.md)")
+    p.add_argument("--run-id", default=None, metavar="ID", help="the MLflow parent run (default: the last run's)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser(
         "stages",

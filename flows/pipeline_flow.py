@@ -44,7 +44,7 @@ TAIL_LINES = 40
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # flows.cli appends each command's own wall time here
 STAGE_TAG = "agentrl.flow_stage"  # set by the flow on the phase runs it has tagged
 SUMMARY_KEY = "agentrl-pipeline-summary"
-RUN_RECORD = "metrics/pipeline_run.json"  # the last run's stage times, peak memory and status (git, not DVC)
+RUN_RECORD = summary.RUN_RECORD
 
 
 class StageFailed(AgentRLError):
@@ -236,7 +236,7 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
     finally:
         cost = summary.cost_figures(time.time() - wall0, results)
         out["cost"] = cost
-        summary.write_run_record(root / RUN_RECORD, results, cost, error)
+        summary.write_run_record(root / RUN_RECORD, results, cost, error, out["run_id"])
         print(_timing_table(results, cost["total_s"]), flush=True)
         print(summary.describe_cost(cost), flush=True)
         figures = {s: summary.headlines(s, root / by_name[s].metrics[0]) for s in results if by_name[s].metrics}

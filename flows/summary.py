@@ -35,6 +35,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
                "variants.int8.success", "seconds"),
 }
 MAX_FALLBACK = 6
+# The last run's stage times, peak memory, status and MLflow parent run (tracked by git, not DVC).
+RUN_RECORD = "metrics/pipeline_run.json"
 
 
 def _get(doc: Any, dotted: str) -> Any:
@@ -123,9 +125,11 @@ def cost_figures(total_s: float, stages: dict[str, dict[str, Any]]) -> dict[str,
             "peak_rss_self_mib": mem["self"], "peak_rss_children_mib": max([mem["children"], *stage_peaks])}
 
 
-def write_run_record(path: Path, stages: dict[str, dict[str, Any]], cost: dict[str, float], error: str | None) -> None:
-    """The run's stages (status, wall seconds, command seconds, peak MiB), its cost and outcome, as JSON at `path`."""
-    record = {"stages": {name: {k: r.get(k) for k in ("status", "seconds", "command_s", "peak_mib")}
+def write_run_record(path: Path, stages: dict[str, dict[str, Any]], cost: dict[str, float], error: str | None,
+                     run_id: str | None = None) -> None:
+    """The run's stages (status, wall seconds, command seconds, peak MiB), its cost and outcome, and its MLflow parent
+    run (`run_id`, which `agentrl report` describes), as JSON at `path`."""
+    record = {"run_id": run_id, "stages": {name: {k: r.get(k) for k in ("status", "seconds", "command_s", "peak_mib")}
                          for name, r in stages.items()},
               "cost": cost, "failed": error.splitlines()[0] if error else None}
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -317,6 +317,35 @@ def test_the_whole_flow_runs_every_phase_registers_and_gates(trained):
 
 
 @pytest.mark.slow
+def test_report_card_of_the_run(trained):
+    """`agentrl report` after the run: every phase with its time and memory and its headline figures, the gate's
+    decision, the cost, and the run's own MLflow parent run with its phase runs (flows/report.py)."""
+    from pipeline.core.graph import load_stages
+
+    root, run = trained
+    assert run.returncode == 0
+    proc = agentrl(root, "report")
+    out = root / "metrics" / "report.md"
+    assert proc.returncode == 0 and proc.stdout.strip() == f"wrote {out}", proc.stderr
+    text = out.read_text()
+    record = json.loads((root / "metrics" / "pipeline_run.json").read_text())
+    parent = runs(root, "pipeline")[0]
+    assert record["run_id"] == parent.info.run_id
+    assert f"Parent run `{parent.info.run_id}` (FINISHED)" in text
+    assert f"Git commit `{parent.data.tags['git.commit']}`" in text
+    for stage in load_stages(root / "dvc.yaml"):
+        r = record["stages"][stage.name]
+        assert f"| {stage.name} | ran | {r['seconds']:.1f} | {r['peak_mib']:.0f} | `{stage.metrics[0]}` |" in text
+        assert f"- **{stage.name}**: `" in text  # its headline figures
+        assert f"| {stage.name} | FINISHED |" in text  # its MLflow phase run
+    gate = summary.gate_decision(root)
+    verdict = "UNCHANGED" if gate["unchanged"] else "PROMOTED" if gate["passed"] else "REJECTED"
+    assert f"`tiny-policy` version {gate['version']}: **{verdict}" in text
+    assert f"Wall time {record['cost']['total_s']:.1f} s" in text
+    assert "- `metrics/train_curve.csv`" in text
+
+
+@pytest.mark.slow
 def test_a_failing_phase_stops_the_flow_and_the_rerun_resumes_there(trained):
     root, first = trained
     assert first.returncode == 0

@@ -357,7 +357,7 @@ def test_asynchronous_rollouts_record_staleness_and_importance_weights(in_projec
 
 
 def test_ppo_with_kl_turn_credit_reward_norm_and_adaptive_entropy_trains_in_the_loop(in_project, monkeypatch):
-    """The off-by-default capabilities of the design document, switched on together inside a real run of the loop:
+    """The off-by-default capabilities of docs/design.md, switched on together inside a real run of the loop:
     PPO (value loss, explained variance), KL to the adapted reference (0 at the first update, where the policy is
     the reference; above 0 once it moved), per-turn credit (its metric), reward normalisation (the second update's
     scores are no longer the raw returns) and the adaptive entropy coefficient (λ rises while the entropy is below

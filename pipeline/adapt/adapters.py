@@ -1,9 +1,9 @@
-"""Parameter-efficient adaptation of the policy: peft LoRA, the design document's bottleneck adapter, or full fine-tuning.
+"""Parameter-efficient adaptation of the policy: peft LoRA, the bottleneck adapter of docs/design.md §3.3.2, or full fine-tuning.
 
 - **LoRA** (peft): W' = W + (α/r)·B·A on the chosen projections, B zero-initialised, the base frozen. After training,
   :func:`finalize` merges the update into the weights (``merge_and_unload``), so the adapted model is a plain
   transformers model of the base's class and every later phase (RL, DeepSpeed, quantisation) reads it like any other.
-- **Bottleneck** (the design document, section 3.3.2; Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP"): after each
+- **Bottleneck** (docs/design.md §3.3.2; Houlsby et al. 2019, "Parameter-Efficient Transfer Learning for NLP"): after each
   decoder layer's MLP, h' = h + W₂·σ(W₁·h) with W₁: d→r, W₂: r→d, r ≪ d, W₂ zero-initialised so the adapted model starts
   as the base. The non-linearity σ makes it impossible to fold into the base weights, so the adapted model keeps the
   adapters: it is saved as :class:`LlamaBottleneckForCausalLM` (``model_type: llama_bottleneck``: a Llama whose MLPs

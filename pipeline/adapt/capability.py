@@ -1,4 +1,4 @@
-"""Capability evaluation of an adapted policy (the design document, section 3.3.1) through the rollout engine, and the capability gate.
+"""Capability evaluation of an adapted policy (docs/design.md §3.3.1) through the rollout engine, and the capability gate.
 
 What is measured, on one task split (validation by default), with the policy acting through
 :class:`pipeline.policy.rollout.RolloutEngine`:

@@ -14,7 +14,7 @@ LLAMA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 
 class AdapterConfig(PhaseConfig):
-    """How the base is adapted: LoRA (peft), the design document's bottleneck adapter, or full fine-tuning (pipeline.adapt.adapters)."""
+    """How the base is adapted: LoRA (peft), the bottleneck adapter of docs/design.md §3.3.2, or full fine-tuning (pipeline.adapt.adapters)."""
 
     kind: Literal["auto", "lora", "bottleneck", "none"] = Field("auto", description="'lora' (peft, merged into the weights after training), 'bottleneck' (h' = h + W2·σ(W1·h) after each decoder layer's MLP, kept as modules), 'none' (full fine-tuning), or 'auto': 'none' for the built-in from-scratch base (no pre-trained features for a low-rank update to adapt), 'lora' for a pre-trained one.")
     lora_r: int = Field(32, ge=1, le=1024, description="LoRA rank r.")
@@ -27,7 +27,7 @@ class AdapterConfig(PhaseConfig):
 
 
 class PretrainConfig(PhaseConfig):
-    """Continued pre-training on the environment's documents and training questions (the design document, section 3.3.2.1); full parameters."""
+    """Continued pre-training on the environment's documents and training questions (docs/design.md §3.3.2); full parameters."""
 
     steps: int = Field(1200, ge=0, description="Most optimizer steps; 0 skips continued pre-training. Fewer when `copy_target` is reached first.")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
@@ -73,7 +73,7 @@ class SFTConfig(PhaseConfig):
 
 
 class CapabilityConfig(PhaseConfig):
-    """Capability evaluation after adaptation (the design document, section 3.3.1), through the rollout engine."""
+    """Capability evaluation after adaptation (docs/design.md §3.3.1), through the rollout engine."""
 
     split: Literal["validation", "test"] = Field("validation", description="Task split evaluated (validation: the test split stays untouched until the final evaluation phase).")
     max_tasks: int | None = Field(None, ge=1, description="Evaluate only the first this many tasks of the split (null: all).")

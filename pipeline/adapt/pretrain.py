@@ -3,7 +3,7 @@
 The text (:func:`pretraining_texts` and :mod:`pipeline.adapt.drills`): copy drills (short texts that end in a JSON copy
 of a quoted fictitious name: the skill held-out entities need, which SFT alone forms only after a slow phase change)
 and word drills, with the world's documents (``include_documents``, :func:`pipeline.adapt.entity_source.documents`:
-the design document's continued pre-training on the domain corpus, section 3.3.2.1) and the training questions (``include_questions``); never
+continued pre-training on the domain corpus, docs/design.md §3.3.2) and the training questions (``include_questions``); never
 demonstrations. Training stops early once the exact-copy accuracy on held-out name drills reaches
 ``adapt.pretrain.copy_target``. By default it runs in a child process (``adapt.pretrain.subprocess``), so that the
 heap the loop leaves behind is returned when the child exits; the weights are the same either way.

@@ -1,4 +1,4 @@
-"""Train/serve consistency (the design document, section 5.3.1): the training path and the serving path must see the
+"""Train/serve consistency (docs/design.md §5.3.1): the training path and the serving path must see the
 same state.
 
 For a probe set of raw observations (a question, the history of (action, observation) pairs, the history window and

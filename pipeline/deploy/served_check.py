@@ -1,4 +1,4 @@
-"""Train/serve consistency on the model that is served (the design document, section 5.3: replay deployed episodes
+"""Train/serve consistency on the model that is served (docs/design.md §5.3: replay deployed episodes
 in the training environment). The deploy phase runs it on the pyfunc it has just logged in its run (``runs:/<deploy
 run>/model``, the artefact the model version will point at), before the gate decides and before the version exists.
 

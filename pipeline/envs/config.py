@@ -18,7 +18,7 @@ SPLITS = ("train", "validation", "test")
 
 
 class RewardWeights(PhaseConfig):
-    """Weights of R = α·correctness + β·efficiency + γ·safety + δ·user_experience (design document, sections 1.3 and 3.6)."""
+    """Weights of R = α·correctness + β·efficiency + γ·safety + δ·user_experience (docs/design.md §1.3, §3.6)."""
 
     correctness: float = Field(1.0, gt=0, le=100, description="α: weight of the correct-answer component (0 or 1).")
     efficiency: float = Field(0.5, ge=0, le=100, description="β: weight of the efficiency component (≤ 0: calls beyond the minimum).")
@@ -34,7 +34,7 @@ class EnvConfig(PhaseConfig):
     max_steps: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(8, description="Step budget: an episode not answered after this many actions is truncated. 'auto': derived by build_env from the tasks and demonstrations (docs/recipe.md).")
     max_policy_chars: Annotated[int, Field(ge=64)] | Literal["auto"] = Field(2000, description="Budget of policy-written text per episode, in characters (the environment is tokenizer-agnostic); exceeding it truncates the episode. 'auto': derived by build_env from the demonstrations (docs/recipe.md).")
     max_action_chars: Annotated[int, Field(ge=16, le=4096)] | Literal["auto"] = Field(256, description="Longest accepted action text; longer text is an invalid action (the `params` Text space has this length). 'auto': derived by build_env from the demonstrations (docs/recipe.md).")
-    history_window: int = Field(6, ge=1, description="Action/observation pairs kept verbatim in the context; older ones are folded into a one-line summary of their results (design document, section 3.7).")
+    history_window: int = Field(6, ge=1, description="Action/observation pairs kept verbatim in the context; older ones are folded into a one-line summary of their results (docs/design.md §3.7).")
     tool_latency_s: float = Field(0.0, ge=0, le=10, description="Added latency of every tool call, in seconds (to exercise asynchronous rollouts).")
     tool_timeout_s: float = Field(2.0, gt=0, le=60, description="A tool call slower than this is cut off and reported as a timeout error.")
     tool_failure_rate: float = Field(0.0, ge=0, lt=1, description="Chance that a tool call fails with a transient 'temporarily unavailable' error (fault injection; the policy should retry).")

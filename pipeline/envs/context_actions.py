@@ -1,4 +1,4 @@
-"""Context management and task decomposition as actions (design document, sections 1.2 and 3.7): tools of the
+"""Context management and task decomposition as actions (docs/design.md §1.2, §3.7): tools of the
 pipeline, not of an environment, that every environment's episodes offer when ``env.context_actions.enabled``.
 
 =====================  ========================================================================================

@@ -1,4 +1,4 @@
-"""Long-term memory of the context actions (design document, section 3.7): notes an agent ``remember``s in one episode
+"""Long-term memory of the context actions (docs/design.md §3.7): notes an agent ``remember``s in one episode
 and ``recall``s in later ones, in SQLite, with access statistics per note as meta-memory.
 
 - **Retrieval**: BM25 (k1 = 1.2, b = 0.75) over the notes' terms (lower-case runs of letters and digits), the query's

@@ -1,7 +1,7 @@
 """Reward-hacking probes: degenerate policies played with the configured reward before anything is trained on it.
 
 A reward that pays a degenerate policy a large share of what it pays the expert will be hacked by RL: the policy finds
-the shortcut instead of the task (the design document, section 3.6). `build_env` therefore plays a suite of such
+the shortcut instead of the task (docs/design.md §3.6). `build_env` therefore plays a suite of such
 policies on a sample of the training tasks, through the pipeline's runner (:class:`pipeline.envs.runner.AgentEnv`)
 with the run's `env` settings and reward weights, and compares each one's mean return with the scripted expert's on
 the same tasks and episode seeds. The probes are written only against the environment contract (the tools a task's

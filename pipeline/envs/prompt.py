@@ -1,10 +1,10 @@
-"""The one prompt: the design document's system template, the task, a folded summary of old results, and the recent
+"""The one prompt: the system template of docs/design.md §3.3.2, the task, a folded summary of old results, and the recent
 history.
 
 This function renders the environment's `context` observation, and the language-model policy reads exactly that text
-in training, evaluation and serving (the design document, section 3.3: "You are an agent that can use tools.
+in training, evaluation and serving (docs/design.md §3.3.2: "You are an agent that can use tools.
 Available tools: {tool_list}. Current state: {state}. Previous actions: {history}."). History is managed as the
-design document's section 3.7 asks: the last `window` action/observation pairs stay verbatim, older pairs are folded into one `State:` line that keeps each call's
+docs/design.md §3.7 asks: the last `window` action/observation pairs stay verbatim, older pairs are folded into one `State:` line that keeps each call's
 result (the short-term window plus a compact summary), so the context stays bounded however long the episode runs.
 
 While no folding happens, the context only grows by appending each action and its observation. That is what lets the

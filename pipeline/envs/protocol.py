@@ -36,9 +36,6 @@ class ParsedAction:
     params: dict
     params_text: str  # canonical JSON of `params`: the `params` part of the Dict action
 
-    def as_dict_action(self) -> dict:
-        return {"tool": self.tool, "params": self.params_text}
-
 
 @dataclass(frozen=True)
 class InvalidAction:

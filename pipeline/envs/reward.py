@@ -1,5 +1,5 @@
-"""The composite reward R = α·correctness + β·efficiency + γ·safety + δ·user_experience (the design document,
-sections 1.3 and 3.6).
+"""The composite reward R = α·correctness + β·efficiency + γ·safety + δ·user_experience (docs/design.md
+§1.3, §3.6).
 
 Each component is a small pure function with a documented range:
 
@@ -12,7 +12,7 @@ Each component is a small pure function with a documented range:
 With ``reward.shaping: on_success`` (the default) β·efficiency and δ·user_experience count only in an episode whose
 answer is correct (see :class:`pipeline.envs.config.RewardWeights` for the measured reason). The environment pays the
 reward per step as the change of R, so the step rewards of an episode sum to R and a wasted or unsafe call is charged
-at the step it happens (per-turn credit for RL, the design document, section 2.2).
+at the step it happens (per-turn credit for RL, docs/design.md §2.2).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The rule verifier (the design document, section 3.1): tool-usage order, parameter validity and safety constraints
+"""The rule verifier (docs/design.md §3.1): tool-usage order, parameter validity and safety constraints
 of one episode.
 
 It reads the episode's call log (what the runner recorded per step) and the tools the task requires, in order. It judges the process,
-not the answer: correctness is the reward's job. Deliberately left out: the design document's *model* verifier (a
+not the answer: correctness is the reward's job. Deliberately left out: the *model* verifier of docs/design.md §3.1.2 (a
 learned judge of process soundness and style); the rule verifier is the only verifier here.
 
 Plans (the ``plan`` context action, :mod:`pipeline.envs.context_actions`): a plan is a list of sub-goals, each a tool

@@ -24,7 +24,7 @@ class EvaluateConfig(PhaseConfig):
     max_tasks: int | None = Field(None, ge=1, description="Validation and test tasks evaluated: the first N of each split; null: all of them.")
     bootstrap_samples: int = Field(1000, ge=100, le=100_000, description="Bootstrap resamples behind every confidence interval.")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="Coverage of the percentile bootstrap intervals.")
-    overfit_metric: Literal["success", "return"] = Field("return", description="Metric of the train/validation gap: 'return' (mean episode return, the design document's 'training/validation return gap') or 'success' (success rate).")
+    overfit_metric: Literal["success", "return"] = Field("return", description="Metric of the train/validation gap: 'return' (mean episode return, the 'training/validation return gap' of docs/design.md §5.2.1) or 'success' (success rate).")
     overfit_threshold: float = Field(0.1, ge=0, description="Overfitting is flagged when train minus validation `overfit_metric` exceeds this.")
     unseen_template_threshold: float = Field(0.1, ge=0, le=1, description="Failure on unseen templates is flagged when test success on the seen templates exceeds success on the held-out ones by more than this.")
     diversity_split: Literal["train", "validation", "test"] = Field("validation", description="Split whose tasks are replayed with several seeds for the rigid-behaviour check.")

@@ -1,5 +1,5 @@
 """Phase `evaluate`: the SFT policy (``models/adapted``) and the RL policy (``models/policy``) on the train (a subset),
-validation and test splits, with the overfitting checks of design document 5.2.1 (see :mod:`pipeline.evaluate.report`).
+validation and test splits, with the overfitting checks of docs/design.md §5.2.1 (see :mod:`pipeline.evaluate.report`).
 
 Reads the `evaluate`, `env` and `rollout` sections. Steps:
 

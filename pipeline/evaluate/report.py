@@ -1,5 +1,5 @@
-"""The `evaluate` phase's library: metrics with bootstrap confidence intervals, and the overfitting checks of the
-design document (section 5.2.1).
+"""The `evaluate` phase's library: metrics with bootstrap confidence intervals, and the overfitting checks of
+docs/design.md §5.2.1.
 
 Input: episode records (the fields :func:`pipeline.policy.episodes.run_episode` and the rollout engine write) of the SFT
 and the RL policy on the train (a subset), validation and test splits. Everything here is a pure function of records,
@@ -10,14 +10,14 @@ component, tool calls, safety violations (mean per episode, share of episodes wi
 of truncated episodes, each with a percentile bootstrap confidence interval (numpy, seeded; one set of resampled
 episode indices per group, so the intervals of one group's metrics come from the same resamples).
 
-The three symptoms of overfitting the design document names (section 5.2.1), each a *flag* with its numbers and
+The three symptoms of overfitting docs/design.md §5.2.1 names, each a *flag* with its numbers and
 threshold:
 
 - **overfitting**: the train-minus-validation gap of ``overfit_metric`` (success or mean return) exceeds
   ``overfit_threshold``; the gap's interval resamples both splits independently;
 - **unseen templates**: on the test split, success on the held-out question template of each family
   (``template_seen`` false) trails success on the seen templates by more than ``unseen_template_threshold``;
-- **rigid behaviour** (the design document, section 3.2.1): the same tasks are played with ``diversity_seeds``
+- **rigid behaviour** (docs/design.md §3.2.1): the same tasks are played with ``diversity_seeds``
   different seeds (sampling at the rollout temperature); behaviour diversity is the mean of 1 − cos_sim(ϕ(τ1), ϕ(τ2))
   over pairs of episodes of the same task, with ϕ the bag of a trajectory's tool calls, tool bigrams, call outcomes and parameter values
   (:func:`trajectory_features`); solution-space coverage is the mean number of distinct solutions (call sequences with

@@ -13,7 +13,7 @@ from pipeline.core.config import PhaseConfig
 
 
 class ModelConfig(PhaseConfig):
-    """The policy model: the built-in small Llama (sized as the design document's prototype) or a local Hugging Face model."""
+    """The policy model: the built-in small Llama or a local Hugging Face model."""
 
     base: str = Field("builtin", min_length=1, description="'builtin' for the small Llama built from this config with a tokenizer trained on the environment's text, or a local model directory / hub id already in the local cache (loaded with local_files_only: nothing is downloaded).")
     vocab_size: int = Field(1024, ge=320, le=65536, description="Target vocabulary of the built-in byte-level BPE tokenizer (256 bytes + 7 special tokens + merges; training stops earlier when no pair repeats). The model's embedding is sized to the tokenizer actually trained.")

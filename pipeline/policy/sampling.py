@@ -58,7 +58,7 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
 
 
 # --------------------------------------------------------------------------------------------- tool-choice noise
-# Exploration noise on the tool an action calls (design document 3.2, action noise). In token terms: right after a
+# Exploration noise on the tool an action calls (docs/design.md §3.2, action noise). In token terms: right after a
 # sampled ``<call>`` token, the action's tool name is drawn from the mixture
 #
 #     (1 − ε) · π  +  ε · (1/K) Σ_k  [write tool k's name tokens, then continue with π]

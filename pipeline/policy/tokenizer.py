@@ -32,7 +32,7 @@ Decisions (the prototype's pitfalls):
 Measured on the default data (build_env defaults): training takes under a second and saturates at 884 tokens with
 ``vocab_size=1024`` (merges run out); a demonstration is ~164 tokens (prompt ~93, an action ~18).
 
-Deliberately left out: a chat template (the environment's context *is* the prompt, the design document's section 3.3) and any text normalisation.
+Deliberately left out: a chat template (the environment's context *is* the prompt, docs/design.md §3.3) and any text normalisation.
 
 A foreign tokenizer (``model.base`` a Hugging Face folder) goes through the same four functions: with a chat template
 they delegate to :mod:`pipeline.policy.chat` (the context rendered as a conversation, actions and observations as

@@ -1,4 +1,4 @@
-"""Phase `reward_model`: a learned verifier beside the rule verifier (design document, sections 3.1.2 and 3.6.2).
+"""Phase `reward_model`: a learned verifier beside the rule verifier (docs/design.md §3.1.2, §3.6.2).
 
 :mod:`~pipeline.reward_model.features` turns a trajectory into hashed features, :mod:`~pipeline.reward_model.model`
 is the model (two logistic heads: success and process soundness) with its metrics, :mod:`~pipeline.reward_model.main`

@@ -9,7 +9,7 @@ from pipeline.core.config import PhaseConfig
 
 
 class RewardModelConfig(PhaseConfig):
-    """The learned verifier: what it trains on, its size and its held-out evaluation (design document 3.1.2, 3.6.2)."""
+    """The learned verifier: what it trains on, its size and its held-out evaluation (docs/design.md §3.1.2, §3.6.2)."""
 
     seed: int = Field(0, description="Seed of the rollouts' task draw and seeds, the held-out split and the fit.")
     policy: str = Field("models/adapted", description="Policy whose sampled rollouts on training tasks join the demonstrations as training data.")

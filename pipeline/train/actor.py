@@ -57,8 +57,8 @@ def no_grad_logp(forward, batch: Batch, chunks: list[torch.Tensor], temperature:
 
 
 def bc_loss(engine, examples, n, rng, pad_id, device, autocast_context) -> torch.Tensor:
-    """Negative log-likelihood of the action tokens of `n` demonstrations drawn from `examples` (design document,
-    section 2.1: a behaviour-cloning anchor)."""
+    """Negative log-likelihood of the action tokens of `n` demonstrations drawn from `examples` (docs/design.md
+    §2.1: a behaviour-cloning anchor)."""
     pick = [examples[i] for i in rng.choice(len(examples), size=min(n, len(examples)), replace=False)]
     T = max(len(e.input_ids) for e in pick)
     ids = torch.full((len(pick), T), pad_id, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""The asynchronous rollout pool (design document, section 1.4): rollout threads that generate the next batch with a
+"""The asynchronous rollout pool (docs/design.md §1.4): rollout threads that generate the next batch with a
 snapshot of the weights while the learner trains on the current one.
 
 It leaves out what a batch is for: the loop (:mod:`pipeline.train.loop`) decides when to sync the snapshot and drops

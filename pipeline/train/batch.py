@@ -1,7 +1,7 @@
 """The learner's view of a batch of episode records: right-padded token rows (:class:`Batch`, one row per token
 segment of an episode), the grouping of episodes, and the length-sorted chunks the learner forwards one at a time.
 
-Trajectory slicing (`train.sampling.slice_turns` = K > 0, design document 3.4): a token segment with more than K turns
+Trajectory slicing (`train.sampling.slice_turns` = K > 0, docs/design.md §3.4): a token segment with more than K turns
 (sampled actions) is trained as several rows, each holding the action tokens of at most K consecutive turns
 (:func:`slice_rows`). A slice's context is its segment's prompt (the tokens before the segment's first action: task,
 tool list and, in a folded segment, the summary) followed by the window's own tokens, from the observation that

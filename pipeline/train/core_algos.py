@@ -1,4 +1,4 @@
-"""The RL maths as pure functions of tensors (design document, sections 2, 3.4, 3.5).
+"""The RL maths as pure functions of tensors (docs/design.md §2, §3.4, §3.5).
 
 Shapes: token-level tensors are ``(batch, seq)``, where `batch` counts episodes and `seq` their (padded) token
 positions; `mask` is the rollout's action mask, 1 exactly on tokens the policy sampled and 0 on prompt, tool-output
@@ -12,7 +12,7 @@ References: PPO clipped surrogate and value clipping (Schulman et al. 2017; clea
 2016), computed over action tokens only, skipping observation tokens as verl does for multi-turn rollouts; GRPO group
 baseline (Shao et al. 2024) and RLOO leave-one-out baseline (Ahmadian et al. 2024); approximate KL ``k3``
 (Schulman, "Approximating KL divergence", 2020); truncated importance sampling ``w = min(c, π_train/π_sample)``
-(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (design document 1.4, 2.3); weight-space
+(Espeholt et al. 2018, IMPALA/V-trace), for rollouts from a stale policy (docs/design.md §1.4, §2.3); weight-space
 ensembling of the RL policy with its start (WiSE-FT, Wortsman et al. 2022).
 """
 
@@ -22,10 +22,6 @@ import torch
 import torch.nn.functional as F
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -96,7 +92,7 @@ def turn_ids(mask: torch.Tensor) -> torch.Tensor:
 
 def turn_token_rewards(turn_rewards: torch.Tensor, episode: torch.Tensor, turn: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-    """Each turn's reward on the last action token of that turn (per-turn credit for GAE, design document 2.2).
+    """Each turn's reward on the last action token of that turn (per-turn credit for GAE, docs/design.md §2.2).
 
     Args: turn_rewards (episodes, turns) r_{e,t}; episode (rows,) the episode of each row; turn (rows, seq) the turn
     index of each token (:func:`turn_ids` of the whole episode, so a turn keeps its index in a later row); mask
@@ -114,7 +110,7 @@ def turn_token_rewards(turn_rewards: torch.Tensor, episode: torch.Tensor, turn: 
 def turn_advantages(turn_returns: torch.Tensor, turn_mask: torch.Tensor, group_ids: torch.Tensor,
                     estimator: str = "grpo", scale_by_std: bool = True,
                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Critic-free advantages per turn (per-turn credit with a group baseline, design document 2.2).
+    """Critic-free advantages per turn (per-turn credit with a group baseline, docs/design.md §2.2).
 
     Args: turn_returns (episodes, turns) G_{e,t} = Σ_{t'≥t} γ^(t'−t) r_{e,t'} (:func:`discounted_returns`), padded
     after each episode's last turn; turn_mask (episodes, turns) 1 on real turns; group_ids (episodes,).
@@ -236,7 +232,7 @@ def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: s
 
 
 def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """R_t = Σ_{t'≥t} γ^(t'−t) r_t' along the last dimension (per-turn credit, design document 2.2)."""
+    """R_t = Σ_{t'≥t} γ^(t'−t) r_t' along the last dimension (per-turn credit, docs/design.md §2.2)."""
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[..., 0])
     for t in reversed(range(rewards.shape[-1])):
@@ -247,7 +243,7 @@ def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
 
 def stepwise_discounted_returns(rewards: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
     """G_t = r_t + γ_t·G_{t+1} along the last dimension, with a discount of its own after every step (event-based
-    credit, design document 2.2: the discount applies at key decisions). γ_t ≡ γ is :func:`discounted_returns`.
+    credit, docs/design.md §2.2: the discount applies at key decisions). γ_t ≡ γ is :func:`discounted_returns`.
 
     >>> stepwise_discounted_returns(torch.tensor([1.0, 0.0, 2.0, 3.0]), torch.tensor([1.0, 0.5, 1.0, 1.0])).tolist()
     [3.5, 2.5, 5.0, 3.0]

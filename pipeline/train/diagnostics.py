@@ -1,4 +1,4 @@
-"""What an update logs about its rollouts and the learner's health (design document, sections 2.2.1, 3.8.2, 5.1):
+"""What an update logs about its rollouts and the learner's health (docs/design.md §2.2.1, §3.8.2, §5.1):
 episode figures, tool usage and its diversity, parameters without gradient, and the collapse alarms (entropy, reward
 spread, advantage variance below a floor).
 

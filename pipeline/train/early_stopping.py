@@ -1,4 +1,4 @@
-"""Early stopping on a validation metric, with patience (design document, section 5.2.2, item 3).
+"""Early stopping on a validation metric, with patience (docs/design.md §5.2.2, item 3).
 
 The training loop evaluates the policy greedily on the validation split every `eval_every` updates and feeds the chosen
 metric to :meth:`EarlyStopping.update`, which answers with a :class:`Decision`: whether this evaluation is a new best

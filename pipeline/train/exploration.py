@@ -1,4 +1,4 @@
-"""Exploration noise of the `train` phase (design document 3.2): annealed action noise on the tool an action calls.
+"""Exploration noise of the `train` phase (docs/design.md §3.2): annealed action noise on the tool an action calls.
 
 **What it does.** With ``train.exploration.tool_noise`` = ε_max > 0, every RL rollout (never a greedy validation or
 test episode) draws the tool of each action from the mixture (1 − ε_t)·π + ε_t·uniform(the episode's tools): right
@@ -32,7 +32,7 @@ from pipeline.core.errors import AgentRLError
 
 
 class ExplorationConfig(PhaseConfig):
-    """Annealed tool-choice noise of RL rollouts (design document 3.2)."""
+    """Annealed tool-choice noise of RL rollouts (docs/design.md §3.2)."""
 
     tool_noise: float = Field(0.0, ge=0, le=1, description="ε_max: probability that an RL rollout's action calls a tool drawn uniformly from the task's tools instead of the policy's choice (recorded log-probabilities are the mixture's, so the importance weights correct for it); 0 disables.")
     anneal: bool = Field(True, description="ε_t = ε_max·(1 − t/T) over the run's updates (t the 0-based update, T = train.updates); false keeps ε_max throughout.")

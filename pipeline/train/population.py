@@ -1,4 +1,4 @@
-"""Population training of the `train` phase (design document 2.1 and 3.2): several policies trained side by side from
+"""Population training of the `train` phase (docs/design.md §2.1, §3.2): several policies trained side by side from
 the same adapted policy, the best on validation kept, and how differently the members behave.
 
 **What it does.** With ``train.population.size`` = N > 1 the stage trains N members one after the other (on this
@@ -34,7 +34,7 @@ from pipeline.core.config import PhaseConfig
 
 
 class PopulationConfig(PhaseConfig):
-    """A population of RL runs selected on validation (design document 2.1: population training)."""
+    """A population of RL runs selected on validation (docs/design.md §2.1: population training)."""
 
     size: int = Field(1, ge=1, le=16, description="Members trained one after the other from the adapted policy, the best on validation kept as the stage's policy; 1 trains one policy (off).")
     vary: Literal["seed", "entropy"] = Field("seed", description="What differs between members: 'seed' (member i uses train.seed + i) or 'entropy' (member i uses entropy_coefs[i] as its entropy bonus λ, same seed).")

@@ -1,4 +1,4 @@
-"""Sample reuse for the RL phase (design document, section 3.4): a replay store of past episodes with prioritised
+"""Sample reuse for the RL phase (docs/design.md §3.4): a replay store of past episodes with prioritised
 sampling, the mixing ratio of new and replayed episodes, and the glue that puts replayed episodes into an update
 with their stored advantage, their recorded behaviour log-probabilities and a per-row importance weight.
 Trajectory slicing is :func:`pipeline.train.batch.slice_rows`; adversarial task sampling is

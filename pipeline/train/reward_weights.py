@@ -1,4 +1,4 @@
-"""Reward engineering in the learner (design document, sections 3.6.1 and 2.2): how an episode's reward components
+"""Reward engineering in the learner (docs/design.md §3.6.1, §2.2): how an episode's reward components
 become the return RL maximises, and how that return is credited to turns. Config: `train.reward`
 (:class:`RewardConfig`).
 
@@ -66,7 +66,7 @@ REWARD_CURVE_KEYS = (*(f"reward/w_{c}" for c in COMPONENTS), *(f"reward/lambda_{
 
 
 class RewardConfig(PhaseConfig):
-    """How the learner forms returns from the reward components and credits them to turns (design document 3.6.1,
+    """How the learner forms returns from the reward components and credits them to turns (docs/design.md §3.6.1,
     2.2)."""
 
     weighting: Literal["fixed", "softmax", "lagrange"] = Field("fixed", description="'fixed': the environment's return (env.reward weights); 'softmax': w_i = α_i·4·softmax(Q/τ)_i, Q_i the component's recent shortfall from its best, so weight goes where the policy is weakest; 'lagrange': correctness plus λ_j·(x_j − b_j) for each constrained component, λ by projected dual ascent.")

@@ -1,10 +1,10 @@
-"""What the RL phase samples and the state that drives it (design document, sections 2.1, 2.2, 3.2, 3.4): reward
+"""What the RL phase samples and the state that drives it (docs/design.md §2.1, §2.2, §3.2, §3.4): reward
 normalisation, adaptive entropy coefficient, curriculum with success-following level weights, count-based goal
 sampling, adversarial task sampling (:class:`TaskFailures`, `train.sampling.adversarial`), the replay store
 (:class:`pipeline.train.replay.ReplayStore`, `train.sampling.replay`), and :func:`plan_update`, which draws an
 update's tasks from them (:class:`SamplerState` bundles them for checkpoints).
 
-Adversarial sampling (design document 2.2 and 3.4: oversample the failure cases) works inside a level, after the
+Adversarial sampling (docs/design.md §2.2, §3.4: oversample the failure cases) works inside a level, after the
 curriculum chose it: task g gets weight max(floor, 1 − s_g)^k, s_g its success rate over its last `window` episodes
 (every rank's, so the state stays the same on all ranks); a task not tried yet counts as failed (weight 1). With goal
 sampling on, the weight multiplies p(g) ∝ 1/(count(g)+1), so rarely tried and often failed tasks both come first.
@@ -28,7 +28,7 @@ from pipeline.train.replay import REFUSED_PPO_CREDIT, ReplayStore
 
 
 class RewardNormalizer:
-    """R' = (R − μ)/σ over the last `window` episode returns (design document 2.2, dynamic reward reshaping)."""
+    """R' = (R − μ)/σ over the last `window` episode returns (docs/design.md §2.2, dynamic reward reshaping)."""
 
     def __init__(self, window: int, eps: float = 1e-6):
         if window < 2:
@@ -60,7 +60,7 @@ class RewardNormalizer:
 
 class AdaptiveEntropyCoef:
     """λ of L = L_RL − λ·H(π): rises (×`rate`) while entropy is below `target`, decays back towards `init` above it,
-    kept within [`min_coef`, `max_coef`] (design document 2.1: λ in 0.01–0.1; 4.2: a dynamic entropy coefficient)."""
+    kept within [`min_coef`, `max_coef`] (docs/design.md §2.1: λ in 0.01–0.1; 4.2: a dynamic entropy coefficient)."""
 
     def __init__(self, init: float, target: float, rate: float = 1.5, min_coef: float = 0.0, max_coef: float = 0.1):
         self.value, self.init, self.target, self.rate = init, init, target, rate
@@ -138,7 +138,7 @@ class Curriculum:
 
 
 class GoalSampler:
-    """p(g) ∝ 1/(count(g) + 1) over the tasks of a level (design document 3.2: goal sampling towards rarely tried
+    """p(g) ∝ 1/(count(g) + 1) over the tasks of a level (docs/design.md §3.2: goal sampling towards rarely tried
     goals)."""
 
     def __init__(self):

@@ -1,4 +1,4 @@
-"""Adversarial task generation (design document 2.2: adversarial samples aimed at the policy's weak spots).
+"""Adversarial task generation (docs/design.md §2.2: adversarial samples aimed at the policy's weak spots).
 
 With ``train.task_generation.enabled``, every `every` updates the `train` phase asks the environment for new training
 tasks where the policy is weakest, checks them like every other task set, and adds them to the RL task pool:

@@ -23,8 +23,6 @@ flaw injected per demonstration, each drawn with the probability in `build_env.d
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from pipeline.envs.protocol import format_action as _format_action
@@ -180,7 +178,3 @@ def draw_flaw(level: int, cfg, rng: np.random.Generator) -> str:
 def demo_record(demo_id: str, task: Task, flaw: str, steps: list[dict], success: bool, ret: float) -> dict:
     return {"demo_id": demo_id, "task_id": task.task_id, "level": task.level, "family": task.family, "flaw": flaw,
             "steps": steps, "success": bool(success), "return": round(float(ret), 6), "n_calls": len(steps)}
-
-
-def dumps_demo(rec: dict) -> str:
-    return json.dumps(rec, sort_keys=True)
