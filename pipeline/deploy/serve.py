@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse
 
 from pipeline.core.errors import AgentRLError
 from pipeline.deploy.config import ServeConfig
+from pipeline.deploy.production import add_production
 from pipeline.deploy.serve_validation import Refusal, authorized, parse_json, read_body, serving_key, \
     validate_request
 
@@ -199,8 +200,10 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
     @asynccontextmanager
     async def lifespan(app):
         batcher.start()
+        prod.start()
         yield
         await batcher.stop()
+        prod.close()
 
     app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.stats, app.state.batcher = stats, batcher
@@ -214,6 +217,8 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
             return None
         return refuse(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "unauthorized",
                       {"WWW-Authenticate": "Bearer"})
+
+    prod = add_production(app, cfg, model_uri, locked, stats)  # capture, POST /feedback, GET /metrics
 
     @app.get("/health")
     async def health():
@@ -236,6 +241,7 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
 
     @app.post("/solve")
     async def solve(request: Request):
+        started = time.perf_counter()
         stats.requests += 1
         client = request.client.host if request.client else "unknown"
         if not bucket.take(client):
@@ -252,7 +258,7 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
         hit = cache.get(key)
         if hit is not None:
             stats.cache_hits += 1
-            return {**hit, "cached": True}
+            return prod.answered(obj, seed, hit, started, cached=True)
         fut = pending.get(key)
         if fut is not None:
             stats.coalesced += 1
@@ -270,7 +276,7 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
             if pending.get(key) is fut and fut.done():
                 del pending[key]
         cache.put(key, result)
-        return {**result, "cached": False}
+        return prod.answered(obj, seed, result, started, cached=False)
 
     return app
 
