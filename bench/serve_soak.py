@@ -241,6 +241,25 @@ def print_capture_cost(off: dict, on: dict, folder: Path) -> None:
     print(f"{'on':<8} {p50b:>8.1f} {p99b:>8.1f} {rssb:>8.1f} {nb:>8}")
     print(f"on/off: p50 {p50b / p50a - 1:+.1%}, p99 {p99b / p99a - 1:+.1%}, RSS {rssb / rssa - 1:+.1%}; capture "
           f"wrote {size / 2**20:.1f} MiB in {len(segment_files(folder))} segments")
+    per = append_cost(folder, folder.parent / "traffic-replay")
+    print(f"capture's own work per answer (redact, encode, write; the records above written again): "
+          f"{per * 1e6:.0f} us = {per * 1000 / p50a:.3%} of the p50 latency with capture off")
+
+
+def append_cost(folder: Path, scratch: Path, redact: tuple[str, ...] = ("task_id",)) -> float:
+    """Seconds per record of CaptureStore.append (with one redacted field) on the records in `folder`: the part of
+    a captured answer's latency that capture adds, without the soak's noise (the machine is shared)."""
+    from pipeline.core.traffic import read_records
+    from pipeline.deploy.capture import CaptureStore
+    from pipeline.deploy.config import CaptureConfig
+
+    records = list(read_records(folder, "request"))
+    store = CaptureStore(CaptureConfig(enabled=True, dir=str(scratch), redact=list(redact)))
+    t = time.perf_counter()
+    for rec in records:
+        store.append(rec)
+    store.close()
+    return (time.perf_counter() - t) / max(len(records), 1)
 
 
 def main() -> None:

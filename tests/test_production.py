@@ -190,22 +190,49 @@ def test_feedback_is_recorded_checked_and_reaches_the_reward_models_training_dat
     assert no_fb["episodes"]["feedback"] == 0 and no_fb["episodes"]["fit"] < out["episodes"]["fit"]
 
 
-def test_feedback_without_capture_is_409(champion, tmp_path):
+def test_with_capture_off_nothing_is_recorded_feedback_is_409_and_the_monitor_logs_to_mlflow(champion, tmp_path):
+    from mlflow import MlflowClient
+
+    from pipeline.core.tracking import EXPERIMENT
     from pipeline.deploy.config import ServeConfig
     from pipeline.deploy.pyfunc import load_solver
     from pipeline.deploy.serve import ThreadedServer, create_app
 
     uri, _, _ = champion
+    cfg = ServeConfig(capture={"dir": str(tmp_path / "traffic")}, monitor={"log_every_s": 0.2})
     with tracking_uri(uri):
         solver = load_solver(f"models:/{NAME}@champion")
-    try:
-        with ThreadedServer(create_app(solver, ServeConfig()), free_port()) as srv:
-            answer = httpx.post(f"{srv.url}/solve", json={"question": "What is 2 + 2?"}, timeout=120).json()
-            fb = httpx.post(f"{srv.url}/feedback", json={"request_id": "x", "rating": 5}, timeout=30)
-    finally:
-        solver.close()
-    assert "request_id" not in answer  # capture off: nothing is recorded, no id is given
+        try:
+            with ThreadedServer(create_app(solver, cfg), free_port()) as srv:
+                answers = [httpx.post(f"{srv.url}/solve", json={"question": f"What is 2 + {i}?"}, timeout=120).json()
+                           for i in range(3)]
+                fb = httpx.post(f"{srv.url}/feedback", json={"request_id": "x", "rating": 5}, timeout=30)
+        finally:
+            solver.close()
+    assert all("request_id" not in a for a in answers) and not (tmp_path / "traffic").exists()
     assert fb.status_code == 409 and "capture.enabled is false" in fb.json()["error"]
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                              filter_string="tags.mlflow.runName = 'serve-monitor'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    history = client.get_metric_history(runs[0].info.run_id, "serve/requests_answered_total")
+    assert history[-1].value == 3  # the last values are logged when the server stops
+
+
+def test_serve_refuses_a_capture_folder_it_cannot_create_before_loading_the_model(champion, tmp_path):
+    uri, _, cfg = champion
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    serve = cfg.serve.model_copy(update={"capture": cfg.serve.capture.model_copy(
+        update={"enabled": True, "dir": str(blocker / "traffic")})})
+    params = write_params(tmp_path, cfg.model_copy(update={"serve": serve}))
+    proc = subprocess.run([str(Path(sys.executable).parent / "agentrl"), "serve", "--params", str(params), "--port",
+                           str(free_port())], env={**os.environ, "MLFLOW_TRACKING_URI": uri}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [l for l in proc.stderr.splitlines() if l.strip()] == [
+        f"error: serve: cannot create the capture folder {blocker / 'traffic'} (deploy.serve.capture.dir): "
+        f"Not a directory"]
 
 
 # ------------------------------------------------------------------------------------------------------- monitoring

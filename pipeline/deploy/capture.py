@@ -117,17 +117,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def check_folder(cfg) -> Path:
+    """The capture folder, created when missing; an AgentRLError naming it when it cannot be created or written
+    (`agentrl serve` checks it before the model loads)."""
+    folder = Path(cfg.dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise AgentRLError(f"serve: cannot create the capture folder {folder} (deploy.serve.capture.dir): "
+                           f"{exc.strerror or exc}") from None
+    return folder
+
+
 class CaptureStore:
     """The writer of one server process (see the module docstring); ``append`` is safe from any thread."""
 
     def __init__(self, cfg, clock=time.time):
         self.cfg, self.clock = cfg, clock
-        self.dir = Path(cfg.dir)
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise AgentRLError(f"serve: cannot create the capture folder {self.dir} (deploy.serve.capture.dir): "
-                               f"{exc.strerror or exc}") from None
+        self.dir = check_folder(cfg)
         self.redactor = Redactor(cfg.redact)
         self.lock = threading.Lock()
         self.fd: int | None = None
@@ -244,4 +253,4 @@ def model_identity(model_uri: str) -> dict:
     return out
 
 
-__all__ = ["CaptureStore", "REDACTED", "Redactor", "model_identity", "request_record"]
+__all__ = ["CaptureStore", "REDACTED", "Redactor", "check_folder", "model_identity", "request_record"]

@@ -8,6 +8,8 @@ API (JSON):
 - ``GET /health``: 200 while the process serves HTTP (liveness; never needs the API key). ``GET /ready``: 200 once
   the model is loaded and the batcher runs, else 503 (readiness). ``GET /stats``: batches, mean batch size, cache hits
   and misses, rejections.
+- ``POST /feedback`` and ``GET /metrics`` (Prometheus text), and the capture of answered requests (``request_id`` in
+  each answer when it is on): :mod:`pipeline.deploy.production`.
 
 Request handling, in order; every refusal happens before the model sees anything (the checks of steps 2-4 are
 :mod:`pipeline.deploy.serve_validation`, which says why each exists):

@@ -70,6 +70,20 @@ def holdout(task_id: str, fraction: float, seed: int) -> bool:
     return zlib.crc32(f"{seed}:{task_id}".encode()) < fraction * 2 ** 32
 
 
+def fit_on(records: list[dict], people: list[dict], cfg: RewardModelConfig):
+    """Fit on the rule-labelled `records` and the `people`-labelled feedback episodes outside the held-out share;
+    returns (model, losses, predictions, labels, held-out mask, fitted indices) over records + people in order."""
+    X = [featurize(r["steps"], cfg.hash_dim) for r in records + people]
+    Y = np.array([rule_labels(r) for r in records] + [(r["label"], 0) for r in people], dtype=np.int64)
+    known = np.ones_like(Y)
+    known[len(records):, M.HEADS.index("sound")] = 0  # a person's label says nothing about the process
+    held = np.array([holdout(r["task_id"], cfg.holdout_fraction, cfg.seed) for r in records + people], dtype=bool)
+    fit_idx = np.flatnonzero(~held)
+    model, losses = M.fit([X[i] for i in fit_idx], Y[fit_idx], cfg.hash_dim, epochs=cfg.epochs, lr=cfg.lr,
+                          l2=cfg.l2, seed=cfg.seed, known=known[fit_idx] if people else None)
+    return model, losses, model.predict(X), Y, held, fit_idx
+
+
 def feedback_episodes(cfg: RewardModelConfig) -> list[dict]:
     """The captured episodes people labelled (:func:`pipeline.core.traffic.labelled_episodes`) in
     ``reward_model.feedback``; none when it is null or not a folder."""
@@ -141,17 +155,8 @@ def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, 
         t2 = time.perf_counter()
         people = feedback_episodes(cfg)
         n_rule = len(records)
-        X = [featurize(r["steps"], cfg.hash_dim) for r in records + people]
-        Y = np.array([rule_labels(r) for r in records] + [(r["label"], 0) for r in people], dtype=np.int64)
-        known = np.ones_like(Y)
-        known[n_rule:, M.HEADS.index("sound")] = 0  # a person's label says nothing about the process
-        held_all = np.array([holdout(r["task_id"], cfg.holdout_fraction, cfg.seed) for r in records + people],
-                            dtype=bool)
-        fit_idx = np.flatnonzero(~held_all)
-        model, losses = M.fit([X[i] for i in fit_idx], Y[fit_idx], cfg.hash_dim, epochs=cfg.epochs, lr=cfg.lr,
-                              l2=cfg.l2, seed=cfg.seed, known=known[fit_idx] if people else None)
+        model, losses, P_all, Y, held_all, fit_idx = fit_on(records, people, cfg)
         t_fit = time.perf_counter() - t2
-        P_all = model.predict(X)
         P, Y, held = P_all[:n_rule], Y[:n_rule], held_all[:n_rule]  # the rule-label reports, as before
         source = np.array([r["source"] for r in records])
 
