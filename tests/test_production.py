@@ -32,7 +32,7 @@ from pipeline.core.traffic import labelled_episodes, read_records, segment_files
 NAME = "policy-production"
 SECRET = "ticket-SECRET-4711"
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.services]
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tests that start a server are marked `services` one by one
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,7 @@ def post_all(base: str, requests: list[dict], client: httpx.Client) -> list[dict
 
 
 # ---------------------------------------------------------------------------------------------------------- capture
+@pytest.mark.services
 def test_answers_are_captured_with_a_request_id_and_redacted_fields_never_reach_the_disk(server):
     base, folder, project = server
     with httpx.Client(timeout=120) as client:
@@ -128,6 +129,7 @@ def test_answers_are_captured_with_a_request_id_and_redacted_fields_never_reach_
     assert all(SECRET.encode() not in p.read_bytes() for p in segment_files(folder))
 
 
+@pytest.mark.services
 def test_retention_keeps_the_folder_under_its_size_limit_and_the_newest_requests(server):
     base, folder, project = server
     replies = []
@@ -144,6 +146,7 @@ def test_retention_keeps_the_folder_under_its_size_limit_and_the_newest_requests
 
 
 # --------------------------------------------------------------------------------------------------------- feedback
+@pytest.mark.services
 def test_feedback_is_recorded_checked_and_reaches_the_reward_models_training_data(server, tmp_path):
     from pipeline.reward_model.config import RewardModelConfig
     from pipeline.reward_model.main import train_reward_model
@@ -190,6 +193,7 @@ def test_feedback_is_recorded_checked_and_reaches_the_reward_models_training_dat
     assert no_fb["episodes"]["feedback"] == 0 and no_fb["episodes"]["fit"] < out["episodes"]["fit"]
 
 
+@pytest.mark.services
 def test_with_capture_off_nothing_is_recorded_feedback_is_409_and_the_monitor_logs_to_mlflow(champion, tmp_path):
     from mlflow import MlflowClient
 
@@ -219,6 +223,7 @@ def test_with_capture_off_nothing_is_recorded_feedback_is_409_and_the_monitor_lo
     assert history[-1].value == 3  # the last values are logged when the server stops
 
 
+@pytest.mark.services
 def test_serve_refuses_a_capture_folder_it_cannot_create_before_loading_the_model(champion, tmp_path):
     uri, _, cfg = champion
     blocker = tmp_path / "a-file"
@@ -244,6 +249,7 @@ def parse_prometheus(text: str) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+@pytest.mark.services
 def test_metrics_parse_as_prometheus_text_and_drift_gauges_move_on_shifted_traffic(server):
     base, _, project = server
     with httpx.Client(timeout=120) as client:
@@ -268,6 +274,7 @@ def test_metrics_parse_as_prometheus_text_and_drift_gauges_move_on_shifted_traff
 
 
 # ------------------------------------------------------------------------------------------------------------- kill
+@pytest.mark.services
 def test_a_server_killed_under_load_leaves_whole_segments_holding_every_answer_it_gave(champion, tmp_path):
     folder = tmp_path / "traffic"
     base, proc = start_server(champion, tmp_path, {"dir": str(folder), "segment_max_bytes": 8192})
