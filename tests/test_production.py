@@ -58,7 +58,8 @@ def start_server(champion, tmp: Path, capture: dict, monitor: dict | None = None
     params = write_params(tmp, cfg.model_copy(update={"serve": serve}))
     port = free_port()
     proc = subprocess.Popen([str(Path(sys.executable).parent / "agentrl"), "serve", "--params", str(params),
-                             "--port", str(port)], env={**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"},
+                             "--port", str(port)],
+                            env={**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     wait_http(f"{base}/ready", timeout=120, proc=proc)
@@ -221,6 +222,48 @@ def test_with_capture_off_nothing_is_recorded_feedback_is_409_and_the_monitor_lo
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     history = client.get_metric_history(runs[0].info.run_id, "serve/requests_answered_total")
     assert history[-1].value == 3  # the last values are logged when the server stops
+
+
+class FailingSolver:
+    """The real champion, except that a batch holding the question FAIL raises, as a model failure would."""
+
+    FAIL = "What is the answer to FAIL?"
+
+    def __init__(self, solver):
+        self.solver, self.seed, self.runtime, self.precision = solver, solver.seed, solver.runtime, solver.precision
+
+    def solve_tasks(self, tasks, seeds=None, truth=None):
+        if any(getattr(t, "question", None) == self.FAIL for t in tasks):
+            raise RuntimeError("the batch failed")
+        return self.solver.solve_tasks(tasks, seeds, truth)
+
+
+@pytest.mark.services
+def test_a_model_failure_is_captured_with_its_outcome_and_counted_at_metrics(champion, tmp_path):
+    from pipeline.deploy.config import ServeConfig
+    from pipeline.deploy.pyfunc import load_solver
+    from pipeline.deploy.serve import ThreadedServer, create_app
+
+    uri, _, _ = champion
+    cfg = ServeConfig(max_wait_ms=0, capture={"enabled": True, "dir": str(tmp_path / "traffic")})
+    with tracking_uri(uri):
+        solver = load_solver(f"models:/{NAME}@champion")
+    try:
+        with ThreadedServer(create_app(FailingSolver(solver), cfg), free_port()) as srv:
+            ok = httpx.post(f"{srv.url}/solve", json={"question": "What is 2 + 2?"}, timeout=120)
+            bad = httpx.post(f"{srv.url}/solve", json={"question": FailingSolver.FAIL}, timeout=120)
+            metrics = parse_prometheus(httpx.get(f"{srv.url}/metrics", timeout=30).text)
+    finally:
+        solver.close()
+    assert ok.status_code == 200 and bad.status_code == 500
+    assert bad.json()["error"] == "model failure: RuntimeError: the batch failed"
+    records = {r["request_id"]: r for r in read_records(tmp_path / "traffic", "request")}
+    assert records[ok.json()["request_id"]]["outcome"] == "answered"
+    failed = records[bad.json()["request_id"]]
+    assert failed["outcome"] == "model_failure" and failed["error"] == bad.json()["error"]
+    assert failed["trajectory"] is None and failed["request"] == {"question": FailingSolver.FAIL}
+    assert metrics[("agentrl_requests_failed_total", frozenset())] == 1
+    assert metrics[("agentrl_requests_answered_total", frozenset())] == 1
 
 
 @pytest.mark.services

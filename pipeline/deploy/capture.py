@@ -4,9 +4,10 @@ segments in one folder (``deploy.serve.capture``).
 Records (one JSON object per line):
 
 - ``{"kind": "request", "request_id", "time", "model_uri", "model_version", "model_alias", "request", "seed",
-  "answer", "success", "trajectory", "calls", "n_calls", "n_violations", "truncated", "cached", "batch_size",
-  "latency_ms"}``: ``request`` is the task as the caller sent it, ``trajectory`` the episode's ``steps`` (each
-  ``{"action", "observation"}``), ``calls`` its call log (tool, parameters, outcome), ``success`` None when the
+  "outcome", "error", "answer", "success", "trajectory", "calls", "n_calls", "n_violations", "truncated", "cached",
+  "batch_size", "latency_ms"}``: ``request`` is the task as the caller sent it, ``outcome`` "answered" (a 200) or
+  "model_failure" (a 500: ``error`` says why, the episode fields are null), ``trajectory`` the episode's ``steps``
+  (each ``{"action", "observation"}``), ``calls`` its call log (tool, parameters, outcome), ``success`` None when the
   request carried no ground truth;
 - ``{"kind": "feedback", "request_id", "time", "rating", "label", "text"}`` (:mod:`pipeline.deploy.feedback`).
 
@@ -224,10 +225,11 @@ class CaptureStore:
 
 
 def request_record(request_id: str, request: dict, seed, result: dict, latency_s: float, cached: bool,
-                   model: dict) -> dict:
-    """The capture record of one answered request (`result`: the response without request_id)."""
+                   model: dict, error: str | None = None) -> dict:
+    """The capture record of one request (`result`: the response without request_id; empty with an `error`)."""
     return {"kind": "request", "request_id": request_id, "time": utc_now(), **model, "request": request,
-            "seed": seed, "answer": result.get("answer"), "success": result.get("success"),
+            "seed": seed, "outcome": "model_failure" if error else "answered", "error": error,
+            "answer": result.get("answer"), "success": result.get("success"),
             "trajectory": result.get("trajectory"), "calls": result.get("calls"), "n_calls": result.get("n_calls"),
             "n_violations": result.get("n_violations"), "truncated": result.get("truncated"), "cached": cached,
             "batch_size": result.get("batch_size"), "latency_ms": round(latency_s * 1000.0, 3)}

@@ -97,6 +97,7 @@ class Monitor:
         self.window: deque = deque(maxlen=cfg.window)
         self.lock = threading.Lock()
         self.answered = 0
+        self.failures = 0
         self.feedback = 0
 
     def observe(self, request: dict, result: dict, latency_s: float) -> None:
@@ -113,13 +114,14 @@ class Monitor:
     def values(self) -> dict:
         """Every gauge: ``{name: value}`` or ``{name: {label value: value}}`` for labelled ones."""
         with self.lock:
-            rows, answered, feedback = list(self.window), self.answered, self.feedback
+            rows, answered, failures, feedback = list(self.window), self.answered, self.failures, self.feedback
         calls = sum(r["n_calls"] for r in rows)
         tools = Counter(t for r in rows for t in r["tools"])
         judged = [r["success"] for r in rows if r["success"] is not None]
         lat = [r["latency"] for r in rows]
         return {
-            "requests_answered_total": answered, "feedback_total": feedback, "window_requests": len(rows),
+            "requests_answered_total": answered, "requests_failed_total": failures, "feedback_total": feedback,
+            "window_requests": len(rows),
             "window_latency_seconds": {str(q): float(np.quantile(lat, q)) for q in QUANTILES} if lat else {},
             "window_calls_per_task": float(np.mean([r["n_calls"] for r in rows])) if rows else None,
             "window_failed_call_share": sum(r["failed"] for r in rows) / calls if calls else None,
@@ -146,6 +148,7 @@ class Monitor:
 
 HELP = {
     "requests_answered_total": ("counter", "Requests answered 200 since start (cache hits included)."),
+    "requests_failed_total": ("counter", "Requests whose model batch failed (answered 500) since start."),
     "feedback_total": ("counter", "Feedback records accepted since start."),
     "requests_refused_total": ("counter", "Requests refused before the model since start, by reason."),
     "window_requests": ("gauge", "Answered requests in the rolling window."),

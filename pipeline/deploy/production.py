@@ -47,6 +47,19 @@ class Production:
         self.store.append(request_record(rid, request, seed, result, latency, cached, self.model))
         return {**response, "request_id": rid}
 
+    def failed(self, request: dict, seed, error: str, started: float) -> dict:
+        """The body of a 500 (the model failed on the request's batch): counted by the monitor and, with capture on,
+        recorded with outcome "model_failure" and given its ``request_id``."""
+        latency = time.perf_counter() - started
+        with self.monitor.lock:
+            self.monitor.failures += 1
+        body = {"error": error}
+        if self.store is None:
+            return body
+        rid = uuid.uuid4().hex
+        self.store.append(request_record(rid, request, seed, {}, latency, False, self.model, error=error))
+        return {**body, "request_id": rid}
+
     def start(self) -> None:
         if self.cfg.monitor.log_every_s > 0:
             self._logger = threading.Thread(target=self._log_loop, name="agentrl-monitor-log", daemon=True)

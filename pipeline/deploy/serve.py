@@ -273,7 +273,8 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
         try:
             result = await asyncio.shield(fut)
         except Exception as exc:  # noqa: BLE001
-            return JSONResponse({"error": f"model failure: {type(exc).__name__}: {exc}"}, status_code=500)
+            error = f"model failure: {type(exc).__name__}: {exc}"
+            return JSONResponse(prod.failed(obj, seed, error, started), status_code=500)
         finally:
             if pending.get(key) is fut and fut.done():
                 del pending[key]
