@@ -15,6 +15,7 @@ params.yaml, in the store of ``--tracking-uri`` or MLFLOW_TRACKING_URI). The ser
 one address.
 
     python bench/serve_soak.py --tiny [--clients 32] [--seconds 120]
+    python bench/serve_soak.py --tiny --capture compare --seconds 60   # capture's cost: p50/p99 and RSS, off vs on
     python bench/serve_soak.py --model-uri models:/agentrl-policy@champion --tracking-uri sqlite:///mlflow.db \\
         --tasks data/tasks/test.jsonl
 """
@@ -182,6 +183,85 @@ def tiny_champion(tmp: Path):
     yield uri, f"models:/{cfg.model_name}@champion", project / "data/tasks/test.jsonl", cfg
 
 
+def soak_server(params: Path, model_uri: str, tracking: str | None, tasks: list[dict], serve_cfg, args,
+                log_path: Path) -> dict:
+    """Start `agentrl serve` with `params`, soak it, stop it; the report of :func:`run_soak`."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, **({"MLFLOW_TRACKING_URI": tracking} if tracking else {})}
+    log = open(log_path, "w")
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "agentrl"), "serve", "--params", str(params),
+                             "--model-uri", model_uri, "--port", str(port)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None or time.time() > deadline:
+                log.flush()
+                tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+                raise SystemExit(f"error: `agentrl serve` on {model_uri} did not become ready: {tail[0]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/ready", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.3)
+        print(f"model {model_uri}; serve: max_batch_size {serve_cfg.max_batch_size}, max_wait_ms "
+              f"{serve_cfg.max_wait_ms}, max_body_bytes {serve_cfg.max_body_bytes}, max_queue "
+              f"{serve_cfg.max_queue}, cache_size {serve_cfg.cache_size}, capture "
+              f"{'on' if serve_cfg.capture.enabled else 'off'}; {len(tasks)} tasks; warm-up {args.warmup:.0f} s",
+              flush=True)
+        return run_soak(base, proc.pid, args.clients, args.seconds, args.warmup, tasks, serve_cfg.max_body_bytes,
+                        serve_cfg.max_question_chars)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a server that exited on its own has no group left
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+def print_capture_cost(off: dict, on: dict, folder: Path) -> None:
+    """Capture off against on, side by side: p50/p99 of the valid 200s, RSS at the end, what capture wrote."""
+    import numpy as np
+
+    from pipeline.core.traffic import segment_files
+
+    def row(rep):
+        lat = rep["latencies"] or [float("nan")]
+        return 1000 * np.percentile(lat, 50), 1000 * np.percentile(lat, 99), rep["rss_end"] / 2**20, len(lat)
+
+    (p50a, p99a, rssa, na), (p50b, p99b, rssb, nb) = row(off), row(on)
+    size = sum(p.stat().st_size for p in segment_files(folder))
+    print(f"{'capture':<8} {'p50 ms':>8} {'p99 ms':>8} {'RSS MiB':>8} {'answered':>8}")
+    print(f"{'off':<8} {p50a:>8.1f} {p99a:>8.1f} {rssa:>8.1f} {na:>8}")
+    print(f"{'on':<8} {p50b:>8.1f} {p99b:>8.1f} {rssb:>8.1f} {nb:>8}")
+    print(f"on/off: p50 {p50b / p50a - 1:+.1%}, p99 {p99b / p99a - 1:+.1%}, RSS {rssb / rssa - 1:+.1%}; capture "
+          f"wrote {size / 2**20:.1f} MiB in {len(segment_files(folder))} segments")
+    per = append_cost(folder, folder.parent / "traffic-replay")
+    print(f"capture's own work per answer (redact, encode, write; the records above written again): "
+          f"{per * 1e6:.0f} us = {per * 1000 / p50a:.3%} of the p50 latency with capture off")
+
+
+def append_cost(folder: Path, scratch: Path, redact: tuple[str, ...] = ("task_id",)) -> float:
+    """Seconds per record of CaptureStore.append (with one redacted field) on the records in `folder`: the part of
+    a captured answer's latency that capture adds, without the soak's noise (the machine is shared)."""
+    from pipeline.core.traffic import read_records
+    from pipeline.deploy.capture import CaptureStore
+    from pipeline.deploy.config import CaptureConfig
+
+    records = list(read_records(folder, "request"))
+    store = CaptureStore(CaptureConfig(enabled=True, dir=str(scratch), redact=list(redact)))
+    t = time.perf_counter()
+    for rec in records:
+        store.append(rec)
+    store.close()
+    return (time.perf_counter() - t) / max(len(records), 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=32)
@@ -192,6 +272,8 @@ def main() -> None:
     ap.add_argument("--tracking-uri", default=None, help="MLflow store of --model-uri (default: MLFLOW_TRACKING_URI)")
     ap.add_argument("--tasks", default=str(ROOT / "data/tasks/test.jsonl"), help="task records the valid requests use")
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--capture", choices=("off", "on", "compare"), default="off",
+                    help="capture of answered requests (deploy.serve.capture) off, on, or one soak each, side by side")
     args = ap.parse_args()
 
     import yaml
@@ -207,47 +289,19 @@ def main() -> None:
             cfg = load_section(DeployConfig, "deploy", args.params)
             tracking = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
             model_uri, tasks_file = args.model_uri or f"models:/{cfg.model_name}@champion", Path(args.tasks)
-        serve_cfg = cfg.serve.model_copy(update={"rate_limit_per_s": 1e6, "rate_burst": 1_000_000})
-        params = tmp / "params.yaml"
-        params.write_text(yaml.safe_dump({"deploy": cfg.model_copy(update={"serve": serve_cfg}).model_dump()}))
         tasks = [json.loads(line) for line in tasks_file.read_text().splitlines() if line.strip()]
-        port = free_port()
-        env = {**os.environ, **({"MLFLOW_TRACKING_URI": tracking} if tracking else {})}
-        log = open(tmp / "serve.log", "w")
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "agentrl"), "serve", "--params", str(params),
-                                 "--model-uri", model_uri, "--port", str(port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            import httpx
-
-            deadline = time.time() + 300
-            while True:
-                if proc.poll() is not None or time.time() > deadline:
-                    log.flush()
-                    tail = (tmp / "serve.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-                    raise SystemExit(f"error: `agentrl serve` on {model_uri} did not become ready: {tail[0]}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{base}/ready", timeout=5).status_code == 200:
-                        break
-                time.sleep(0.3)
-            print(f"model {model_uri}; serve: max_batch_size {serve_cfg.max_batch_size}, max_wait_ms "
-                  f"{serve_cfg.max_wait_ms}, max_body_bytes {serve_cfg.max_body_bytes}, max_queue "
-                  f"{serve_cfg.max_queue}, cache_size {serve_cfg.cache_size}; {len(tasks)} tasks; warm-up "
-                  f"{args.warmup:.0f} s", flush=True)
-            rep = run_soak(base, proc.pid, args.clients, args.seconds, args.warmup, tasks, serve_cfg.max_body_bytes,
-                           serve_cfg.max_question_chars)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # a server that exited on its own has no group left
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            log.close()
-    print_report(rep)
-    if rep["n5xx"] or rep["transport_errors"]:
+        reports = {}
+        for mode in (("off", "on") if args.capture == "compare" else (args.capture,)):
+            capture = cfg.serve.capture.model_copy(update={"enabled": mode == "on", "dir": str(tmp / "traffic")})
+            serve_cfg = cfg.serve.model_copy(update={"rate_limit_per_s": 1e6, "rate_burst": 1_000_000,
+                                                     "capture": capture})
+            params = tmp / f"params-{mode}.yaml"
+            params.write_text(yaml.safe_dump({"deploy": cfg.model_copy(update={"serve": serve_cfg}).model_dump()}))
+            reports[mode] = soak_server(params, model_uri, tracking, tasks, serve_cfg, args, tmp / f"serve-{mode}.log")
+            print_report(reports[mode])
+        if args.capture == "compare":
+            print_capture_cost(reports["off"], reports["on"], tmp / "traffic")
+    if any(rep["n5xx"] or rep["transport_errors"] for rep in reports.values()):
         sys.exit(1)
 
 

@@ -27,7 +27,8 @@ from flows import lineage, summary
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 COPIED = ("pipeline", "flows", "configs", "dvc.yaml", ".dvcignore", "prefect.yaml", ".gitignore",
-          "data/incoming/README.md")  # data/incoming is a dep of train and check_drift: its README keeps it present
+          "data/incoming/README.md",  # data/incoming is a dep of train and check_drift: its README keeps it present
+          "data/production/README.md")  # and data/production one of reward_model
 
 # Tiny sizes for every phase (merged into the repository's params.yaml, so new keys there keep their defaults).
 TINY = {

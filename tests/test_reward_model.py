@@ -104,6 +104,23 @@ def test_fit_separates_a_feature_that_decides_the_label(tmp_path):
         M.load(tmp_path / "missing")
 
 
+def test_labels_marked_unknown_do_not_move_the_fit_and_all_known_equals_the_plain_fit():
+    """People's feedback labels success only: its sound labels are masked. Whatever value a masked label holds, the
+    fit is the same; a mask of ones is the unmasked fit (the mean over every label)."""
+    X = [[1, 5], [2, 5], [1, 6], [2, 6]] * 5 + [[3, 5], [3, 6]] * 3
+    Y = np.array([[1, 0], [0, 0], [1, 1], [0, 1]] * 5 + [[1, 0], [0, 0]] * 3)
+    known = np.ones_like(Y)
+    known[20:, 1] = 0  # the last six rows: success from a person, soundness unknown
+    flipped = Y.copy()
+    flipped[20:, 1] = 1 - flipped[20:, 1]
+    fits = [M.fit(X, y, 8, epochs=50, lr=0.1, l2=0.0, seed=0, known=known)[0] for y in (Y, flipped)]
+    assert torch.equal(fits[0].weight.weight, fits[1].weight.weight) and torch.equal(fits[0].bias, fits[1].bias)
+    plain = M.fit(X, Y, 8, epochs=50, lr=0.1, l2=0.0, seed=0)[0]
+    ones = M.fit(X, Y, 8, epochs=50, lr=0.1, l2=0.0, seed=0, known=np.ones_like(Y))[0]
+    assert torch.allclose(plain.weight.weight, ones.weight.weight, atol=1e-6)
+    assert not torch.allclose(fits[0].weight.weight, plain.weight.weight, atol=1e-3)  # the mask changed the fit
+
+
 # -------------------------------------------------------------------------------------------------- guard (known)
 def test_the_guard_fires_only_when_the_learned_score_rises_while_the_rule_reward_falls():
     assert slope([1.0, 3.0, 5.0]) == 2.0 and slope([4.0]) == 0.0

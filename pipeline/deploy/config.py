@@ -60,6 +60,45 @@ class DeployGateConfig(PhaseConfig):
     seed: int = Field(0, description="Seed of the bootstrap resampling.")
 
 
+class CaptureConfig(PhaseConfig):
+    """`agentrl serve` capture of the requests it answers, and the feedback on them (pipeline.deploy.capture)."""
+
+    enabled: bool = Field(
+        False, description="Record each answered /solve request (the request, trajectory, outcome, latency, model "
+                           "version and alias) and accept POST /feedback on it; answers then carry a request_id.")
+    dir: str = Field("traffic", min_length=1,
+                     description="Folder of the append-only capture segments (created when missing).")
+    redact: list[str] = Field(
+        default_factory=list,
+        description="Field names whose values are replaced by '[redacted]' wherever they occur in a record (the "
+                    "request, tool-call parameters, feedback), before anything is written; each such string value "
+                    "of 4 characters or more is also scrubbed from every other text of the record (the question, "
+                    "actions, observations, the answer).")
+    segment_max_bytes: int = Field(16 * 2**20, ge=4096, description="A segment is sealed and a new one opened "
+                                                                    "once it holds this many bytes.")
+    segment_max_s: float = Field(3600.0, gt=0, description="... or once it has been open this many seconds.")
+    retention_days: float = Field(30.0, gt=0, description="Sealed segments whose last record is older than this "
+                                                          "are deleted (checked at start and at each seal).")
+    retention_bytes: int = Field(2**30, ge=4096, description="Most bytes kept in the folder: the oldest sealed "
+                                                              "segments are deleted beyond it.")
+    feedback_max_chars: int = Field(2000, ge=1, le=100_000, description="Longest feedback text; longer is a 422.")
+
+
+class MonitorConfig(PhaseConfig):
+    """`GET /metrics` of `agentrl serve`: rolling windows of live traffic against the champion's training data
+    (pipeline.deploy.monitor)."""
+
+    window: int = Field(500, ge=10, le=1_000_000, description="Answered requests in the rolling window.")
+    reference_tasks: str | None = Field(
+        "data/tasks/train.jsonl", description="Tasks the champion was trained on: the reference of task drift "
+                                              "(question length); null or a missing file: no task reference.")
+    reference_demos: str | None = Field(
+        "data/demos/train.jsonl", description="Demonstrations the champion was trained on: the reference of behaviour "
+                                              "drift (tool mix, calls per task); null or missing: no reference.")
+    log_every_s: float = Field(0.0, ge=0, description="Seconds between logs of the window's metrics to the MLflow "
+                                                      "run 'serve-monitor'; 0: not logged.")
+
+
 class ServeConfig(PhaseConfig):
     """`agentrl serve`: dynamic batching, the response cache and the request limits."""
 
@@ -85,6 +124,9 @@ class ServeConfig(PhaseConfig):
         description="Environment variable holding the API key (never the key itself: params.yaml is versioned). "
                     "When it is set, /solve, /ready and /stats need 'Authorization: Bearer <key>' (else 401); "
                     "/health stays open for liveness probes. It must be set to bind any non-loopback host.")
+    capture: CaptureConfig = Field(default_factory=CaptureConfig, description="Capture of answered requests and "
+                                                                              "feedback (off by default).")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Live monitoring at GET /metrics.")
 
 
 class ServedCheckConfig(PhaseConfig):

@@ -338,6 +338,10 @@ def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, h
     if port is not None and not 0 <= port <= 65535:
         raise AgentRLError(f"serve: --port {port} is not a TCP port (0-65535; 0: any free port)")
     serving_key(host or cfg.serve.host, cfg.serve)  # a non-loopback bind without an API key fails first
+    if cfg.serve.capture.enabled:  # before the model loads: a refused start costs nothing
+        from pipeline.deploy.capture import check_folder
+
+        check_folder(cfg.serve.capture)
     uri = model_uri or f"models:/{cfg.model_name}@champion"
     if uri.startswith("models:/"):
         from pipeline.core.tracking import require_tracking

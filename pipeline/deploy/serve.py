@@ -8,6 +8,8 @@ API (JSON):
 - ``GET /health``: 200 while the process serves HTTP (liveness; never needs the API key). ``GET /ready``: 200 once
   the model is loaded and the batcher runs, else 503 (readiness). ``GET /stats``: batches, mean batch size, cache hits
   and misses, rejections.
+- ``POST /feedback`` and ``GET /metrics`` (Prometheus text), and the capture of answered requests (``request_id`` in
+  each answer when it is on): :mod:`pipeline.deploy.production`.
 
 Request handling, in order; every refusal happens before the model sees anything (the checks of steps 2-4 are
 :mod:`pipeline.deploy.serve_validation`, which says why each exists):
@@ -54,6 +56,7 @@ from fastapi.responses import JSONResponse
 
 from pipeline.core.errors import AgentRLError
 from pipeline.deploy.config import ServeConfig
+from pipeline.deploy.production import add_production
 from pipeline.deploy.serve_validation import Refusal, authorized, parse_json, read_body, serving_key, \
     validate_request
 
@@ -199,8 +202,10 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
     @asynccontextmanager
     async def lifespan(app):
         batcher.start()
+        prod.start()
         yield
         await batcher.stop()
+        prod.close()
 
     app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.stats, app.state.batcher = stats, batcher
@@ -214,6 +219,8 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
             return None
         return refuse(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "unauthorized",
                       {"WWW-Authenticate": "Bearer"})
+
+    prod = add_production(app, cfg, model_uri, locked, stats)  # capture, POST /feedback, GET /metrics
 
     @app.get("/health")
     async def health():
@@ -236,6 +243,7 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
 
     @app.post("/solve")
     async def solve(request: Request):
+        started = time.perf_counter()
         stats.requests += 1
         client = request.client.host if request.client else "unknown"
         if not bucket.take(client):
@@ -252,7 +260,7 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
         hit = cache.get(key)
         if hit is not None:
             stats.cache_hits += 1
-            return {**hit, "cached": True}
+            return prod.answered(obj, seed, hit, started, cached=True)
         fut = pending.get(key)
         if fut is not None:
             stats.coalesced += 1
@@ -265,12 +273,13 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
         try:
             result = await asyncio.shield(fut)
         except Exception as exc:  # noqa: BLE001
-            return JSONResponse({"error": f"model failure: {type(exc).__name__}: {exc}"}, status_code=500)
+            error = f"model failure: {type(exc).__name__}: {exc}"
+            return JSONResponse(prod.failed(obj, seed, error, started), status_code=500)
         finally:
             if pending.get(key) is fut and fut.done():
                 del pending[key]
         cache.put(key, result)
-        return {**result, "cached": False}
+        return prod.answered(obj, seed, result, started, cached=False)
 
     return app
 

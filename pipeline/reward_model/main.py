@@ -11,7 +11,13 @@ Reads the `reward_model`, `env` and `rollout` sections. Steps:
    mistakes, which the demonstrations (mostly successful) lack.
 3. **Labels** from the rules (:func:`pipeline.reward_model.features.rule_labels`): success, and soundness (verifier
    passed, no failed call, no redundant call).
-4. **Fit** the two logistic heads on the tasks outside the held-out share (a hash of the task id), and report on the
+4. **People's labels** (``reward_model.feedback``, a folder of captured traffic: :mod:`pipeline.core.traffic`):
+   each captured request that got feedback joins with the person's success label; it trains the success head only
+   (its soundness is unknown, so that label is masked out of the loss). Held out by a hash of its request id like
+   the tasks; ``feedback`` in the metrics reports the success head against people's labels on the held-out ones
+   (``agreement``: accuracy at 0.5; AUC, Brier, ECE) and how often the rule verifier agreed with people where the
+   request carried ground truth. The other reports stay on rule-labelled episodes.
+5. **Fit** the two logistic heads on the tasks outside the held-out share (a hash of the task id), and report on the
    held-out tasks: AUC, accuracy, Brier score and expected calibration error per head, overall and for rollouts and
    demonstrations apart, in ``metrics/reward_model.json``; the model goes to ``models/reward_model``; MLflow run
    ``reward_model`` gets the params, the flat metrics and both as artefacts.
@@ -64,6 +70,44 @@ def holdout(task_id: str, fraction: float, seed: int) -> bool:
     return zlib.crc32(f"{seed}:{task_id}".encode()) < fraction * 2 ** 32
 
 
+def fit_on(records: list[dict], people: list[dict], cfg: RewardModelConfig):
+    """Fit on the rule-labelled `records` and the `people`-labelled feedback episodes outside the held-out share;
+    returns (model, losses, predictions, labels, held-out mask, fitted indices) over records + people in order."""
+    X = [featurize(r["steps"], cfg.hash_dim) for r in records + people]
+    Y = np.array([rule_labels(r) for r in records] + [(r["label"], 0) for r in people], dtype=np.int64)
+    known = np.ones_like(Y)
+    known[len(records):, M.HEADS.index("sound")] = 0  # a person's label says nothing about the process
+    held = np.array([holdout(r["task_id"], cfg.holdout_fraction, cfg.seed) for r in records + people], dtype=bool)
+    fit_idx = np.flatnonzero(~held)
+    model, losses = M.fit([X[i] for i in fit_idx], Y[fit_idx], cfg.hash_dim, epochs=cfg.epochs, lr=cfg.lr,
+                          l2=cfg.l2, seed=cfg.seed, known=known[fit_idx] if people else None)
+    return model, losses, model.predict(X), Y, held, fit_idx
+
+
+def feedback_episodes(cfg: RewardModelConfig) -> list[dict]:
+    """The captured episodes people labelled (:func:`pipeline.core.traffic.labelled_episodes`) in
+    ``reward_model.feedback``; none when it is null or not a folder."""
+    from pipeline.core.traffic import labelled_episodes
+
+    if cfg.feedback is None or not Path(cfg.feedback).is_dir():
+        return []
+    return labelled_episodes(cfg.feedback, cfg.feedback_success_rating)
+
+
+def feedback_report(people: list[dict], p_success: np.ndarray, held: np.ndarray, cfg: RewardModelConfig) -> dict:
+    """How the model's success head agrees with people's labels on the held-out feedback (``heldout``: the
+    success head's metrics against them; ``agreement`` is its accuracy at 0.5), and how often the rule verifier
+    agreed with them where the request carried ground truth (``rule_agreement``)."""
+    labels = np.array([r["label"] for r in people], dtype=np.int64)
+    judged = [(r["rule_success"], r["label"]) for r in people if r["rule_success"] is not None]
+    heldout = M.head_metrics(p_success[held], labels[held], cfg.calibration_bins) if people else {"n": 0}
+    return {"episodes": len(people), "fit": int((~held).sum()), "heldout_n": int(held.sum()),
+            "success_label_rate": float(labels.mean()) if people else None,
+            "heldout": heldout, "agreement": heldout.get("accuracy"),
+            "rule_agreement": float(np.mean([int(bool(a)) == b for a, b in judged])) if judged else None,
+            "rule_judged": len(judged)}
+
+
 def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, *, data_dir: Path = Path("data"),
                        out_dir: Path = OUT_DIR, metrics_path: Path = METRICS_PATH, tracker=None) -> dict:
     """Run the phase (see the module docstring); returns what it wrote to `metrics_path`."""
@@ -109,15 +153,12 @@ def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, 
         if not records:
             raise AgentRLError("reward_model: no trajectories to train on (no usable demonstrations, rollout_tasks 0)")
         t2 = time.perf_counter()
-        X = [featurize(r["steps"], cfg.hash_dim) for r in records]
-        Y = np.array([rule_labels(r) for r in records], dtype=np.int64)
-        held = np.array([holdout(r["task_id"], cfg.holdout_fraction, cfg.seed) for r in records])
-        source = np.array([r["source"] for r in records])
-        fit_idx = np.flatnonzero(~held)
-        model, losses = M.fit([X[i] for i in fit_idx], Y[fit_idx], cfg.hash_dim, epochs=cfg.epochs, lr=cfg.lr,
-                              l2=cfg.l2, seed=cfg.seed)
+        people = feedback_episodes(cfg)
+        n_rule = len(records)
+        model, losses, P_all, Y, held_all, fit_idx = fit_on(records, people, cfg)
         t_fit = time.perf_counter() - t2
-        P = model.predict(X)
+        P, Y, held = P_all[:n_rule], Y[:n_rule], held_all[:n_rule]  # the rule-label reports, as before
+        source = np.array([r["source"] for r in records])
 
         def report(mask: np.ndarray) -> dict:
             return {h: M.head_metrics(P[mask, k], Y[mask, k], cfg.calibration_bins) for k, h in enumerate(M.HEADS)}
@@ -125,11 +166,12 @@ def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, 
         result = {
             "env": env_cfg.name, "policy": cfg.policy,
             "episodes": {"demos": int((source == "demo").sum()), "rollouts": int((source == "rollout").sum()),
-                         "fit": int(len(fit_idx)), "heldout": int(held.sum())},
+                         "feedback": len(people), "fit": int(len(fit_idx)), "heldout": int(held_all.sum())},
             "label_rates": {src: {h: float(Y[source == src, k].mean()) if (source == src).any() else None
                                   for k, h in enumerate(M.HEADS)} for src in ("demo", "rollout")},
             "heldout": report(held), "heldout_rollouts": report(held & (source == "rollout")),
             "heldout_demos": report(held & (source == "demo")), "fit": report(~held),
+            "feedback": feedback_report(people, P_all[n_rule:, 0], held_all[n_rule:], cfg),
             "final_loss": losses[-1],
             "seconds": {"demos": round(t_demos, 2), "rollouts": round(t_rollouts, 2), "fit": round(t_fit, 2),
                         "total": round(time.perf_counter() - t0, 2)},
@@ -137,7 +179,7 @@ def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, 
         M.save(model, out_dir, {"env": env_cfg.name, "config": cfg.model_dump(), "heldout": result["heldout"]})
         write_json(metrics_path, result)
         flat = {f"reward_model/{k}": v for k, v in flatten({k: result[k] for k in
-                ("episodes", "heldout", "heldout_rollouts", "fit", "seconds")}, sep="/").items()
+                ("episodes", "heldout", "heldout_rollouts", "fit", "feedback", "seconds")}, sep="/").items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
         run.log_metrics({**flat, "reward_model/final_loss": result["final_loss"]})
         run.log_artifact(metrics_path)
@@ -158,4 +200,8 @@ def main(params_path: str = "params.yaml") -> dict:
     print(f"reward_model: {result['episodes']['demos']} demonstrations + {result['episodes']['rollouts']} rollouts; "
           f"held-out AUC success {fmt(h['success'].get('auc'))}, sound {fmt(h['sound'].get('auc'))}; ECE success "
           f"{fmt(h['success'].get('ece'))}, sound {fmt(h['sound'].get('ece'))}; {result['seconds']['total']:.1f}s")
+    fb = result["feedback"]
+    if fb["episodes"]:
+        print(f"reward_model: {fb['episodes']} episodes with people's feedback; agreement with them on "
+              f"{fb['heldout_n']} held out: {fmt(fb['agreement'])}")
     return result

@@ -54,17 +54,23 @@ class RewardModel(torch.nn.Module):
 
 
 def fit(indices: list[list[int]], labels: np.ndarray, dim: int, *, epochs: int, lr: float, l2: float,
-        seed: int) -> tuple[RewardModel, list[float]]:
-    """Fit the model on feature lists and (n, heads) 0/1 labels; returns it and the loss per epoch."""
+        seed: int, known: np.ndarray | None = None) -> tuple[RewardModel, list[float]]:
+    """Fit the model on feature lists and (n, heads) 0/1 labels; returns it and the loss per epoch. `known` (n,
+    heads) of 0/1 marks the labels that exist (a person's feedback labels success only): the loss is the mean over
+    the known ones; None: all are."""
     torch.manual_seed(seed)
     model = RewardModel(dim)
     flat, offsets = (torch.from_numpy(a) for a in ragged(indices))
     y = torch.as_tensor(np.asarray(labels, dtype=np.float32))
+    w = None if known is None else torch.as_tensor(np.asarray(known, dtype=np.float32))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses = []
     for _ in range(epochs):
         opt.zero_grad()
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(flat, offsets), y)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(flat, offsets), y, weight=w,
+                                                                    reduction="sum" if w is not None else "mean")
+        if w is not None:
+            loss = loss / w.sum().clamp(min=1.0)
         loss = loss + l2 * model.weight.weight.pow(2).sum()
         loss.backward()
         opt.step()
