@@ -80,7 +80,8 @@ class Command:
     status. `locks` says, given the parsed arguments, whether the command holds the repository lock while it runs
     (pipeline.core.lock: commands that write the project's outputs or move registry aliases; a second one is refused at
     once, exit 2). A `project` command reads and writes a project's own folders (data/, models/, metrics/,
-    checkpoints/, its MLflow store) and acts on the project its params file belongs to (:func:`enter_project`).
+    checkpoints/, its MLflow store) and acts on the project its params file belongs to (:func:`enter_project`); a
+    project command and one that locks take :data:`PARAMS` (the lock and the project are the params file's folder).
     """
 
     name: str
