@@ -6,7 +6,8 @@ It lives in `flows/`, next to the Prefect flows it starts: the layer above the l
 is imported by `agentrl run` and `agentrl schedule` alone, after its state directory has been pointed into the repo.
 
 The commands are declared once, in :data:`COMMANDS` (name, help, arguments, what runs, whether it holds the repository
-lock and acts in its project's folder); the parser and the dispatch are built from that table.
+lock and acts in its project's folder; the parts are in flows/commands.py); the parser and the dispatch are built from
+that table.
 
 Errors the user can fix (a bad `params.yaml`, a corrupt task file, a missing phase output: `ConfigError` and every
 `AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback; anything else is a bug
@@ -16,16 +17,15 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.core.config import DEFAULT_PARAMS, ConfigError
+from flows.commands import PARAMS, Arg, Command, OneOf, always
+from pipeline.core.config import ConfigError
 from pipeline.core.errors import AgentRLError
 from pipeline.core.tracking import require_tracking, tracking_enabled
 
@@ -36,81 +36,6 @@ USER_ERROR = 2
 # of the command: its own process with the parts it ran in child processes (pipeline.core.isolation), or its largest other
 # child (a DeepSpeed rank), whichever is larger.
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
-
-
-class Arg:
-    """One command-line argument: the flags and keyword options of one `ArgumentParser.add_argument` call."""
-
-    def __init__(self, *flags: str, **options) -> None:
-        self.flags, self.options = flags, options
-
-    def add_to(self, parser) -> None:
-        parser.add_argument(*self.flags, **self.options)
-
-
-class OneOf:
-    """Arguments of which at most one may be given (an argparse mutually exclusive group)."""
-
-    def __init__(self, *args: Arg) -> None:
-        self.args = args
-
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_mutually_exclusive_group()
-        for arg in self.args:
-            arg.add_to(group)
-
-
-PARAMS = Arg("--params", default=str(DEFAULT_PARAMS), metavar="FILE", help="params file to read (default: %(default)s)")
-
-
-def _never(args: argparse.Namespace) -> bool:
-    return False
-
-
-def _always(args: argparse.Namespace) -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Command:
-    """One `agentrl` command, as :data:`COMMANDS` declares it.
-
-    `run` is either ``"module:function"``, called with the parsed arguments named in `passes`, in that order (the
-    module is imported only when the command runs), or a handler that takes the parsed arguments and returns the exit
-    status. `locks` says, given the parsed arguments, whether the command holds the repository lock while it runs
-    (pipeline.core.lock: commands that write the project's outputs or move registry aliases; a second one is refused at
-    once, exit 2). A `project` command reads and writes a project's own folders (data/, models/, metrics/,
-    checkpoints/, its MLflow store) and acts on the project its params file belongs to (:func:`enter_project`); a
-    project command and one that locks take :data:`PARAMS` (the lock and the project are the params file's folder).
-    """
-
-    name: str
-    help: str
-    description: str
-    run: str | Callable[[argparse.Namespace], int]
-    arguments: tuple[Arg | OneOf, ...] = (PARAMS,)
-    passes: tuple[str, ...] = ("params",)
-    verdict: bool = False  # `run` returns whether it passed: exit 1 when it did not (a rejected promotion)
-    project: bool = False
-    locks: Callable[[argparse.Namespace], bool] = _never
-    only_known: bool = True  # the params file may hold only the known sections (check_params)
-
-    def add_to(self, sub) -> None:
-        parser = sub.add_parser(self.name, help=self.help, description=self.description)
-        for arg in self.arguments:
-            arg.add_to(parser)
-
-    def __call__(self, args: argparse.Namespace) -> int:
-        if callable(self.run):
-            return self.run(args)
-        return run_phase(self.run, [getattr(args, name) for name in self.passes], self.verdict)
-
-
-def run_phase(target: str, values: Sequence, verdict: bool = False) -> int:
-    """Import ``module:function``, call it with `values`; exit status 0, or 1 for a `verdict` that did not pass."""
-    module, function = target.split(":")
-    result = getattr(importlib.import_module(module), function)(*values)
-    return (0 if result else 1) if verdict else 0
 
 
 def enter_project(args: argparse.Namespace) -> None:
@@ -209,12 +134,14 @@ def _with_once(args: argparse.Namespace) -> bool:
     return args.once  # served, `schedule` would hold the lock for good; its flow runs' stages take it each
 
 
-# Every `agentrl` command, in the order `agentrl --help` lists them. Adding a command is one entry here:
+# Every `agentrl` command, in the order `agentrl --help` lists them. Adding a command is one entry here (its parts are
+# in flows/commands.py):
 #   Command("name", help="one line for `agentrl --help`", description="the paragraph of `agentrl name --help`",
-#           run="pipeline.<phase>.main:main",  # called with the arguments `passes` names (default: --params)
-#           arguments=(PARAMS, Arg("--flag", ...)),  # Arg takes what ArgumentParser.add_argument takes
+#           run="pipeline.<phase>.main:main",  # called with the parsed arguments `passes` names, in that order
+#           arguments=(PARAMS, Arg("--out", metavar="FILE", help="...")),  # Arg takes what add_argument takes
+#           passes=("params", "out"),  # default: arguments (PARAMS,), passes ("params",)
 #           project=True,  # acts on the project its params file belongs to (enter_project)
-#           locks=_always),  # writes the project's outputs or moves registry aliases: holds the repository lock
+#           locks=always),  # writes the project's outputs or moves registry aliases: holds the repository lock
 # A command whose work is more than one library call names a handler instead: a function of the parsed arguments
 # that returns the exit status (as `run` and `schedule` below). The parser, the repository lock and the project
 # folder all follow from the entry; place a new one beside the commands of its kind.
@@ -232,7 +159,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Generate the SQLite world, the document corpus, the train/validation/test task splits and the "
         "demonstrations under data/, validate them, and write metrics/build_env.json. "
         "Reads the `env` and `build_env` sections of the params file.",
-        run="pipeline.build_env.main:main", project=True, locks=_always,
+        run="pipeline.build_env.main:main", project=True, locks=always,
     ),
     Command(
         "adapt",
@@ -240,7 +167,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Build (or load) the base model, optionally continue pre-training on the environment's corpus, "
         "fine-tune it on the demonstrations with adapters, evaluate its capabilities on the validation split, apply "
         "the capability gate, and save models/adapted and metrics/adapt.json. Reads `env`, `model`, `rollout`, `adapt`.",
-        run="pipeline.adapt.main:main", project=True, locks=_always,
+        run="pipeline.adapt.main:main", project=True, locks=always,
     ),
     Command(
         "reward-model",
@@ -248,7 +175,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Replay the demonstrations and sample rollouts of the adapted policy on training tasks, label them "
         "with the rule verifier and reward, fit the learned verifier, and save models/reward_model and "
         "metrics/reward_model.json (held-out AUC, accuracy, calibration). Reads `reward_model`, `env`, `rollout`.",
-        run="pipeline.reward_model.main:main", project=True, locks=_always,
+        run="pipeline.reward_model.main:main", project=True, locks=always,
     ),
     Command(
         "train",
@@ -256,7 +183,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Train the adapted policy with RL (PPO or a group baseline) inside DeepSpeed engines launched with "
         "the deepspeed launcher; write the best policy to models/policy, metrics/train.json and "
         "metrics/train_curve.csv. Resumes from checkpoints/train when present. Reads `env`, `rollout`, `train`.",
-        run="pipeline.train.main:main", project=True, locks=_always,
+        run="pipeline.train.main:main", project=True, locks=always,
     ),
     Command(
         "check-drift",
@@ -264,7 +191,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Compare the current data (data/incoming/ or the validation split) and the policy's behaviour "
         "with the reference it was trained on, check that training and serving preprocess observations identically, "
         "and write metrics/drift.json with a verdict per check. Reads `check_drift`, `env`, `rollout`.",
-        run="pipeline.check_drift.main:main", project=True, locks=_always,
+        run="pipeline.check_drift.main:main", project=True, locks=always,
     ),
     Command(
         "deploy",
@@ -273,7 +200,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         "action, throughput, size), check quantisation parity, log the policy to MLflow as a pyfunc with its world, "
         "register it as a new version with alias `challenger`, and (deploy.promote) run the promotion gate. Writes "
         "metrics/deploy.json. Reads `deploy`, `env`, `rollout`.",
-        run="pipeline.deploy.main:main", project=True, locks=_always,
+        run="pipeline.deploy.main:main", project=True, locks=always,
     ),
     Command(
         "promote",
@@ -282,7 +209,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         "capability, safety, drift and consistency verdicts, quantisation parity, and a paired test against the "
         "champion on the same test tasks. Every check is tagged on the version; on a pass `champion` moves to it. "
         "Exits 0 when promoted, 1 when rejected. Reads `deploy`, `env`, `rollout`.",
-        run="pipeline.deploy.main:promote_main", project=True, locks=_always, verdict=True,
+        run="pipeline.deploy.main:promote_main", project=True, locks=always, verdict=True,
         passes=("params", "version", "alias", "dry_run"),
         arguments=(
             PARAMS,
@@ -296,7 +223,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         help="point the `champion` alias back to the previous champion",
         description="Move the registered model's `champion` alias to the version that was champion before the "
         "current one (the history is the registered-model tag agentrl.champion_history). Reads `deploy`.",
-        run="pipeline.deploy.main:rollback_main", project=True, locks=_always,
+        run="pipeline.deploy.main:rollback_main", project=True, locks=always,
     ),
     Command(
         "serve",
@@ -324,7 +251,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         "validation gap), failure on unseen question templates and rigid behaviour (low behaviour diversity and few "
         "distinct solutions across seeds). Write metrics/evaluate.json and metrics/evaluate_success.csv, and log a "
         "report to MLflow. Reads `evaluate`, `env`, `rollout`.",
-        run="pipeline.evaluate.main:main", project=True, locks=_always,
+        run="pipeline.evaluate.main:main", project=True, locks=always,
     ),
     Command(
         "eval",  # takes its own paths for the policy, tasks and output: not a project command
@@ -349,7 +276,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Run every stage of dvc.yaml in graph order as a Prefect flow on an embedded local server (state "
         "under .prefect/), each through `dvc repro --single-item`, so up-to-date stages are skipped. The stages read "
         "the params.yaml next to dvc.yaml; to try other values, edit it or use `dvc exp run -S key=value`.",
-        run=_cmd_run, locks=_always, only_known=False,
+        run=_cmd_run, locks=always, only_known=False,
         arguments=(
             PARAMS,
             Arg("--stage", action="append", metavar="NAME",
@@ -388,7 +315,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
 )}
 # Read from the table: the commands that hold the repository lock whatever their arguments, and those that act on the
 # project their params file belongs to.
-LOCKED = frozenset(name for name, command in COMMANDS.items() if command.locks is _always)
+LOCKED = frozenset(name for name, command in COMMANDS.items() if command.locks is always)
 PROJECT_COMMANDS = frozenset(name for name, command in COMMANDS.items() if command.project)
 
 
