@@ -40,7 +40,7 @@ LOCKED = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift"
 # acts on the project its params file belongs to (see enter_project). `run` and `schedule` get the same from DVC,
 # which runs every stage in the folder of dvc.yaml; `eval` takes its own paths for the policy, tasks and output.
 PROJECT_COMMANDS = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift", "evaluate", "deploy",
-                              "promote", "rollback", "serve"})
+                              "promote", "rollback", "serve", "registry"})
 
 
 def enter_project(args: argparse.Namespace) -> None:
@@ -107,6 +107,11 @@ def _cmd_rollback(args: argparse.Namespace) -> int:
     from pipeline.deploy import main as deploy
     deploy.rollback_main(args.params)
     return 0
+
+
+def _cmd_registry(args: argparse.Namespace) -> int:
+    from pipeline.deploy import registry_check
+    return registry_check.main(args.params, repair=args.repair, min_age_s=args.min_age)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -306,6 +311,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params_option(p)
     p.set_defaults(func=_cmd_rollback)
+
+    p = sub.add_parser(
+        "registry",
+        help="check the registered model for half-finished alias moves and orphan versions (--repair fixes them)",
+        description="List what stopped commands or writers that skip the registry lease leave in the registered "
+        "model: a champion that did not pass its gate or is missing from the history, a challenger whose passed "
+        "promotion never moved the champion, versions whose gate.decision says passed or promoted but that never "
+        "became champion, gate tags written part-way, stale lease tickets. With --repair, fix them under the lease "
+        "(never promoting a version the gate did not pass, never deleting a version). Exits 0 when nothing is left "
+        "to report, 1 otherwise. Reads `deploy`.",
+    )
+    p.add_argument("action", choices=["check"], help="what to do (check: list, and with --repair fix)")
+    params_option(p)
+    p.add_argument("--repair", action="store_true", help="repair what is listed, under the registry lease")
+    p.add_argument("--min-age", type=float, default=180.0, metavar="S",
+                   help="leave versions younger than S seconds alone: a deploy may still be publishing them "
+                        "(default: %(default)s)")
+    p.set_defaults(func=_cmd_registry)
 
     p = sub.add_parser(
         "serve",
