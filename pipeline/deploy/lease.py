@@ -170,8 +170,8 @@ class RegistryLease:
         elapsed = time.monotonic() - self._renewed_at
         if elapsed > self.ttl_s * 0.75:
             self._held = False
-            raise LeaseLost(f"the registry lease of {self.name!r} ran out ({elapsed:.0f} s since it was last renewed, "
-                            f"lease {self.ttl_s:.0f} s): nothing more was written, so that no other pipeline's "
+            raise LeaseLost(f"the registry lease of {self.name!r} ran out ({elapsed:.1f} s since it was last renewed, "
+                            f"lease {self.ttl_s:g} s): nothing more was written, so that no other pipeline's "
                             f"alias move is overwritten")
         if elapsed > self.ttl_s / 3:
             self.renew()
