@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["check"], help="what to do (check: list, and with --repair fix)")
     params_option(p)
     p.add_argument("--repair", action="store_true", help="repair what is listed, under the registry lease")
-    p.add_argument("--min-age", type=float, default=180.0, metavar="S",
+    p.add_argument("--min-age", type=float, default=900.0, metavar="S",
                    help="leave versions younger than S seconds alone: a deploy may still be publishing them "
                         "(default: %(default)s)")
     p.set_defaults(func=_cmd_registry)

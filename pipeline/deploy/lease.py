@@ -11,8 +11,9 @@ The lease is a ticket lock (Lamport's bakery, with the server as the ticket disp
 - the tickets are the versions of a second registered model, ``<name>.lease``, which holds no model (each version's
   source is ``lease:/ticket``). The server numbers versions one after another and never gives a number twice, not even
   after a deletion (MLflow deletes a version by marking it), so taking a ticket is an atomic operation on the server;
-- a taker creates its ticket, with its holder (command, pid, host, start time) as tags, and holds the lease once
-  every lower ticket is gone: released (deleted), expired, or left by a process of this host that no longer exists;
+- a taker creates its ticket, with its holder (command, pid, thread, host, start time) as tags, and holds the lease
+  once every lower ticket is gone: released (deleted), expired, left by a process of this host that no longer exists,
+  or left by this very thread (whose earlier release failed: a thread never waits on two tickets at once);
 - a ticket expires ``ttl_s`` after its last renewal, measured in the server's clock: a renewal rewrites the ticket's
   description, and the server stamps ``last_updated_timestamp``. A taker reads the server's time from its own
   ticket's stamp plus its own monotonic clock since that request was sent, so no two hosts' clocks are compared;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +39,10 @@ from pipeline.core.errors import AgentRLError
 
 LEASE_SUFFIX = ".lease"
 TICKET_SOURCE = "lease:/ticket"  # a source the server accepts and that nothing ever loads
-TTL_S = 60.0  # publishing is a handful of requests; a holder that is killed blocks others for at most this long
+# Publishing is a handful of requests, but one of them may ride out a tracking server's outage in the HTTP client's
+# retries (pipeline.core.tracking: 5 retries with back-off, about a minute or more): the lease outlasts that, with
+# room. A holder killed on another host blocks the others for at most this long; one of this host, not at all.
+TTL_S = 300.0
 
 
 class LeaseLost(AgentRLError):
@@ -117,8 +122,8 @@ class RegistryLease:
         sent = time.monotonic()
         mv = self.client.create_model_version(
             lease_name(self.name), TICKET_SOURCE, description="waiting", await_creation_for=0,
-            tags={"command": self.command, "pid": str(os.getpid()), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            tags={"command": self.command, "pid": str(os.getpid()), "thread": str(threading.get_ident()),
+                  "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         self.ticket, self._renewed_at, self._server_ms = int(mv.version), sent, float(mv.last_updated_timestamp)
         deadline = sent + (self.wait_s if self.wait_s is not None else 2 * self.ttl_s)
         try:
@@ -149,10 +154,11 @@ class RegistryLease:
     def blocker(self) -> Ticket | None:
         """The lowest ticket before ours that still holds, or None (ours is then the holder)."""
         host, now = socket.gethostname(), self.server_now_ms()
+        mine = {"host": host, "pid": str(os.getpid()), "thread": str(threading.get_ident())}
         for t in self.tickets():
             if t.number >= (self.ticket or 0):
                 break
-            if t.gone(now, self.ttl_s, host) is None:
+            if t.gone(now, self.ttl_s, host) is None and {k: t.holder.get(k) for k in mine} != mine:
                 return t
         return None
 

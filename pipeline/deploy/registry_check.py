@@ -38,7 +38,8 @@ from pipeline.deploy.lease import TTL_S, lease_name, stale_tickets
 from pipeline.deploy.registry import (ABANDONED, CHALLENGER, CHAMPION, DECISION_TAG, JUDGING, PASSED, PROMOTED,
                                       ModelRegistry)
 
-MIN_AGE_S = 3 * TTL_S  # a deploy publishes its version within two leases of creating it
+# a deploy publishes its version within two leases of creating it; `agentrl registry check --min-age` overrides it
+MIN_AGE_S = 3 * TTL_S
 
 
 @dataclass
