@@ -131,7 +131,8 @@ def test_what_repair_cannot_or_must_not_touch_is_listed_and_left(server):
     # a version created moments ago may be a deploy still publishing it: listed, not repaired
     registry = make_model("check-young", [gated("promoted"), gated("passed", "1")], "1", "1", ["1"])
     found = check(registry, repair=True, say=lambda line: None)
-    assert [(f.kind, f.detail) for f in found] == [("orphan", "created moments ago: a deploy may still be publishing it")]
+    assert [(f.kind, f.detail) for f in found] == [
+        ("orphan", "created moments ago: a deploy may still be publishing it")]
     assert registry.tags("2")["gate.decision"] == "passed"
 
     # a lease ticket left by a process of this host that has exited: listed, deleted by --repair

@@ -53,6 +53,26 @@ class LeaseBusy(AgentRLError):
     """The lease stayed held by another live holder for longer than the taker waits."""
 
 
+class ChampionMoved(AgentRLError):
+    """The champion is no longer the version a decision was judged against: another pipeline promoted one since."""
+
+    def __init__(self, name: str, version: str, judged: str | None, current: str | None):
+        self.version, self.judged, self.current = version, judged, current
+        was, now = version_label(judged), version_label(current)
+        super().__init__(f"the champion of {name!r} moved from {was} to {now} while v{version} was judged against "
+                         f"{was} (another pipeline promoted it); v{version} stays registered with gate.decision "
+                         f"superseded: judge it against the new champion with `agentrl promote --version {version}`")
+
+    def judge_again_line(self) -> str:
+        was, now = version_label(self.judged), version_label(self.current)
+        return (f"the champion moved from {was} to {now} (another pipeline) while v{self.version} was judged: "
+                f"judging v{self.version} again against {now}")
+
+
+def version_label(version: str | None) -> str:
+    return f"v{version}" if version else "none"
+
+
 def lease_name(name: str) -> str:
     return f"{name}{LEASE_SUFFIX}"
 
@@ -211,5 +231,5 @@ def stale_tickets(client, name: str, now_ms: float, ttl_s: float = TTL_S) -> lis
     return [(t, why) for t in sorted(found, key=lambda t: t.number) if (why := t.gone(now_ms, ttl_s, host)) is not None]
 
 
-__all__ = ["LEASE_SUFFIX", "LeaseBusy", "LeaseLost", "RegistryLease", "TTL_S", "Ticket", "lease_name",
-           "stale_tickets"]
+__all__ = ["ChampionMoved", "LEASE_SUFFIX", "LeaseBusy", "LeaseLost", "RegistryLease", "TTL_S", "Ticket", "lease_name",
+           "stale_tickets", "version_label"]

@@ -33,11 +33,15 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.core.config import load_section
 from pipeline.deploy.config import DeployConfig
 from pipeline.envs.config import EnvConfig
 from pipeline.core.errors import AgentRLError
+
+if TYPE_CHECKING:
+    from pipeline.deploy.registry import ChampionEvaluator
 
 REQUIRED_METRICS = {"train": "train.json", "adapt": "adapt.json", "drift": "drift.json"}
 EVALUATE_METRICS = "evaluate.json"
@@ -227,7 +231,7 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
 
 
 def champion_evaluator(registry, tasks: list, runtime, env_cfg, rollout_cfg,
-                       seed: int) -> "ChampionEvaluator":
+                       seed: int) -> ChampionEvaluator:
     """An evaluator for :func:`pipeline.deploy.registry.promote`: downloads the champion's policy folder and plays,
     greedily, the challenger's tasks (found by task_id in `tasks`) with the challenger's seeds (``seed + position in
     tasks`` where none is recorded). Tasks the challenger has that `tasks` lacks are left out (the pairing then shows

@@ -51,6 +51,7 @@ from pathlib import Path
 
 from pipeline.deploy.config import DeployGateConfig
 from pipeline.deploy.gate import GateDecision, GateInputs, decide, pair_results
+from pipeline.deploy.lease import ChampionMoved
 from pipeline.core.errors import AgentRLError
 
 CHALLENGER, CHAMPION = "challenger", "champion"
@@ -294,7 +295,10 @@ class ModelRegistry:
         history, and ``gate.decision=promoted``. When another pipeline moved the champion since the decision,
         `version` stays challenger, is tagged ``gate.decision=superseded`` and :class:`ChampionMoved` is raised. On
         any other failure the aliases moved are pointed back and `version` is deleted (:meth:`_withdrawn_on_failure`)."""
-        with self.lease(command) as lease:
+        lease = self.lease(command)
+        with self._withdrawn_on_failure(version, {}, []):  # no lease (busy, or no store): the version goes again
+            lease.acquire()
+        try:
             before = self.aliases()  # read under the lease: what an undo restores, what the champion is now
             moved: list[str] = []
             with self._withdrawn_on_failure(version, before, moved):
@@ -307,6 +311,8 @@ class ModelRegistry:
                     self._move_champion(version, before[CHAMPION], before["history"], moved, lease)
                     return
             self._supersede(version, decision.champion, before[CHAMPION], lease)
+        finally:
+            lease.release()
 
     def promote_version(self, version: str, judged_against: str | None, command: str = "promote") -> None:
         """Under the lease: ``champion`` to `version` if it still points where the gate judged `version` against
@@ -390,26 +396,6 @@ class ModelRegistry:
         self.client.set_model_version_tag(self.name, v, DECISION_TAG, tags[DECISION_TAG])
         if promote and decision.passed:
             self.promote_version(v, decision.champion)
-
-
-class ChampionMoved(AgentRLError):
-    """The champion is no longer the version a decision was judged against: another pipeline promoted one since."""
-
-    def __init__(self, name: str, version: str, judged: str | None, current: str | None):
-        self.version, self.judged, self.current = version, judged, current
-        super().__init__(f"the champion of {name!r} moved from {_v(judged)} to {_v(current)} while v{version} was "
-                         f"judged against {_v(judged)} (another pipeline promoted it); v{version} stays registered "
-                         f"with gate.decision {SUPERSEDED}: judge it against the new champion with `agentrl promote "
-                         f"--version {version}`")
-
-
-    def judge_again_line(self) -> str:
-        return (f"the champion moved from {_v(self.judged)} to {_v(self.current)} (another pipeline) while "
-                f"v{self.version} was judged: judging v{self.version} again against {_v(self.current)}")
-
-
-def _v(version: str | None) -> str:
-    return f"v{version}" if version else "none"
 
 
 def decision_tags(decision: GateDecision) -> dict[str, str]:

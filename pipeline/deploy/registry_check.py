@@ -89,8 +89,8 @@ def inspect(registry: ModelRegistry, now_ms: float, min_age_s: float = MIN_AGE_S
                                      f"{_v(champion)}, still in place, but champion never moved to it",
                                      f"champion to v{v}, as its gate decided", _finish(registry, v)))
             else:
-                found.append(Finding("orphan", f"v{v}", f"gate.decision {decision[v]} (judged against {_v(judged)}) but "
-                                     f"v{v} is not the champion and never was", f"gate.decision {ABANDONED}",
+                found.append(Finding("orphan", f"v{v}", f"gate.decision {decision[v]} (judged against {_v(judged)}) "
+                                     f"but v{v} is not the champion and never was", f"gate.decision {ABANDONED}",
                                      _abandon(registry, v, "its command stopped before champion moved to it")))
     for ticket, why in stale_tickets(registry.client, registry.name, now_ms):
         found.append(Finding("stale-ticket", f"lease ticket {ticket.number}", f"{ticket.describe()}: {why}",
