@@ -7,7 +7,7 @@
   then publish at the same moment: the champion moves by compare-and-set, the loser says so in one line, judges again
   against the winner and is promoted after it; every version in the history was judged against the one before it,
   and `agentrl registry check` finds nothing. A deploy whose champion moves again while it judges again stops with
-  one error line and leaves its version superseded.
+  one error line and leaves its version superseded. A hand promote outrun once judges again and is promoted.
 - `agentrl registry check` lists, and with --repair fixes, each kind of damage a stopped command or a writer that
   skips the lease leaves (tests/test_registry_check.py).
 """
@@ -245,4 +245,35 @@ def test_a_deploy_whose_champion_moves_again_while_it_judges_again_stops_with_on
     assert tags["gate.decision"] == "superseded" and tags["gate.superseded_by"] == other.done[1]
     assert tags["gate.champion_at_decision"] == other.done[0]  # the second judgement, against the first competitor
     assert not (tmp_path / "mine.json").exists()
+    assert check(registry, min_age_s=0, say=lambda line: None) == []
+
+
+def test_a_hand_promote_outrun_once_judges_again_and_is_promoted(server, project, tmp_path):
+    from pipeline.deploy.main import deploy
+    from pipeline.deploy.registry import ModelRegistry, promote
+    from pipeline.deploy.registry_check import check
+
+    name = "policy-hand"
+    metrics = project / "metrics"
+    assert deploy(deploy_config(project, name, **SMALL), ENV, ROLL, metrics, tmp_path / "d.json")["decision"].passed
+    mine = deploy(deploy_config(project, name, policy=nudged_policy(project, tmp_path / "mine", 7e-6), **SMALL,
+                                promote=False), ENV, ROLL, metrics, tmp_path / "mine.json")["version"]
+    other = Interleaved(project, tmp_path, name)
+
+    class OutrunOnce(ModelRegistry):  # the other pipeline promotes just before our first champion move only
+        def promote_version(self, *args, **kwargs):
+            if not other.done:
+                other.deploy()
+            return super().promote_version(*args, **kwargs)
+
+    lines: list[str] = []
+    decision = promote(OutrunOnce(name), deploy_config(project, name, **SMALL).gate, version=mine,
+                       notify=lines.append)
+    assert lines == [f"{name}: the champion moved from v1 to v{other.done[0]} (another pipeline) while v{mine} was "
+                     f"judged: judging v{mine} again against v{other.done[0]}"]
+    registry = ModelRegistry(name)
+    assert decision.passed and decision.champion == other.done[0]
+    assert registry.alias_version("champion") == mine and registry.history() == ["1", other.done[0], mine]
+    assert registry.tags(mine)["gate.champion_at_decision"] == other.done[0]
+    assert registry.tags(mine)["gate.decision"] == "promoted"
     assert check(registry, min_age_s=0, say=lambda line: None) == []
