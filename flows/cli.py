@@ -137,6 +137,10 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] for r in rows) else 1
 
 
+def _with_repair(args: argparse.Namespace) -> bool:
+    return args.repair  # a listing writes nothing; a repair moves aliases
+
+
 def _with_once(args: argparse.Namespace) -> bool:
     return args.once  # served, `schedule` would hold the lock for good; its flow runs' stages take it each
 
@@ -231,6 +235,27 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Move the registered model's `champion` alias to the version that was champion before the "
         "current one (the history is the registered-model tag agentrl.champion_history). Reads `deploy`.",
         run="pipeline.deploy.main:rollback_main", project=True, locks=always,
+    ),
+    Command(
+        "registry",
+        help="check the registered model for half-finished alias moves and orphan versions (--repair fixes them)",
+        description="List what stopped commands or writers that skip the registry lease leave in the registered "
+        "model: a champion that did not pass its gate or is missing from the history, a challenger whose passed "
+        "promotion never moved the champion, versions whose gate.decision says passed or promoted but that never "
+        "became champion, gate tags written part-way, stale lease tickets. With --repair, fix them under the lease "
+        "(never promoting a version the gate did not pass, never deleting a version). Exits 0 when nothing is left "
+        "to report, 1 otherwise. Reads `deploy`.",
+        run="pipeline.deploy.registry_check:main", passes=("params", "repair", "min_age"), verdict=True,
+        project=True, locks=_with_repair,
+        arguments=(
+            Arg("action", nargs="?", default="check", choices=["check"],
+                help="what to do (check, the default: list, and with --repair fix)"),
+            PARAMS,
+            Arg("--repair", action="store_true", help="repair what is listed, under the registry lease"),
+            Arg("--min-age", type=float, default=900.0, metavar="S",
+                help="leave versions younger than S seconds alone: a deploy may still be publishing them "
+                     "(default: %(default)s)"),
+        ),
     ),
     Command(
         "serve",

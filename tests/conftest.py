@@ -80,7 +80,8 @@ def one_thread():
 # by number of tests, started the whole-pipeline modules last). Order only: a module missing here runs after these.
 LONG_FIRST = ("test_flow", "test_adapt", "test_train", "test_foreign_model", "test_prefect_worker", "test_serve",
               "test_production",
-              "test_deploy", "test_env_plugins", "test_deploy_kill", "test_env_calendar", "test_foundation",
+              "test_deploy", "test_registry_shared", "test_env_plugins", "test_deploy_kill", "test_registry_check",
+              "test_env_calendar", "test_foundation",
               "test_faults", "test_train_nodes", "test_replay", "test_served_check", "test_build_env",
               "test_scale_out", "test_task_generator", "test_inputs", "test_context_actions", "test_validation",
               "test_drift")
