@@ -510,9 +510,9 @@ def make_reference_sample(world, n: int, seed: int, level_mix: Mapping[int, floa
     `seed` (use one the build did not: the build uses ``build_env.seed``).
 
     `drawn_as`: draw that many tasks, as many as the reference split holds, and keep a uniform subsample of `n`.
-    A generator that draws distinct tasks from a bounded space (the SQL analyst's level 4 holds about 1,800
-    distinct training questions) shifts its mix as a large split uses up the small families, so `n` tasks drawn
-    on their own are not exchangeable with a split of 4,000; `n` taken from a split-sized draw are. The calibration
+    A generator that draws distinct tasks from a bounded space (one built-in environment's hardest level holds
+    about 1,800 distinct training questions) shifts its mix as a large split uses up the small families, so `n`
+    tasks drawn on their own are not exchangeable with a split of 4,000; `n` taken from a split-sized draw are. The calibration
     draws this way (:mod:`pipeline.check_drift.main`); None draws `n` on their own."""
     mix = dict(level_mix or _build_default("level_mix"))
     if drawn_as is None or drawn_as <= n:
