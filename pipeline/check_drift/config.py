@@ -98,8 +98,8 @@ class DriftConfig(PhaseConfig):
         2000, ge=19, le=100_000,
         description="Permutations of the MMD test; its smallest p-value is 1 / (permutations + 1), which must lie "
                     "below the level the verdict's family rule gives the check (alpha / 5 at worst: 0.002 at alpha "
-                    "0.01) for the check to be able to fire; 2000 gives 0.0005 and a Monte Carlo error of the "
-                    "p-value under 0.002 near that level.")
+                    "0.01) for the check to be able to fire; 2000 gives 0.0005, and a Monte Carlo standard error of "
+                    "the p-value of about 0.001 near that level.")
     max_hidden_samples: int = Field(
         200, ge=10, le=20_000,
         description="Observations per side embedded for the MMD test (a fixed-seed subsample; the forward passes "
