@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--no-hidden", dest="hidden", action="store_false", help="leave the hidden-state check out")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the hidden-state embedding)")
     ap.add_argument("--batch", action="store_true", help="also current samples drawn on their own (see above)")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated cases to run (same, batch, level_shift, value_shift); default: all")
     ap.add_argument("--small", action="store_true",
                     help="reference 1000, current 200, 2 calibration repeats, 100 hidden samples (a few minutes)")
     args = ap.parse_args()
@@ -148,7 +150,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             world, options, reference = build(name, Path(tmp) / "env", args.reference, args.current)
             policy = tiny_policy(reference, world) if args.hidden else None
-            cases = ["same", *(["batch"] if args.batch else []), *shifts(world)]
+            cases = [c for c in ("same", *(["batch"] if args.batch else []), *shifts(world))
+                     if args.cases is None or c in args.cases.split(",")]
             for kind in cases:
                 fired, n, by_check, seconds = run_case(args, world, options, reference, policy, kind)
                 lo, hi = wilson(fired, n)

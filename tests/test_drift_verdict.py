@@ -174,3 +174,15 @@ def test_the_verdict_stays_quiet_on_drift_free_data_across_seeds_and_fires_on_a_
     assert not v["passed"] and v["failed_checks"] == ["task_drift"]
     assert "level" in v["checks"]["task_drift"]["drifted_features"]
     assert v["checks"]["task_drift"]["family"]["rejected"] is True
+
+
+def test_a_calibration_the_generator_cannot_draw_is_one_clear_error(world):
+    """The calibration draws as many fresh tasks as the reference split holds; a generator that cannot (here: a level
+    mix it has no tasks for) stops the phase with one message that says what to set, not a traceback."""
+    from pipeline.core.errors import AgentRLError
+
+    reference = C.make_reference_sample(world, 100, seed=0, level_mix=MIX).tasks
+    with pytest.raises(AgentRLError, match=r"cannot draw 100 fresh tasks as the reference split .*; set "
+                                           r"check_drift.false_alarm_repeats: 0"):
+        run_checks(DriftConfig(false_alarm_repeats=1), EnvConfig(), {9: 1.0}, ShopOptions(), reference,
+                   reference[:40], world, world)

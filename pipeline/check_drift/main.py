@@ -214,7 +214,12 @@ def _calibration(cfg: DriftConfig, level_mix: dict, options, ref_tasks, cur_task
     pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix, options=options,
                                                drawn_as=len(ref_tasks)).tasks)
              for k in range(cfg.false_alarm_repeats))
-    fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg), nominal=cfg.alpha)
+    try:
+        fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg), nominal=cfg.alpha)
+    except ValueError as exc:  # the generator cannot draw a split of this size (e.g. too few distinct tasks)
+        raise AgentRLError(f"the calibration cannot draw {len(ref_tasks)} fresh tasks as the reference split "
+                           f"{cfg.reference_tasks} was drawn ({exc}); set check_drift.false_alarm_repeats: 0 to skip "
+                           f"it") from None
     return fa, {"sample_size": n, "drawn_as": len(ref_tasks),
                 "what": "task check at level alpha on the reference tasks against fresh samples of the reference "
                         "generator; p_value: binomial test of the alarms against alpha"}
