@@ -360,6 +360,7 @@ def verdict_metrics(verdict: dict) -> dict[str, float]:
     out.update({f"sys/check_drift_{k}_seconds": v for k, v in verdict["seconds"].items()})
     return out
 
+
 def _write(path: Path, obj: dict) -> None:
     from pipeline.core.atomic import write_json
 
@@ -429,7 +430,9 @@ def main(params_path: str = "params.yaml", metrics_path: str = "metrics/drift.js
     c = verdict["checks"]
     summary = ", ".join(f"{k} {v['status']}" for k, v in c.items())
     fa = c["calibration"].get("rate")
-    print(f"check_drift: {verdict['verdict'].upper()} ({summary})"
+    family = verdict["family_rule"]
+    print(f"check_drift: {verdict['verdict'].upper()} ({summary}; Holm over {len(family['checks'])} statistical "
+          f"checks at alpha {family['alpha']})"
           + (f"; false-alarm rate {fa:.2f} over {c['calibration']['repeats']} fresh samples" if fa is not None else "")
           + f"; {verdict['seconds']['total']:.1f}s -> {metrics_path}")
     if cfg.fail_on_drift and not verdict["passed"]:
