@@ -22,7 +22,8 @@ statistics). Prints per environment the false-alarm rate (goal <= 0.05) and the 
 with a 95 % Wilson interval, and which checks fired.
 
     python bench/drift_calibration.py                  # 40 samples per case, reference 4000, current 400, 20 repeats
-    python bench/drift_calibration.py --small          # reference 1000, current 200, 2 repeats: a few minutes
+    python bench/drift_calibration.py --small          # reference 1000, current 200, 2 repeats: 3-10 min per
+                                                       # environment on a busy 2-core machine
     python bench/drift_calibration.py --envs shop,sql,calendar --samples 40 --batch
 """
 
@@ -138,7 +139,7 @@ def main() -> None:
     ap.add_argument("--cases", default=None,
                     help="comma-separated cases to run (same, batch, level_shift, value_shift); default: all")
     ap.add_argument("--small", action="store_true",
-                    help="reference 1000, current 200, 2 calibration repeats, 100 hidden samples (a few minutes)")
+                    help="reference 1000, current 200, 2 calibration repeats, 100 hidden samples (minutes, not hours)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # tiny forward passes: more threads on a shared machine only contend
     if args.small:
