@@ -22,7 +22,6 @@ PACKAGES = ("pipeline", "flows")
 ALLOWED = {
     "pipeline/policy/rollout.py:RolloutEngine._loop",
     "pipeline/train/worker.py:run_worker",
-    "pipeline/check_drift/main.py:run_checks",
 }
 
 
