@@ -56,9 +56,11 @@ def save_checkpoint(engine, ckpt_dir: Path, update: int, *, sampler: dict, finge
 
     The ``latest`` file that names the checkpoint to resume from is written here, atomically, once every rank has
     written its part (DeepSpeed's own rewrites it in place, so a full disk could leave it empty). A rank whose write
-    fails for lack of room raises :class:`~pipeline.core.atomic.DiskFullError` naming the checkpoint: ``latest``
-    still names the previous checkpoint, untouched, and the half-written tag folder is removed (the other ranks wait
-    in DeepSpeed's closing barrier until the launcher stops them)."""
+    fails for lack of room raises :class:`~pipeline.core.atomic.DiskFullError` naming the checkpoint and removes the
+    half-written tag folder: ``latest`` still names the previous checkpoint, untouched. The ranks that did not fail
+    wait in DeepSpeed's closing barrier until the launcher stops them; one still writing when another removed the
+    folder can leave its part behind, in a folder that ``latest`` does not name and that the rerun's save of the
+    same update replaces."""
     tag = f"update-{update}"
     rng = dist.all_gather(bc_rng.bit_generator.state)
     try:
@@ -67,9 +69,8 @@ def save_checkpoint(engine, ckpt_dir: Path, update: int, *, sampler: dict, finge
                 "update": update, "sampler": sampler, "fingerprint": fingerprint,
                 "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best,
                 "early_stopping": early_stopping, "bc_rng": rng})
-    except DiskFullError:
-        if dist.is_main:
-            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+    except DiskFullError:  # every rank that failed removes the tag folder: the last one to fail leaves none
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
         raise
     if dist.is_main:
         write_text(ckpt_dir / LATEST, tag)
