@@ -218,3 +218,41 @@ def test_a_tracking_server_down_when_train_starts_is_one_error_line_and_nothing_
     assert errors[0].endswith("nothing was run; start the tracking server or set AGENTRL_TRACKING=off to run the "
                               "phase untracked")
     assert not (proj / "checkpoints").exists() and not (proj / "models" / "policy").exists()
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("on_outage", ["fail", "continue"])
+def test_a_store_lost_inside_a_phase_run_stops_it_with_one_line_or_is_ridden_out(on_outage, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """The tracker's own handling, in process, against a real server killed inside a run: a phase's run stops with
+    one AgentRLError line; a run made with on_outage="continue" says so in one line and its later calls do
+    nothing."""
+    from deploy_support import mlflow_server
+
+    from pipeline.core.errors import AgentRLError
+    from pipeline.core.tracking import Tracker
+
+    for key, value in FAST_FAILURE.items():
+        monkeypatch.setenv(key, value)
+    servers: list = []
+    outcome = None
+    with mlflow_server(tmp_path / "store", started=servers) as uri:
+        tracker = Tracker(tracking_uri=uri, root=tmp_path, on_outage=on_outage)
+        try:
+            with tracker.run("phase", params={"a": 1}) as run:
+                run.log_metrics({"x": 1.0}, step=1)
+                os.killpg(servers[0].pid, signal.SIGKILL)
+                servers[0].wait()
+                run.log_metrics({"x": 2.0}, step=2)
+                run.set_tags({"after": "outage"})
+                outcome = "went on"
+        except AgentRLError as exc:
+            outcome = str(exc)
+    said = [line for line in capsys.readouterr().err.splitlines() if "did not answer" in line]
+    if on_outage == "fail":
+        assert outcome.startswith(f"phase: the MLflow tracking server at {uri} did not answer"), outcome
+        assert "\n" not in outcome and outcome.endswith("its outputs are as they were or whole"), outcome
+        assert not said
+    else:
+        assert outcome == "went on" and run.lost is not None
+        assert len(said) == 1 and said[0].startswith(f"warning: phase: the MLflow tracking server at {uri}"), said

@@ -141,10 +141,10 @@ def configure_http_retries() -> dict[str, str]:
     return {key: os.environ[key] for key in HTTP_RETRY_DEFAULTS}
 
 
-def store_failure(exc: BaseException) -> str | None:
-    """One line saying that the tracking store did not answer, when `exc` (or an exception it was raised from) is
-    that: a connection refused, reset or timed out, or retries used up on 429/5xx answers; None for anything else (a
-    bad request is a bug or bad input, not the store's absence)."""
+def store_failure(exc: BaseException, uri: str | None = None) -> str | None:
+    """One line saying that the tracking store (at `uri`, else ``$MLFLOW_TRACKING_URI``) did not answer, when `exc`
+    (or an exception it was raised from) is that: a connection refused, reset or timed out, or retries used up on
+    429/5xx answers; None for anything else (a bad request is a bug or bad input, not the store's absence)."""
     markers = ("Max retries exceeded", "failed with exception", "failed with error code 5",
                "failed with error code 429", "Connection refused", "Connection aborted", "Read timed out")
     seen: set[int] = set()
@@ -155,7 +155,7 @@ def store_failure(exc: BaseException) -> str | None:
         text = str(current)
         if name in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError",
                     "NewConnectionError", "ProtocolError") or any(m in text for m in markers):
-            uri = os.environ.get("MLFLOW_TRACKING_URI", "the tracking store")
+            uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "the tracking store")
             detail = text.splitlines()[0] if text else name
             return f"the MLflow tracking server at {uri} did not answer (retried per MLFLOW_HTTP_REQUEST_*: " \
                    f"{detail[:300]})"
@@ -164,7 +164,7 @@ def store_failure(exc: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def store_errors(what: str, left: str = "") -> Iterator[None]:
+def store_errors(what: str, left: str = "", uri: str | None = None) -> Iterator[None]:
     """Turn a tracking store that did not answer (:func:`store_failure`) into one AgentRLError line, ``what: why``
     followed by `left` (what the caller knows about the state it leaves); anything else passes unchanged."""
     try:
@@ -172,7 +172,7 @@ def store_errors(what: str, left: str = "") -> Iterator[None]:
     except AgentRLError:
         raise
     except Exception as exc:
-        why = store_failure(exc)
+        why = store_failure(exc, uri)
         if why is None:
             raise
         raise AgentRLError(f"{what}: {why}{'; ' + left if left else ''}") from exc
@@ -218,8 +218,10 @@ ON_OUTAGE = ("fail", "continue")  # what a run does when its store stops answeri
 class RunHandle:
     """The run a phase logs into; obtained from :meth:`Tracker.run`, never built by hand."""
 
-    def __init__(self, client: Any, run_id: str, phase: str, on_outage: str = "fail") -> None:
+    def __init__(self, client: Any, run_id: str, phase: str, on_outage: str = "fail",
+                 tracking_uri: str | None = None) -> None:
         self._client = client
+        self._uri = tracking_uri
         self.run_id = run_id
         self.phase = phase
         self._on_outage = on_outage
@@ -236,7 +238,7 @@ class RunHandle:
         try:
             call(*args, **kwargs)
         except Exception as exc:
-            why = store_failure(exc)
+            why = store_failure(exc, self._uri)
             if why is None:
                 raise
             self.lost = why
@@ -361,7 +363,7 @@ class Tracker:
             return
         # a store that does not answer here stops the phase before it has done anything
         with store_errors(f"{phase}: cannot open its MLflow run", f"nothing was run; start the tracking server or "
-                          f"set {TRACKING_ENV}=off to run the phase untracked"):
+                          f"set {TRACKING_ENV}=off to run the phase untracked", self.tracking_uri):
             client = self.client()
             exp_id = self.experiment_id(client)
             parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
@@ -372,7 +374,7 @@ class Tracker:
             if parent:
                 run_tags["mlflow.parentRunId"] = parent
             run = client.create_run(exp_id, run_name=phase, tags=run_tags)
-            handle = RunHandle(client, run.info.run_id, phase, self.on_outage)
+            handle = RunHandle(client, run.info.run_id, phase, self.on_outage, self.tracking_uri)
         status, lost = "FAILED", None
         try:
             if params:
@@ -387,7 +389,7 @@ class Tracker:
         except AgentRLError:
             raise
         except Exception as exc:  # the store gone in the body: one line, the run's outputs are whole or not written
-            lost = store_failure(exc)
+            lost = store_failure(exc, self.tracking_uri)
             if lost is None:
                 raise
             raise AgentRLError(f"{phase}: {lost}; the run {handle.run_id} keeps what it logged before and stays "
