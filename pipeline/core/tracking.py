@@ -393,7 +393,8 @@ class Tracker:
             if lost is None:
                 raise
             raise AgentRLError(f"{phase}: {lost}; the run {handle.run_id} keeps what it logged before and stays "
-                               f"RUNNING in the store; the phase stopped there, its outputs are as they were or whole") from exc
+                               f"RUNNING in the store; the phase stopped there, its outputs are as they were or "
+                               f"whole") from exc
         finally:
             if handle.lost is None and lost is None:  # a store that is gone is not asked again (another 30 s)
                 try:
@@ -447,6 +448,6 @@ def make_tracker(enabled: bool = True, **kwargs: Any) -> Tracker | NullTracker:
     return Tracker(**kwargs) if enabled else NullTracker()
 
 
-__all__ = ["EXPERIMENT", "HTTP_RETRY_DEFAULTS", "ON_OUTAGE", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle",
-           "Tracker", "configure_http_retries", "flatten", "make_tracker", "mlflow_client", "namespaced",
+__all__ = ["EXPERIMENT", "HTTP_RETRY_DEFAULTS", "ON_OUTAGE", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker",
+           "RunHandle", "Tracker", "configure_http_retries", "flatten", "make_tracker", "mlflow_client", "namespaced",
            "require_tracking", "store_errors", "store_failure", "tracking_enabled"]
