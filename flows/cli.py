@@ -6,8 +6,9 @@ It lives in `flows/`, next to the Prefect flows it starts: the layer above the l
 is imported by `agentrl run` and `agentrl schedule` alone, after its state directory has been pointed into the repo.
 
 Errors the user can fix (a bad `params.yaml`, a corrupt task file, a missing phase output: `ConfigError` and every
-`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback; anything else is a bug
-and keeps its traceback.
+`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback, and so is a tracking
+server that stopped answering (:func:`pipeline.core.tracking.store_failure`); anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -462,6 +463,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except (ConfigError, AgentRLError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        rc = USER_ERROR
+        return rc
+    except Exception as exc:  # a tracking server that stopped answering in the middle: one line, not a traceback
+        from pipeline.core.tracking import store_failure
+
+        why = store_failure(exc)
+        if why is None:
+            raise
+        print(f"error: {args.command}: {why}; it stopped there: its outputs are as they were or whole, and its MLflow "
+              f"run, if one was open, stays RUNNING with what it logged before", file=sys.stderr)
         rc = USER_ERROR
         return rc
     except KeyboardInterrupt:

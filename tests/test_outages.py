@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_kills import reference  # noqa: F401 - the tiny project every phase ran in once (a module fixture)
 
 BIN = Path(sys.executable).parent
 
@@ -215,29 +216,29 @@ def test_a_tracking_server_down_when_train_starts_is_one_error_line_and_nothing_
     assert len(errors) == 1 and "Traceback" not in out, out[-4000:]
     assert errors[0].startswith(f"error: train: cannot open its MLflow run: the MLflow tracking server at {uri} did "
                                 "not answer"), errors
-    assert errors[0].endswith("nothing was run; start the tracking server or set AGENTRL_TRACKING=off to run the "
-                              "phase untracked")
+    assert errors[0].endswith("nothing was run; start the tracking server (or set AGENTRL_TRACKING=off for a phase "
+                              "that can run untracked)")
     assert not (proj / "checkpoints").exists() and not (proj / "models" / "policy").exists()
 
 
 @pytest.mark.services
 @pytest.mark.parametrize("on_outage", ["fail", "continue"])
-def test_a_store_lost_inside_a_phase_run_stops_it_with_one_line_or_is_ridden_out(on_outage, tmp_path, monkeypatch,
-                                                                                 capsys):
-    """The tracker's own handling, in process, against a real server killed inside a run: a phase's run stops with
-    one AgentRLError line; a run made with on_outage="continue" says so in one line and its later calls do
-    nothing."""
+def test_a_store_lost_inside_a_phase_run_is_raised_once_or_ridden_out(on_outage, tmp_path, monkeypatch, capsys,
+                                                                       caplog):
+    """The tracker's own handling, in process, against a real server killed inside a run: a phase's run raises the
+    store's failure as it is (the caller or the command line says it in one line) without asking the dead store again
+    to mark the run; a run made with on_outage="continue" says so in one line and its later calls do nothing."""
     from deploy_support import mlflow_server
 
-    from pipeline.core.errors import AgentRLError
-    from pipeline.core.tracking import Tracker
+    from pipeline.core.tracking import Tracker, store_failure
 
     for key, value in FAST_FAILURE.items():
         monkeypatch.setenv(key, value)
     servers: list = []
     outcome = None
     with mlflow_server(tmp_path / "store", started=servers) as uri:
-        tracker = Tracker(tracking_uri=uri, root=tmp_path, on_outage=on_outage)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        tracker = Tracker(root=tmp_path, on_outage=on_outage)
         try:
             with tracker.run("phase", params={"a": 1}) as run:
                 run.log_metrics({"x": 1.0}, step=1)
@@ -246,13 +247,62 @@ def test_a_store_lost_inside_a_phase_run_stops_it_with_one_line_or_is_ridden_out
                 run.log_metrics({"x": 2.0}, step=2)
                 run.set_tags({"after": "outage"})
                 outcome = "went on"
-        except AgentRLError as exc:
-            outcome = str(exc)
+        except Exception as exc:  # noqa: BLE001 - what the store's failure is raised as is the point
+            outcome = store_failure(exc)
     said = [line for line in capsys.readouterr().err.splitlines() if "did not answer" in line]
     if on_outage == "fail":
-        assert outcome.startswith(f"phase: the MLflow tracking server at {uri} did not answer"), outcome
-        assert "\n" not in outcome and outcome.endswith("its outputs are as they were or whole"), outcome
-        assert not said
+        assert outcome is not None and outcome.startswith(f"the MLflow tracking server at {uri} did not answer")
+        assert not said and "could not mark" not in caplog.text  # the dead store was not asked again
     else:
         assert outcome == "went on" and run.lost is not None
         assert len(said) == 1 and said[0].startswith(f"warning: phase: the MLflow tracking server at {uri}"), said
+
+
+@pytest.mark.slow
+@pytest.mark.services
+def test_a_tracking_server_lost_inside_another_phase_is_one_error_line(reference, tmp_path):
+    """`agentrl evaluate` whose server dies once its run is open: exit 2, one `error:` line, no traceback, and its
+    outputs absent or whole (the phase logs after it wrote them)."""
+    import shutil
+    import time
+
+    from deploy_support import mlflow_server
+    from mlflow.tracking import MlflowClient
+    from test_kills import env_of, published
+
+    ref, _ = reference
+    root = tmp_path / "project"
+    shutil.copytree(ref, root, symlinks=True, ignore=shutil.ignore_patterns(".agentrl"))
+    outs = ("metrics/evaluate.json", "metrics/evaluate_success.csv")
+    expected = {path: published(ref, path) for path in outs}
+    for path in outs:
+        (root / path).unlink()
+    servers: list = []
+    with mlflow_server(tmp_path / "store", started=servers) as uri:
+        env = {**env_of(root), "AGENTRL_TRACKING": "on", "MLFLOW_TRACKING_URI": uri, **FAST_FAILURE}
+        log = tmp_path / "evaluate.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen([str(BIN / "agentrl"), "evaluate"], cwd=root, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            client = MlflowClient(uri)
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:  # until the phase's run is open
+                exp = client.get_experiment_by_name("agentrl")
+                if exp is not None and client.search_runs([exp.experiment_id]):
+                    break
+                time.sleep(0.2)
+            os.killpg(servers[0].pid, signal.SIGKILL)
+            servers[0].wait()
+            proc.wait(timeout=900)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 2, text[-4000:]
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in text, text[-4000:]
+    assert errors[0].startswith(f"error: evaluate: the MLflow tracking server at {uri} did not answer"), errors
+    for path in outs:
+        assert published(root, path) in (None, expected[path]), path

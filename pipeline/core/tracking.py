@@ -34,12 +34,14 @@ fails is one ``error:`` line (:func:`store_failure` recognises it), never a half
 (:mod:`pipeline.deploy.registry`). SQLite stores make no HTTP requests and are not affected.
 
 Where that happens in a phase's run (:meth:`Tracker.run`): a store that does not answer when the run opens stops the
-phase there, before it does anything, with one ``error:`` line; one that stops answering in the body stops the phase
-with one line too (its outputs are published whole or not at all, :mod:`pipeline.core.atomic`), unless the tracker
-was made with ``on_outage="continue"``. Then the first logging call that fails prints one ``warning:`` line naming
-the run, and the run goes on untracked: later logging calls do nothing, and the run is not marked finished (it stays
-RUNNING in the store, with what it logged before). `train` does that, so an hour of training is not thrown away for
-its curves; its metrics files hold everything the run would have logged.
+phase there, before it does anything, with one ``error:`` line. One that stops answering in the body raises out of
+the run as it is (the run is not marked, which would cost another round of retries): a caller that knows what it
+leaves says so (`deploy`), and the command line turns the rest into one ``error:`` line (`flows/cli.py`; a phase's
+outputs are published whole or not at all, :mod:`pipeline.core.atomic`). A tracker made with
+``on_outage="continue"`` rides it out instead: the first logging call that fails prints one ``warning:`` line
+naming the run, and the run goes on untracked; later logging calls do nothing, and the run is not marked finished
+(it stays RUNNING in the store, with what it logged before). `train` does that, so an hour of training is not thrown
+away for its curves; its metrics files hold everything the run would have logged.
 
 Deliberately left out: MLflow's fluent API (``mlflow.start_run``) keeps the active run in module-level state, which
 breaks when Prefect calls phases repeatedly in one process; every call here goes through an explicit ``MlflowClient``
@@ -362,8 +364,8 @@ class Tracker:
             yield NullRun(phase)
             return
         # a store that does not answer here stops the phase before it has done anything
-        with store_errors(f"{phase}: cannot open its MLflow run", f"nothing was run; start the tracking server or "
-                          f"set {TRACKING_ENV}=off to run the phase untracked", self.tracking_uri):
+        with store_errors(f"{phase}: cannot open its MLflow run", f"nothing was run; start the tracking server (or "
+                          f"set {TRACKING_ENV}=off for a phase that can run untracked)", self.tracking_uri):
             client = self.client()
             exp_id = self.experiment_id(client)
             parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
@@ -386,15 +388,9 @@ class Tracker:
         except KeyboardInterrupt:
             status = "KILLED"
             raise
-        except AgentRLError:
+        except Exception as exc:  # the store gone in the body: raised as it is, the caller says what it leaves
+            lost = None if isinstance(exc, AgentRLError) else store_failure(exc, self.tracking_uri)
             raise
-        except Exception as exc:  # the store gone in the body: one line, the run's outputs are whole or not written
-            lost = store_failure(exc, self.tracking_uri)
-            if lost is None:
-                raise
-            raise AgentRLError(f"{phase}: {lost}; the run {handle.run_id} keeps what it logged before and stays "
-                               f"RUNNING in the store; the phase stopped there, its outputs are as they were or "
-                               f"whole") from exc
         finally:
             if handle.lost is None and lost is None:  # a store that is gone is not asked again (another 30 s)
                 try:
