@@ -14,7 +14,8 @@
 - A real `mlflow server` killed (SIGKILL) while `agentrl train` logs to it: the run keeps training untracked, says
   so in one ``warning:`` line, and publishes the same policy and metrics as a run that was never tracked; the
   restarted server has the run with what it logged before. A server that is down when `train` starts is one
-  ``error:`` line before anything trains.
+  ``error:`` line before anything trains; one killed once `agentrl evaluate` has opened its run is one ``error:``
+  line from the command line, with the phase's outputs absent or whole.
 """
 
 from __future__ import annotations
