@@ -10,8 +10,9 @@ lock and acts in its project's folder; the parts are in flows/commands.py); the 
 that table.
 
 Errors the user can fix (a bad `params.yaml`, a corrupt task file, a missing phase output: `ConfigError` and every
-`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback; anything else is a bug
-and keeps its traceback.
+`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback, and so is a tracking
+server that stopped answering (:func:`pipeline.core.tracking.store_failure`); anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -441,6 +442,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except (ConfigError, AgentRLError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        rc = USER_ERROR
+        return rc
+    except Exception as exc:  # a tracking server that stopped answering in the middle: one line, not a traceback
+        from pipeline.core.tracking import store_failure
+
+        why = store_failure(exc)
+        if why is None:
+            raise
+        print(f"error: {args.command}: {why}; it stopped there: its outputs are as they were or whole, and its MLflow "
+              f"run, if one was open, stays RUNNING with what it logged before", file=sys.stderr)
         rc = USER_ERROR
         return rc
     except KeyboardInterrupt:
