@@ -17,7 +17,6 @@ from pipeline.core.errors import AgentRLError
 from pipeline.train import core_algos as A
 from pipeline.train.advantages import score_episodes, turn_events
 from pipeline.train.config import TrainConfig
-from pipeline.train.reward_weights import credit_mode
 from pipeline.train.sampling import make_sampler_state
 
 
@@ -109,9 +108,9 @@ def test_event_credit_turn_advantages_by_hand_and_the_old_turn_credit_key():
                                                                                         [-1.0, -1.0, 0.0]]
     # the older key: turn_credit: true is credit 'turn'; it does not undo 'event'
     old = parse_section(TrainConfig, {"turn_credit": True}, "p:train")
-    assert credit_mode(old) == "turn" and credit_mode(cfg) == "event"
-    assert credit_mode(cfg.model_copy(update={"turn_credit": True})) == "event"
-    assert credit_mode(parse_section(TrainConfig, {}, "p:train")) == "episode"
+    assert old.credit == "turn" and cfg.credit == "event"
+    assert cfg.model_copy(update={"turn_credit": True}).credit == "event"
+    assert parse_section(TrainConfig, {}, "p:train").credit == "episode"
 
 
 # ---------------------------------------------------------------------------------------- in the real training loop

@@ -13,10 +13,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.core.errors import AgentRLError
 from pipeline.train.batch import collate_records, slice_rows
-from pipeline.train.config import TrainConfig
-from pipeline.train.replay import (ReplayStore, SamplingConfig, episode_deltas, mix_count, priorities,
+from pipeline.train.config import SamplingConfig, TrainConfig
+from pipeline.train.replay import (ReplayStore, episode_deltas, mix_count, priorities,
                                    priority_weights, replay_scores, weigh_rows)
 from pipeline.train.sampling import TaskFailures, failure_weights, make_sampler_state
 
@@ -127,8 +126,10 @@ def test_replayed_episodes_keep_their_stored_advantage_and_their_weight_in_the_l
     w = weigh_rows(batch.mask.clone(), records, batch)
     assert w[:, 1].tolist() == [1.0, 1.0, 0.25]
     assert weigh_rows(batch.mask[:2], new, collate_records(new, 0)) is not None  # no replayed record: unchanged
-    with pytest.raises(AgentRLError, match="episode credit"):
-        make_sampler_state(TrainConfig(algorithm="ppo", turn_credit=True, sampling={"replay": True}))
+    with pytest.raises(ValidationError, match="episode credit"):  # the config refuses it, before any state exists
+        TrainConfig(algorithm="ppo", turn_credit=True, sampling={"replay": True})
+    with pytest.raises(ValidationError, match="episode credit"):
+        TrainConfig(algorithm="ppo", reward={"credit": "event"}, sampling={"replay": True})
 
 
 def test_replayed_turn_advantages_and_ppo_scores():

@@ -21,7 +21,7 @@ from pipeline.core.errors import AgentRLError
 from pipeline.train import core_algos as A
 from pipeline.train.batch import Batch, group_ids_of
 from pipeline.train.config import TrainConfig
-from pipeline.train.reward_weights import credit_mode, policy_components
+from pipeline.train.reward_weights import policy_components
 from pipeline.train.sampling import SamplerState
 
 
@@ -126,7 +126,7 @@ def score_episodes(records: list[dict], cfg: TrainConfig, state: SamplerState, g
     """Scores and, for group baselines, episode- or turn-level advantages of one update's records (with ``group``).
     `gather` collects the reward weighting's statistics over ranks; `write_tools` are the tools whose calls are
     ``write`` events of event credit."""
-    credit = credit_mode(cfg)
+    credit = cfg.credit
     records, delta, metrics = reweight_returns(records, cfg, state, gather)
     if credit != "episode":  # before episode_scores, which updates the normaliser after using it
         t_rewards, t_mask = turn_rewards(records)

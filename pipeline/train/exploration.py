@@ -25,17 +25,7 @@ update while the current one learns, and their engines are built by the worker; 
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from pipeline.core.config import PhaseConfig
 from pipeline.core.errors import AgentRLError
-
-
-class ExplorationConfig(PhaseConfig):
-    """Annealed tool-choice noise of RL rollouts (design document 3.2)."""
-
-    tool_noise: float = Field(0.0, ge=0, le=1, description="ε_max: probability that an RL rollout's action calls a tool drawn uniformly from the task's tools instead of the policy's choice (recorded log-probabilities are the mixture's, so the importance weights correct for it); 0 disables.")
-    anneal: bool = Field(True, description="ε_t = ε_max·(1 − t/T) over the run's updates (t the 0-based update, T = train.updates); false keeps ε_max throughout.")
 
 
 def annealed_epsilon(eps_max: float, t: int, T: int, anneal: bool = True) -> float:

@@ -2,7 +2,7 @@
 sampling, the mixing ratio of new and replayed episodes, and the glue that puts replayed episodes into an update
 with their stored advantage, their recorded behaviour log-probabilities and a per-row importance weight.
 Trajectory slicing is :func:`pipeline.train.batch.slice_rows`; adversarial task sampling is
-:class:`pipeline.train.sampling.TaskFailures`. All keys live in ``train.sampling`` (:class:`SamplingConfig`).
+:class:`pipeline.train.sampling.TaskFailures`. All keys live in ``train.sampling`` (:class:`pipeline.train.config.SamplingConfig`).
 
 Decisions:
 
@@ -16,7 +16,7 @@ Decisions:
 - **Advantage of a replayed episode.** grpo/rloo: the advantage stored with it (its group is gone; its group-relative
   standing is what it was), per turn with `turn_credit`. PPO: recomputed by GAE with today's value head (its TD
   errors change as V does), from its return normalised with the normaliser's current window (replayed returns do
-  not enter the window again); PPO with per-turn or event credit is refused (AgentRLError).
+  not enter the window again); PPO with per-turn or event credit is refused (by :class:`pipeline.train.config.TrainConfig`).
 - **Importance weight of the priority sampling**, w_i = (N·p(i))^(−β_is) / max_j w_j over the episodes drawn this
   update (Schaul et al. 2016). It multiplies the replayed rows' loss weights (new rows weigh 1); the policy loss is a
   weighted mean, so w_i sets a replayed row's share relative to the other rows and the step size is not shrunk.
@@ -39,42 +39,9 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-from pydantic import Field, model_validator
-
-from pipeline.core.config import PhaseConfig
-from pipeline.core.errors import AgentRLError
-
-# torch is imported inside the functions that need it: the train config imports this module for SamplingConfig,
-# and reading a config stays light
 
 
-class SamplingConfig(PhaseConfig):
-    """`train.sampling`: sample reuse (prioritised replay), trajectory slicing and adversarial task sampling."""
-
-    replay: bool = Field(False, description="Train each update on its new episodes plus prioritised replayed episodes of earlier updates (off by default).")
-    capacity: int = Field(256, ge=1, le=100_000, description="Episodes the replay store keeps (first in, first out).")
-    alpha: float = Field(0.6, ge=0, le=4, description="Priority exponent α of p(i) ∝ |δ_i|^α + ε (0: uniform).")
-    eps: float = Field(0.01, gt=0, description="ε of p(i) ∝ |δ_i|^α + ε: every stored episode keeps a chance.")
-    beta_is: float = Field(0.4, ge=0, le=1, description="Exponent of the priority importance weight w_i = (N·p(i))^(−β_is)/max w (0: no correction, 1: full).")
-    beta_min: float = Field(0.5, gt=0, le=1, description="Lower bound of the share β of new episodes in an update.")
-    beta_max: float = Field(1.0, gt=0, le=1, description="Upper bound of the share β of new episodes; β = clip(N_new/(N_new + N_store), β_min, β_max).")
-    max_age: int = Field(4, ge=1, le=1000, description="Replayed episodes are at most this many policy versions old; older ones are evicted.")
-    slice_turns: int = Field(0, ge=0, le=64, description="Trajectory slicing: a token segment with more than this many turns is trained as rows of at most this many turns each (context: the segment's prompt, then the window); 0 disables.")
-    adversarial: bool = Field(False, description="Within a level, sample tasks the policy recently failed more often: weight max(floor, 1 − success_task)^power (off by default).")
-    adversarial_floor: float = Field(0.1, gt=0, le=1, description="Lowest per-task weight of adversarial sampling, so solved tasks are still drawn.")
-    adversarial_power: float = Field(1.0, ge=0, le=8, description="Exponent k of max(floor, 1 − success_task)^k (0: uniform).")
-    adversarial_window: int = Field(8, ge=1, le=1000, description="Recent episodes per task in its success rate.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "SamplingConfig":
-        if self.beta_min > self.beta_max:
-            raise ValueError(f"train.sampling.beta_min ({self.beta_min}) must not exceed beta_max ({self.beta_max})")
-        return self
-
-
-REFUSED_PPO_CREDIT = ("train.sampling.replay with PPO works with episode credit only: per-turn or event credit "
-                      "would need each replayed episode's turn rewards and discounts re-derived; use grpo/rloo (their "
-                      "per-turn advantages are stored) or replay off")
+# torch is imported inside the functions that need it, so that reading the pure functions stays light
 
 
 # ------------------------------------------------------------------------------------------------- pure functions
@@ -231,9 +198,7 @@ def replay_scores(records: list[dict], cfg, state, *args):
     if sc.turn_adv is not None:
         sc.turn_adv = _pad_cat(sc.turn_adv, [r["replay_turn_adv"] for r in rep])
         sc.turn_mask = _pad_cat(sc.turn_mask, [[1.0] * len(r["replay_turn_adv"]) for r in rep])
-    elif sc.turn_rewards is not None:
-        raise AgentRLError(REFUSED_PPO_CREDIT)
-    return sc
+    return sc  # PPO with per-turn credit and replay never gets here: TrainConfig refuses it
 
 
 def weigh_rows(loss_mask, records: list[dict], batch):

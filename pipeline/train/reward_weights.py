@@ -1,6 +1,6 @@
 """Reward engineering in the learner (design document, sections 3.6.1 and 2.2): how an episode's reward components
 become the return RL maximises, and how that return is credited to turns. Config: `train.reward`
-(:class:`RewardConfig`).
+(:class:`pipeline.train.config.RewardConfig`).
 
 The environment pays R = Σ_i α_i·x_i over the components x = (correctness, efficiency, safety, user_experience) with
 the fixed weights α of `env.reward` (efficiency and user experience only count in a correct episode under
@@ -48,54 +48,18 @@ The maths are pure functions (numpy in, numpy out) with hand-computed tests; :cl
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
 
 import numpy as np
-from pydantic import Field, field_validator
 
-from pipeline.core.config import PhaseConfig
 from pipeline.core.errors import AgentRLError
+from pipeline.train.config import COMPONENTS, RewardConfig
 
-COMPONENTS = ("correctness", "efficiency", "safety", "user_experience")
 BEST = np.array([1.0, 0.0, 0.0, 1.0])  # top of each component's range (pipeline.envs.reward)
 SHAPED = np.array([False, True, False, True])  # terms that `env.reward.shaping: on_success` counts only on success
 # what an update reports into metrics/train_curve.csv when a mode is on (pipeline.train.worker)
 REWARD_CURVE_KEYS = (*(f"reward/w_{c}" for c in COMPONENTS), *(f"reward/lambda_{c}" for c in COMPONENTS[1:]),
                      *(f"reward/constraint_{c}" for c in COMPONENTS[1:]), "reward/return_mean",
                      "credit/event_turns_per_episode")
-
-
-class RewardConfig(PhaseConfig):
-    """How the learner forms returns from the reward components and credits them to turns (design document 3.6.1,
-    2.2)."""
-
-    weighting: Literal["fixed", "softmax", "lagrange"] = Field("fixed", description="'fixed': the environment's return (env.reward weights); 'softmax': w_i = α_i·4·softmax(Q/τ)_i, Q_i the component's recent shortfall from its best, so weight goes where the policy is weakest; 'lagrange': correctness plus λ_j·(x_j − b_j) for each constrained component, λ by projected dual ascent.")
-    window: int = Field(256, ge=1, le=1_000_000, description="softmax: episodes (where the component counts) in each component's recent-shortfall window.")
-    temperature: float = Field(0.5, gt=0, le=100, description="softmax: τ; small τ puts nearly all weight on the weakest component, large τ keeps the fixed weights.")
-    thresholds: dict[str, float] = Field(default_factory=lambda: {"safety": -0.01, "efficiency": -0.25}, description="lagrange: constraint mean x_j ≥ b_j per component (safety, efficiency, user_experience); components not listed are not in the return.")
-    lambda_lr: float = Field(1.0, gt=0, le=1000, description="lagrange: dual step η of λ_j ← clip(λ_j − η·(mean_j − b_j), 0, lambda_max).")
-    lambda_max: float = Field(10.0, gt=0, le=1000, description="lagrange: upper bound of every λ_j (projection).")
-    credit: Literal["episode", "turn", "event"] = Field("episode", description="'episode': the return on the last action; 'turn': discounted return from each turn on (train.gamma per turn; train.turn_credit: true is the same); 'event': the discount event_gamma applies at turns with a key event instead of at every turn.")
-    event_gamma: float = Field(0.9, gt=0, le=1, description="event: discount γ_e applied after a turn that carries a key event.")
-    events: list[str] = Field(default_factory=lambda: ["write", "subgoal_done"], min_length=1, description="event: what counts as a key event: 'write' (a call of a tool that writes) and names a record's step_events carry (e.g. subgoal_done).")
-
-    @field_validator("thresholds")
-    @classmethod
-    def _check_thresholds(cls, v: dict[str, float]) -> dict[str, float]:
-        for name, b in v.items():
-            if name not in COMPONENTS[1:]:
-                raise ValueError(f"thresholds: {name!r} is not a constrainable component; choose from "
-                                 f"{list(COMPONENTS[1:])} (correctness is the objective)")
-            lo, hi = (0.0, 1.0) if name == "user_experience" else (-1.0, 0.0)
-            if not lo <= b <= hi:
-                raise ValueError(f"thresholds: {name} = {b} is outside the component's range [{lo}, {hi}]")
-        return v
-
-
-def credit_mode(cfg) -> str:
-    """The credit of a TrainConfig: `reward.credit`, with the older `turn_credit: true` meaning at least 'turn'."""
-    mode = cfg.reward.credit
-    return "turn" if mode == "episode" and cfg.turn_credit else mode
 
 
 # ----------------------------------------------------------------------------------------------------- pure maths

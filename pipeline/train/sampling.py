@@ -24,7 +24,7 @@ import numpy as np
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.contract import TaskFields as Task
 from pipeline.train.config import TrainConfig
-from pipeline.train.replay import REFUSED_PPO_CREDIT, ReplayStore
+from pipeline.train.replay import ReplayStore
 
 
 class RewardNormalizer:
@@ -252,9 +252,6 @@ class SamplerState:
 def make_sampler_state(cfg: TrainConfig, levels: list[int] = (1, 2, 3, 4)) -> SamplerState:
     """The sampling state for training tasks of `levels`; the curriculum opens at the highest of them not above
     `curriculum_start_level` (the lowest level when all lie above it)."""
-    if cfg.sampling.replay and cfg.algorithm == "ppo" and (
-            cfg.turn_credit or getattr(getattr(cfg, "reward", None), "credit", "episode") != "episode"):
-        raise AgentRLError(REFUSED_PPO_CREDIT)
     levels = sorted(levels)
     start = max([lv for lv in levels if lv <= cfg.curriculum_start_level] or levels[:1])
     return SamplerState(

@@ -43,38 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
-
-from pipeline.core.config import PhaseConfig
 from pipeline.core.errors import AgentRLError
+from pipeline.train.config import TaskGenerationConfig
 
 PREFIX = "generated"
 REFUSALS = ("refused_schema", "refused_heldout_entities", "refused_heldout_templates", "refused_duplicates",
             "refused_unverifiable")
-
-
-class TaskGenerationConfig(PhaseConfig):
-    """Adversarial task generation during RL (`train.task_generation`); see :mod:`pipeline.train.task_generator`."""
-
-    enabled: bool = Field(False, description="Every `every` updates, generate new training tasks in the slices where recent success is lowest and add them to the RL pool (the environment must implement generate_tasks).")
-    every: int = Field(5, ge=1, le=100_000, description="Updates between generation rounds.")
-    tasks: int = Field(8, ge=1, le=1000, description="Tasks asked of the environment per round, shared among the targeted slices by failure rate.")
-    slices: int = Field(2, ge=1, le=64, description="Weakest slices targeted per round.")
-    by: Literal["template", "family", "level"] = Field("template", description="What a slice is: 'template' (a family's wording, `template_id`), 'family' or 'level'.")
-    window: int = Field(256, ge=8, le=100_000, description="Recent episodes (all ranks) the weakness statistics read.")
-    min_episodes: int = Field(8, ge=1, description="Episodes a slice needs in the window before it can be called weak.")
-    min_success: float = Field(0.5, gt=0, le=1, description="A slice whose recent success rate is below this is weak; none below it: nothing is generated.")
-    max_tasks: int = Field(512, ge=1, le=1_000_000, description="Most generated tasks the pool may hold; generation stops there.")
-    share: float = Field(0.25, ge=0, le=1, description="Share of each update's tasks replaced by generated tasks of open levels, least played (then newest) first; 0: they only join the pool, where the goal sampler finds them among all the others.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "TaskGenerationConfig":
-        if self.min_episodes > self.window:
-            raise ValueError(f"task_generation.min_episodes={self.min_episodes} exceeds window={self.window}: no "
-                             f"slice could ever have enough episodes to be called weak")
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ pure statistics
