@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.train.config import PopulationConfig
-from pipeline.train.population import (cosine, member_configs, member_diversity,
+from pipeline.train.extensions.population import (cosine, member_configs, member_diversity,
                                        pairwise_diversity, trajectory_features)
 
 

@@ -19,7 +19,7 @@ from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.environment import ShopOptions
 from pipeline.envs.shop.tasks import FAMILIES, FAMILY_LEVEL
 from pipeline.train.config import TaskGenerationConfig
-from pipeline.train.task_generator import (REFUSALS, TaskGenerator, allocate, check_generated,
+from pipeline.train.extensions.task_generation import (REFUSALS, TaskGenerator, allocate, check_generated,
                                            renamed, slice_of, slice_stats, weakest_slices)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,6 @@
 """Checkpoints of an RL run: the DeepSpeed engine state plus everything else a resumed run needs to continue as if
-it had not stopped (sampling state, RNG states, learning curve, evaluations, best policy so far, early stopping), and
+it had not stopped (sampling state, RNG states, learning curve, evaluations, best policy so far, early stopping, the extensions'
+states), and
 a fingerprint of the model and data that refuses a checkpoint written for another one.
 
 The checkpoint folder also holds the best policy so far (:data:`BEST`, written by :mod:`pipeline.train.validation`).
@@ -47,11 +48,13 @@ def load_checkpoint(engine, ckpt_dir: Path, expected: str) -> tuple[str, dict] |
 
 
 def save_checkpoint(engine, ckpt_dir: Path, update: int, *, sampler: dict, fingerprint: str, history: list,
-                    evals: list, best: dict, early_stopping: dict, bc_rng: np.random.Generator, dist) -> None:
+                    evals: list, best: dict, early_stopping: dict, bc_rng: np.random.Generator, dist,
+                    learner_state: dict | None = None, extensions: dict | None = None) -> None:
     """The engine state after `update` updates, tagged ``update-<n>``, with the run's state as client state (the
-    behaviour-cloning RNG of every rank, gathered)."""
+    behaviour-cloning RNG of every rank, gathered; each extension's state under its name)."""
     engine.save_checkpoint(str(ckpt_dir), tag=f"update-{update}", client_state={
-        "update": update, "sampler": sampler, "fingerprint": fingerprint,
+        "update": update, "sampler": sampler, "learner_state": learner_state, "fingerprint": fingerprint,
+        "extensions": extensions or {},
         "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best,
         "early_stopping": early_stopping,
         "bc_rng": dist.all_gather(bc_rng.bit_generator.state)})

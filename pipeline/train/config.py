@@ -4,7 +4,7 @@ with the reason."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -46,7 +46,7 @@ class PopulationConfig(PhaseConfig):
 
 
 class TaskGenerationConfig(PhaseConfig):
-    """Adversarial task generation during RL (`train.task_generation`); see :mod:`pipeline.train.task_generator`."""
+    """Adversarial task generation during RL (`train.task_generation`); see :mod:`pipeline.train.extensions.task_generation`."""
 
     enabled: bool = Field(False, description="Every `every` updates, generate new training tasks in the slices where recent success is lowest and add them to the RL pool (the environment must implement generate_tasks).")
     every: int = Field(5, ge=1, le=100_000, description="Updates between generation rounds.")
@@ -178,12 +178,13 @@ class TrainConfig(PhaseConfig):
     early_stopping_metric: Literal["success", "mean_return", "level_mean_success"] = Field("success", description="Validation metric that picks the best policy (the stage's output) and that early stopping watches: overall success, mean return, or the mean of per-level success rates.")
     early_stopping_patience: int | None = Field(4, ge=1, description="Stop after this many consecutive evaluations without improvement (design document 5.2.2); null never stops early (the best policy is still the output).")
     early_stopping_min_delta: float = Field(0.0, ge=0, description="An evaluation improves only when it beats the best value so far by more than this; a tie keeps the earlier policy.")
-    exploration: ExplorationConfig = Field(default_factory=ExplorationConfig, description="Annealed tool-choice noise of RL rollouts (pipeline/train/exploration.py); off by default.")
-    population: PopulationConfig = Field(default_factory=PopulationConfig, description="A population of policies (different seeds or entropy settings), trained one after another, the best on validation kept (pipeline/train/population.py); size 1 is off.")
-    task_generation: TaskGenerationConfig = Field(default_factory=TaskGenerationConfig, description="Adversarial task generation: new training tasks in the slices (wording, family or level) of lowest recent success join the RL pool every few updates (pipeline/train/task_generator.py); off by default.")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sample reuse (prioritised replay with the mixing ratio β), trajectory slicing and adversarial task sampling (pipeline/train/replay.py, pipeline/train/sampling.py); all off by default.")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Returns from the reward components (fixed, softmax-weighted or Lagrangian-constrained) and their credit (episode, turn or event-discounted) (pipeline/train/reward_weights.py); fixed and episode by default.")
+    exploration: ExplorationConfig = Field(default_factory=ExplorationConfig, description="Annealed tool-choice noise of RL rollouts (pipeline/train/extensions/tool_noise.py); off by default.")
+    population: PopulationConfig = Field(default_factory=PopulationConfig, description="A population of policies (different seeds or entropy settings), trained one after another, the best on validation kept (pipeline/train/extensions/population.py); size 1 is off.")
+    task_generation: TaskGenerationConfig = Field(default_factory=TaskGenerationConfig, description="Adversarial task generation: new training tasks in the slices (wording, family or level) of lowest recent success join the RL pool every few updates (pipeline/train/extensions/task_generation.py); off by default.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sample reuse (prioritised replay with the mixing ratio β), trajectory slicing and adversarial task sampling (pipeline/train/extensions: replay.py, slicing.py, adversarial.py); all off by default.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Returns from the reward components (fixed, softmax-weighted or Lagrangian-constrained) and their credit (episode, turn or event-discounted) (pipeline/train/extensions/reward_weighting.py); fixed and episode by default.")
     learned_reward: LearnedRewardConfig = Field(default_factory=LearnedRewardConfig, description="The learned verifier (models/reward_model) as a reward component, extra_reward = coef·score, with the reward-hacking guard (pipeline/reward_model/reward.py); coef 0 is off.")
+    extensions: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Extensions of the RL loop besides the built-in ones (pipeline/train/extensions), in order: `module:Class` or an entry point of the group agentrl.extensions, each mapped to its options ({} for none); docs/rl-options.md shows how to write one.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -197,6 +198,9 @@ class TrainConfig(PhaseConfig):
             raise ValueError(f"async_rollouts with sync_every={self.sync_every} produces batches up to "
                              f"{self.sync_every} versions old, so max_staleness must be at least that (got "
                              f"{self.max_staleness}); otherwise every such batch would be dropped")
+        if self.exploration.tool_noise > 0 and self.async_rollouts:
+            raise ValueError("train.exploration.tool_noise is not supported with train.async_rollouts: the worker "
+                             "builds its own rollout engines, which the noise does not reach; set one of them off")
         if self.entropy_target is not None and self.entropy_coef_max < self.entropy_coef:
             raise ValueError("entropy_coef_max must be at least entropy_coef")
         if self.sampling.replay and self.algorithm == "ppo":  # the one place this rule is checked

@@ -1,6 +1,7 @@
-"""Reward engineering in the learner (design document, sections 3.6.1 and 2.2): how an episode's reward components
-become the return RL maximises, and how that return is credited to turns. Config: `train.reward`
-(:class:`pipeline.train.config.RewardConfig`).
+"""Extension `reward_weighting` (``train.reward.weighting`` other than 'fixed'; design document, section 3.6.1): how
+an episode's reward components become the return RL maximises. Config: `train.reward`
+(:class:`pipeline.train.config.RewardConfig`); the credit of that return to turns is the kernel's per-turn credit, with
+the discounts of :mod:`pipeline.train.extensions.event_credit` under ``credit: event``.
 
 The environment pays R = Σ_i α_i·x_i over the components x = (correctness, efficiency, safety, user_experience) with
 the fixed weights α of `env.reward` (efficiency and user experience only count in a correct episode under
@@ -32,17 +33,9 @@ rewards keep the environment's timing and amounts, and the difference R' − R b
 return is paid on the episode's last turn: the first turn's return (γ = 1) is R' exactly, and a violation is still
 charged when it happens.
 
-**Credit** (`train.reward.credit`): ``episode`` (the return on the last action), ``turn`` (the discounted return from
-each turn on, `train.gamma` per turn; `train.turn_credit: true` is the older spelling of it) and ``event``: the
-discount is applied at key events rather than at every turn. The per-turn discount is γ_t = γ·γ_e if turn t carries a
-key event else γ (with the default γ = 1: only at events), and G_t = r_t + γ_t·G_{t+1}
-(:func:`pipeline.train.core_algos.stepwise_discounted_returns`): turns before a key decision get discounted credit
-for what follows it. Events (`events`): ``write``, a call of a tool marked `writes` (attempted, refused or not: the
-decision is the key, not its outcome), and any name a record's ``step_events`` (one list of names per step) carries,
-e.g. ``subgoal_done``. With PPO the discount γ_e is applied in GAE at the last action token of an event turn.
-
 The maths are pure functions (numpy in, numpy out) with hand-computed tests; :class:`RewardWeighting` holds the state
-(`state_dict` / `load_state_dict`, checkpointed with :class:`pipeline.train.sampling.SamplerState`).
+(`state_dict` / `load_state_dict`, checkpointed as the extension's state); :class:`ReturnWeighting` joins it to the
+learner's scoring (:meth:`pipeline.train.extensions.base.Extension.reweight`).
 """
 
 from __future__ import annotations
@@ -53,6 +46,7 @@ import numpy as np
 
 from pipeline.core.errors import AgentRLError
 from pipeline.train.config import COMPONENTS, RewardConfig
+from pipeline.train.extensions.base import Extension
 
 BEST = np.array([1.0, 0.0, 0.0, 1.0])  # top of each component's range (pipeline.envs.reward)
 SHAPED = np.array([False, True, False, True])  # terms that `env.reward.shaping: on_success` counts only on success
@@ -208,6 +202,34 @@ def policy_components(records: list[dict], shaping: str) -> tuple[list, list]:
     return x.tolist(), counted.tolist()
 
 
-def write_tool_names(runtime) -> frozenset[str]:
-    """The names of the environment's tools marked `writes` (the ``write`` events of event credit)."""
-    return frozenset(s.name for s in runtime.tools() if s.writes)
+class ReturnWeighting(Extension):
+    """On when ``train.reward.weighting`` is 'softmax' or 'lagrange'."""
+
+    name = "reward_weighting"
+
+    def __init__(self, state: RewardWeighting):
+        self.state = state
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return None if cfg.reward.weighting == "fixed" else cls(RewardWeighting(cfg.reward, env_cfg.reward))
+
+    def reweight(self, records: list[dict], gather=None) -> tuple[list[dict], np.ndarray, dict]:
+        """Copies of `records` whose ``return`` is recomputed from their reward components with the weighting's
+        current state, which then takes the policy episodes of every rank (`gather`, e.g. ``Dist.all_gather``; None:
+        this process only); also R' − R per episode and the metrics."""
+        return reweight_returns(records, self.state, gather)
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict, loop) -> None:
+        self.state.load_state_dict(state)
+
+
+def reweight_returns(records: list[dict], rw: RewardWeighting, gather=None) -> tuple[list[dict], np.ndarray, dict]:
+    """See :meth:`ReturnWeighting.reweight`."""
+    returns, mets = rw.returns(records)
+    mets.update(rw.update((gather or (lambda x: [x]))(policy_components(records, rw.shaping))))
+    delta = returns - np.array([float(r["return"]) for r in records], dtype=np.float64)
+    return [{**r, "return": float(x)} for r, x in zip(records, returns)], delta, mets

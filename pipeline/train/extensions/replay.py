@@ -1,8 +1,9 @@
-"""Sample reuse for the RL phase (design document, section 3.4): a replay store of past episodes with prioritised
-sampling, the mixing ratio of new and replayed episodes, and the glue that puts replayed episodes into an update
-with their stored advantage, their recorded behaviour log-probabilities and a per-row importance weight.
-Trajectory slicing is :func:`pipeline.train.batch.slice_rows`; adversarial task sampling is
-:class:`pipeline.train.sampling.TaskFailures`. All keys live in ``train.sampling`` (:class:`pipeline.train.config.SamplingConfig`).
+"""Extension `replay` (``train.sampling.replay``; design document, section 3.4): a replay store of past episodes with
+prioritised sampling, the mixing ratio of new and replayed episodes, and the glue that puts replayed episodes into an
+update with their stored advantage, their recorded behaviour log-probabilities and a per-row importance weight.
+Trajectory slicing is :mod:`pipeline.train.extensions.slicing`; adversarial task sampling is
+:mod:`pipeline.train.extensions.adversarial`. All keys live in ``train.sampling``
+(:class:`pipeline.train.config.SamplingConfig`).
 
 Decisions:
 
@@ -39,6 +40,8 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+
+from pipeline.train.extensions.base import Extension
 
 
 # torch is imported inside the functions that need it, so that reading the pure functions stays light
@@ -139,12 +142,9 @@ class ReplayStore:
 
 
 # -------------------------------------------------------------------------------------------- loop and learner glue
-def mix_replay(state, records: list[dict], u: int, cfg, dist) -> tuple[list[dict], dict]:
+def mix_replay(store: ReplayStore, records: list[dict], u: int, cfg, dist) -> tuple[list[dict], dict]:
     """Update `u`'s records followed by this rank's share of the replayed episodes (marked ``replayed``, with
-    ``replay_weight``, ``replay_adv``, ``replay_turn_adv``), and the replay metrics. Unchanged when replay is off."""
-    store = getattr(state, "replay", None)
-    if store is None:
-        return records, {}
+    ``replay_weight``, ``replay_adv``, ``replay_turn_adv``), and the replay metrics."""
     sc = cfg.sampling
     dropped = store.evict_stale(u, sc.max_age)
     n_new = len(records) * dist.world_size
@@ -175,20 +175,19 @@ def _pad_cat(a, rows: list[list[float]]):
     return out
 
 
-def replay_scores(records: list[dict], cfg, state, *args):
-    """:func:`pipeline.train.advantages.score_episodes` (`args` passed on) of the new records (a prefix of
-    `records`), extended by the replayed ones: their stored advantage (grpo/rloo), or their return normalised with
-    the window before this batch (PPO, episode credit). Exactly `score_episodes` when nothing is replayed."""
+def replay_scores(records: list[dict], score, normalizer):
+    """`score` (the learner's scoring, :func:`pipeline.train.advantages.score_episodes`) of the new records (a prefix
+    of `records`), extended by the replayed ones: their stored advantage (grpo/rloo), or their return normalised with
+    the window of `normalizer` (None: off) before this batch (PPO, episode credit). Exactly `score(records)` when
+    nothing is replayed."""
     import torch
-
-    from pipeline.train.advantages import score_episodes
 
     n_new = next((i for i, r in enumerate(records) if r.get("replayed")), len(records))
     if n_new == len(records):
-        return score_episodes(records, cfg, state, *args)
+        return score(records)
     rep = records[n_new:]
-    shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
-    sc = score_episodes(records[:n_new], cfg, state, *args)
+    shift, scale = normalizer.affine() if normalizer is not None else (0.0, 1.0)
+    sc = score(records[:n_new])
     rep_scores = torch.tensor([(r["return"] - shift) / scale for r in rep], dtype=sc.scores.dtype)
     sc.scores = torch.cat([sc.scores, rep_scores])
     sc.zero_var = torch.cat([sc.zero_var, torch.zeros(len(rep), dtype=torch.bool)])
@@ -211,13 +210,9 @@ def weigh_rows(loss_mask, records: list[dict], batch):
     return loss_mask * w[batch.episode][:, None]
 
 
-def remember(state, records: list[dict], sc, batch, adv, u: int, dist) -> dict:
+def remember(store: ReplayStore, records: list[dict], sc, batch, adv, u: int, dist) -> dict:
     """After update `u`'s advantages: its new episodes with a signal go into the replay store (every rank's, in
-    rank order), and the update's replay and slicing metrics. {} when replay and slicing are off."""
-    store = getattr(state, "replay", None)
-    out = {"sampling/slice_rows": int(batch.sliced)} if getattr(batch, "sliced", 0) else {}
-    if store is None:
-        return out
+    rank order), and the update's replay metrics."""
     import torch
 
     from pipeline.train import core_algos as A
@@ -235,8 +230,42 @@ def remember(state, records: list[dict], sc, batch, adv, u: int, dist) -> dict:
     gathered = [it for part in dist.all_gather(items) for it in part]
     store.add(gathered)
     replayed_rows = torch.tensor([bool(r.get("replayed")) for r in records])[batch.episode]
-    out.update({"replay/stored": len(gathered), "replay/size_after": len(store),
-                "replay/delta_mean": float(np.mean([it["delta"] for it in gathered])) if gathered else 0.0,
-                "replay/rows_trained": int(replayed_rows.sum())})
-    return out
+    return {"replay/stored": len(gathered), "replay/size_after": len(store),
+            "replay/delta_mean": float(np.mean([it["delta"] for it in gathered])) if gathered else 0.0,
+            "replay/rows_trained": int(replayed_rows.sum())}
 
+
+class Replay(Extension):
+    """On when ``train.sampling.replay``; its state is the :class:`ReplayStore`."""
+
+    name = "replay"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.store = ReplayStore(cfg.sampling.capacity, cfg.seed)
+        self.normalizer = None
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return cls(cfg) if cfg.sampling.replay else None
+
+    def attach(self, loop) -> None:
+        self.normalizer = loop.learner_state.normalizer  # a replayed PPO episode's score uses its window
+
+    def before_learn(self, loop, u: int, records: list[dict], own: list[dict]) -> tuple[list[dict], dict]:
+        return mix_replay(self.store, records, u, self.cfg, loop.dist)
+
+    def score(self, records: list[dict], score):
+        return replay_scores(records, score, self.normalizer)
+
+    def row_weights(self, loss_mask, records: list[dict], batch):
+        return weigh_rows(loss_mask, records, batch)
+
+    def after_advantages(self, u: int, records: list[dict], scores, batch, adv, dist) -> dict:
+        return remember(self.store, records, scores, batch, adv, u, dist)
+
+    def state_dict(self) -> dict:
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict, loop) -> None:
+        self.store.load_state_dict(state)

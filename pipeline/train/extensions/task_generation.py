@@ -1,4 +1,5 @@
-"""Adversarial task generation (design document 2.2: adversarial samples aimed at the policy's weak spots).
+"""Extension `task_generation` (``train.task_generation``; design document 2.2: adversarial samples aimed at the
+policy's weak spots).
 
 With ``train.task_generation.enabled``, every `every` updates the `train` phase asks the environment for new training
 tasks where the policy is weakest, checks them like every other task set, and adds them to the RL task pool:
@@ -29,8 +30,7 @@ Metrics, every update: ``taskgen/mixed_in`` (generated tasks in the latest plan)
 ``taskgen/pool_generated`` (accepted so far); in an update that runs a round also ``taskgen/weak_slices``,
 ``taskgen/weakest_success``, ``taskgen/slice_errors`` (slices the environment could not generate in, e.g. an
 incoming task's unknown wording; logged) and ``taskgen/target/<slice>`` (the recent success of each slice
-targeted). The state (round, outcome window, accepted tasks as records, play counts) rides in the checkpoint's
-sampler state, so a resumed run holds the same pool and continues identically.
+targeted). The state (round, outcome window, accepted tasks as records, play counts) rides in the checkpoint, so a resumed run holds the same pool and continues identically.
 
 A mixed run keys slices by environment too (``shop/lookup/2``) and asks that member
 (:meth:`pipeline.envs.mixed.MixedEnvironment.generate_tasks`); an environment without the hook is refused at the start.
@@ -47,6 +47,7 @@ from typing import Any
 
 from pipeline.core.errors import AgentRLError
 from pipeline.train.config import TaskGenerationConfig
+from pipeline.train.extensions.base import Extension
 
 PREFIX = "generated"
 REFUSALS = ("refused_schema", "refused_heldout_entities", "refused_heldout_templates", "refused_duplicates",
@@ -174,8 +175,20 @@ def check_generated(tasks: list, runtime, pool: list, dataset: str) -> tuple[lis
 
 
 # ------------------------------------------------------------------------------------------------------ the loop
-class TaskGenerator:
+class TaskGenerator(Extension):
     """Generation state of one run (identical on every rank); :meth:`step` runs after every update's learning."""
+
+    name = "task_generation"
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return cls(cfg.task_generation, cfg.seed, runtime) if cfg.task_generation.enabled else None
+
+    def plan(self, loop, tasks: list) -> list:
+        return self.mix_in(tasks, loop.sampler.curriculum.open_levels, loop.tasks_by_id)
+
+    def after_learn(self, loop, u: int, records: list[dict]) -> dict:
+        return self.step(loop, records, u)
 
     def __init__(self, cfg: TaskGenerationConfig, seed: int, runtime):
         from pipeline.envs.contract import Environment
