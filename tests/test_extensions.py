@@ -65,6 +65,20 @@ def test_a_default_config_builds_no_extension_and_each_switch_builds_its_own():
     assert len({extension_class(s).name for s in BUILTIN}) == len(BUILTIN)  # one checkpoint key each
 
 
+def test_every_built_in_hook_keeps_the_protocols_signature():
+    """A method of a built-in extension named like a hook is that hook: the loop calls it with the protocol's
+    arguments (a helper of the same name with other parameters would be called by the loop by mistake)."""
+    import inspect
+
+    hooks = {n: inspect.signature(f) for n, f in vars(Extension).items() if inspect.isfunction(f)}
+    for spec in BUILTIN:
+        cls = extension_class(spec)
+        for name, base in hooks.items():
+            own = vars(cls).get(name)
+            if inspect.isfunction(own):
+                assert list(inspect.signature(own).parameters) == list(base.parameters), (spec, name)
+
+
 def test_names_that_are_no_extension_are_refused():
     with pytest.raises(AgentRLError, match="unknown extension 'curiosity'.*agentrl.extensions"):
         extension_class("curiosity")

@@ -204,7 +204,7 @@ class TaskGenerator(Extension):
         self.plays: dict[str, int] = {}  # generated task id -> updates it was mixed into
         self.mixed_in = 0  # generated tasks mixed into the latest plan
 
-    def observe(self, task_ids: list[str], successes: list[float], tasks_by_id: dict) -> None:
+    def record_outcomes(self, task_ids: list[str], successes: list[float], tasks_by_id: dict) -> None:
         for tid, s in zip(task_ids, successes):
             key, weakness = slice_of(tasks_by_id[tid], self.cfg.by)
             self.weakness.setdefault(key, weakness)
@@ -230,7 +230,7 @@ class TaskGenerator(Extension):
         """Observe update `u`'s outcomes (every rank's) and, every `every` updates, run a generation round."""
         gathered = loop.dist.all_gather([(r["task_id"], float(r["success"])) for r in records])
         flat = [o for part in gathered for o in part]
-        self.observe([t for t, _ in flat], [s for _, s in flat], loop.tasks_by_id)
+        self.record_outcomes([t for t, _ in flat], [s for _, s in flat], loop.tasks_by_id)
         metrics = {"taskgen/mixed_in": self.mixed_in, "taskgen/generated": 0, "taskgen/accepted": 0,
                    "taskgen/refused": 0, **{f"taskgen/{r}": 0 for r in REFUSALS}}
         room = self.cfg.max_tasks - len(self.accepted)
