@@ -67,7 +67,7 @@ def test_a_default_config_builds_no_extension_and_each_switch_builds_its_own():
 
 def test_every_built_in_hook_keeps_the_protocols_signature():
     """A method of a built-in extension named like a hook is that hook: the loop calls it with the protocol's
-    arguments (a helper of the same name with other parameters would be called by the loop by mistake)."""
+    arguments (a method of the same name with other parameters would be called by the loop by mistake)."""
     import inspect
 
     hooks = {n: inspect.signature(f) for n, f in vars(Extension).items() if inspect.isfunction(f)}
