@@ -143,6 +143,7 @@ def test_the_stage_trains_no_verifier_when_no_run_reads_one(tmp_path, monkeypatc
     from pipeline.reward_model.main import main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTRL_TRACKING", "off")  # its MLflow run is the flow's business (tests/test_flow.py)
     Path("params.yaml").write_text("reward_model: {}\ntrain:\n  learned_reward:\n    coef: 0.0\n")
     result = main("params.yaml")
     assert result["trained"] is False and "coef is 0" in result["reason"]

@@ -168,8 +168,13 @@ def main(params_path: str = "params.yaml") -> dict:
     learned = parse_section(LearnedRewardConfig, (read_params(params_path).get("train") or {}).get("learned_reward"),
                             f"{params_path}:train.learned_reward")
     if cfg.when == "used" and learned.coef == 0:
-        result = write_unused("train.learned_reward.coef is 0: no training run reads a learned verifier "
-                              "(reward_model.when: always trains one anyway)")
+        # a phase run all the same, so the flow's lineage finds every stage (tagged: nothing trained)
+        with Tracker().run("reward_model", params={"reward_model": cfg.model_dump(),
+                                                   "learned_reward": learned.model_dump()}) as run:
+            result = write_unused("train.learned_reward.coef is 0: no training run reads a learned verifier "
+                                  "(reward_model.when: always trains one anyway)")
+            run.set_tags({"reward_model.trained": "false"})
+            run.log_artifact(METRICS_PATH)
         print(f"reward_model: not trained ({result['reason']})")
         return result
     env_cfg = load_section(EnvConfig, "env", params_path)
