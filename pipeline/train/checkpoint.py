@@ -1,5 +1,6 @@
 """Checkpoints of an RL run: the DeepSpeed engine state plus everything else a resumed run needs to continue as if
-it had not stopped (sampling state, RNG states, learning curve, evaluations, best policy so far, early stopping), and
+it had not stopped (sampling state, RNG states, learning curve, evaluations, best policy so far, early stopping, the extensions'
+states), and
 a fingerprint of the model and data that refuses a checkpoint written for another one.
 
 The checkpoint folder also holds the best policy so far (:data:`BEST`, written by :mod:`pipeline.train.validation`).
@@ -50,9 +51,10 @@ def load_checkpoint(engine, ckpt_dir: Path, expected: str) -> tuple[str, dict] |
 
 
 def save_checkpoint(engine, ckpt_dir: Path, update: int, *, sampler: dict, fingerprint: str, history: list,
-                    evals: list, best: dict, early_stopping: dict, bc_rng: np.random.Generator, dist) -> None:
+                    evals: list, best: dict, early_stopping: dict, bc_rng: np.random.Generator, dist,
+                    learner_state: dict | None = None, extensions: dict | None = None) -> None:
     """The engine state after `update` updates, tagged ``update-<n>``, with the run's state as client state (the
-    behaviour-cloning RNG of every rank, gathered).
+    behaviour-cloning RNG of every rank, gathered; each extension's state under its name).
 
     The ``latest`` file that names the checkpoint to resume from is written here, atomically, once every rank has
     written its part (DeepSpeed's own rewrites it in place, so a full disk could leave it empty). A rank whose write
@@ -66,7 +68,8 @@ def save_checkpoint(engine, ckpt_dir: Path, update: int, *, sampler: dict, finge
     try:
         with disk_errors(ckpt_dir / tag):
             engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, client_state={
-                "update": update, "sampler": sampler, "fingerprint": fingerprint,
+                "update": update, "sampler": sampler, "learner_state": learner_state, "fingerprint": fingerprint,
+                "extensions": extensions or {},
                 "torch_rng": torch.get_rng_state().tolist(), "history": history, "evals": evals, "best": best,
                 "early_stopping": early_stopping, "bc_rng": rng})
     except DiskFullError:  # every rank that failed removes the tag folder: the last one to fail leaves none
