@@ -99,7 +99,8 @@ def _cmd_deploy(args: argparse.Namespace) -> int:
 
 def _cmd_promote(args: argparse.Namespace) -> int:
     from pipeline.deploy import main as deploy
-    passed = deploy.promote_main(args.params, version=args.version, alias=args.alias, dry_run=args.dry_run)
+    passed = deploy.promote_main(args.params, version=args.version, alias=args.alias, dry_run=args.dry_run,
+                                 require_live=args.require_live)
     return 0 if passed else 1
 
 
@@ -303,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--version", type=int, metavar="N", help="model version to judge")
     which.add_argument("--alias", metavar="A", help="alias of the version to judge (default: challenger)")
     p.add_argument("--dry-run", action="store_true", help="show the decision and its reasons; write nothing")
+    p.add_argument("--require-live", action="store_true",
+                   help="require the live check: the version served as a shadow or canary challenger and not worse "
+                        "than the champion on live traffic (tag gate.live pass; also deploy.gate.require_live)")
     p.set_defaults(func=_cmd_promote)
 
     p = sub.add_parser(

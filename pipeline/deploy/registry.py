@@ -352,15 +352,26 @@ ChampionEvaluator = Callable[[str, list[dict]], list[dict]]
 
 def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int | None = None,
             alias: str | None = None, dry_run: bool = False,
-            evaluate_champion: ChampionEvaluator | None = None) -> GateDecision:
+            evaluate_champion: ChampionEvaluator | None = None, require_live: bool = False) -> GateDecision:
     """Run the gate on a version (default: the challenger) and, unless `dry_run`, record it and promote on a pass.
+
+    With `require_live`, the version's live evidence (tag ``gate.live``, written by `agentrl serve` with it as a
+    shadow or canary challenger, :mod:`pipeline.deploy.live`) must be a pass: else an AgentRLError before anything is
+    written; a pass joins the decision as the check ``live``.
 
     When the challenger's and the champion's stored results share fewer than ``min_paired_tasks`` tasks and
     `evaluate_champion` is given, it is called with (champion version, the challenger's results) and must return the
     champion's results on exactly those tasks and seeds: the paired test then compares the same episodes."""
     v = registry.resolve(version, alias)
     inputs = registry.gate_inputs(v)  # raises before any write when metrics are missing
+    live = None
+    if require_live:
+        from pipeline.deploy.live import require_live as live_check
+
+        live = live_check(registry.tags(v), v)
     decision = judge(registry, cfg, v, inputs, evaluate_champion)
+    if live is not None:
+        decision.checks.append(live)
     if not dry_run:
         registry.record(decision, promote=True)
     return decision
