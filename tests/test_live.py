@@ -71,7 +71,8 @@ def registry(tmp_path_factory):
     with mlflow_server(tmp_path_factory.mktemp("live_mlflow")) as uri, tracking_uri(uri):
         base = dict(precisions=["fp32"], serve_precision="fp32", latency_tasks=0)
         cfg = deploy_config(project, NAME, policy=good, **base)
-        assert deploy(cfg, ENV, ROLL_ANSWER, project / "metrics", project / "metrics" / "deploy.json")["decision"].passed
+        out = deploy(cfg, ENV, ROLL_ANSWER, project / "metrics", project / "metrics" / "deploy.json")
+        assert out["decision"].passed
         bad = deploy_config(project, NAME, promote=False, **base)
         deploy(bad, ENV, ROLL_ANSWER, project / "metrics", project / "metrics" / "deploy.json")
         reg = ModelRegistry(NAME)
@@ -166,7 +167,8 @@ def test_a_shadow_challenger_never_answers_a_caller_and_its_regression_fails_the
     capsys.readouterr()
     assert promote_cli(params, "--version", "2", "--require-live") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: promote: version 2 has no passing live check -- gate.live fail: worse")
+    assert len(err) == 1
+    assert err[0].startswith("error: promote: version 2 has no passing live check -- gate.live fail: worse")
     assert snapshot(reg) == before
 
 

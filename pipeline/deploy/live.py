@@ -1,17 +1,18 @@
 """A challenger beside the champion in `agentrl serve`: shadow and canary, judged on live traffic
 (``deploy.serve.challenger``, off by default).
 
-- **shadow**: after the champion answered a request (and the answer left for the caller), a copy of it goes to the
-  challenger, off the caller's path: a queue and one worker thread of its own, with its own loaded model. Its
+- **shadow**: once the champion has answered a request, a copy of it is queued for the challenger, off the caller's
+  path: one worker thread of its own, with its own loaded model (the caller's answer does not wait for it). Its
   answer is recorded (capture: a ``kind: "shadow"`` record with ``role: "challenger"`` and the caller's
   ``request_id``) and never returned.
 - **canary**: a share (``share``) of distinct requests is answered by the challenger. Which ones: a hash of the
   request (its task, seed and ground-truth flag, the key of the response cache), so the same request always goes to
   the same model and the cache holds champion answers only (canary answers are never cached). For the paired
-  comparison the champion plays a copy of each canary request in its own batcher after the caller got the
-  challenger's answer (a ``kind: "shadow"`` record with ``role: "champion"``): a canary costs the champion one
-  extra episode per canary request. The caller's record says ``role: "challenger"`` and the challenger's version.
-  A canary request the challenger cannot take (its queue is full, or it failed) is answered by the champion.
+  comparison the champion plays a copy of each canary request in its own batcher, queued beside the caller's
+  answer without holding it back (a ``kind: "shadow"`` record with ``role: "champion"``): a canary costs the
+  champion one extra episode per canary request. The caller's record says ``role: "challenger"`` and the
+  challenger's version. A canary request the challenger cannot take (its queue is full, or it failed) is answered by
+  the champion.
 
 The comparison is paired, as the promotion gate's ``vs_champion`` check (:mod:`pipeline.deploy.gate`): on the same
 requests, with the same test (``paired_test``, McNemar by default). Two outcomes are compared:
@@ -178,8 +179,9 @@ def describe(v: dict, cfg, champion: str | None) -> str:
             parts.append(f"{name}: no paired requests")
             continue
         p = v.get(f"{name}_p_value")
+        test = f", {cfg.paired_test} p(worse)={p:.4f}" if p is not None else f" (< min_paired {cfg.min_paired})"
         parts.append(f"{name} {v[f'challenger_{rate}']:.3f} vs {v[f'champion_{rate}']:.3f} on {n} paired requests"
-                     + (f", {cfg.paired_test} p(worse)={p:.4f}" if p is not None else f" (< min_paired {cfg.min_paired})"))
+                     + test)
     head = {"fail": f"worse than champion v{champion} on {', '.join(v['worse_on'])} (alpha {cfg.alpha})",
             "pass": f"not worse than champion v{champion} (alpha {cfg.alpha})",
             "insufficient": f"too few paired requests to judge against champion v{champion}"}[v["verdict"]]
