@@ -25,7 +25,7 @@ from deploy_support import ENV, ROLL, build_project, deploy_config, free_port, m
     snapshot, tracking_uri, wait_http, write_params
 from pipeline.core.traffic import read_records
 from pipeline.deploy.config import ChallengerConfig
-from pipeline.deploy.live import Evidence, check_live, require_live
+from pipeline.deploy.live import Evidence, check_live, judge_now, require_live
 from pipeline.core.errors import AgentRLError
 
 NAME = "policy-live"
@@ -255,12 +255,14 @@ def test_evidence_pairs_each_request_once_and_judges_success_and_safety():
     v = ev.verdict(cfg)
     assert v["paired_success"] == 0 and v["paired_safety"] == 7 and v["worse_on"] == ["safety"]
     assert v["verdict"] == "fail" and v["safety_p_value"] < cfg.alpha
+    assert ev.verdict(ChallengerConfig(min_paired=7, paired_test="bootstrap"))["worse_on"] == ["safety"]
     fresh = Evidence()
     for i in range(7):
         fresh.add(str(i), "champion", {"success": i % 2 == 0, "n_violations": 0})
         fresh.add(str(i), "challenger", {"success": i % 2 == 0, "n_violations": 0})
     assert fresh.verdict(cfg)["verdict"] == "pass"
     assert fresh.verdict(ChallengerConfig(min_paired=8))["verdict"] == "insufficient"
+    assert all(judge_now(n) for n in range(1, 1001)) and judge_now(2000) and not judge_now(2001)  # then every n/100
 
 
 def test_the_live_check_reads_the_version_tags():

@@ -128,8 +128,6 @@ class ChallengerConfig(PhaseConfig):
     max_queue: int = Field(256, ge=1, description="Copies waiting for the challenger (shadow) or the champion "
                                                   "(canary) at most; beyond it a copy is dropped and counted: the "
                                                   "comparison never slows a caller down.")
-    write_tags: bool = Field(True, description="Write the evidence as live.* and gate.live tags on the challenger's "
-                                               "registry version (at a rollback and when the server stops).")
 
 
 class ServeConfig(PhaseConfig):

@@ -21,20 +21,21 @@ requests, with the same test (``paired_test``, McNemar by default). Two outcomes
   the answer, as /solve reports ``success``);
 - safety, on every request: "no refused unsafe call in the episode" (``n_violations == 0``) as the paired outcome.
 
-Each is tested once it has ``min_paired`` pairs, and again at every new pair. A challenger worse on either with
-p < ``alpha`` is **rolled back**: from then on every request goes to the champion and no copy goes to the
-challenger (in shadow too), a warning is logged, and the evidence is written at once. Decision: repeated looks at a
-growing sample raise the chance of a false rollback above ``alpha``, hence its default of 0.01 (the offline gate's
-is 0.05); a false rollback costs only the canary, the champion keeps serving. A rollback is final for the process
-(restart the server to try the challenger again). Requests answered from the cache and repeated requests count once.
+Each is tested once it has ``min_paired`` pairs, and again at every new pair (past 1000 pairs, every n/100: the work
+per request stays bounded however long the server runs; the evidence itself is four counts per outcome). A
+challenger worse on either with p < ``alpha`` is **rolled back**: from then on every request goes to the champion
+and no copy goes to the challenger (in shadow too), a warning is logged, and the evidence is written at once.
+Decision: repeated looks at a growing sample raise the chance of a false rollback above ``alpha``, hence its default
+of 0.01 (the offline gate's is 0.05); a false rollback costs only the canary, the champion keeps serving. A rollback
+is final for the process (restart the server to try the challenger again). Requests answered from the cache and
+repeated requests count once.
 
-Evidence. With ``write_tags`` and a challenger that is a registry version (``models:/name/N`` or ``@alias``), the
-version gets tags ``live.*`` (mode, champion version, paired counts, both success rates and unsafe shares, p-values,
-``live.rolled_back``) and ``gate.live`` (``pass``, ``fail`` or ``insufficient``) with ``gate.live.detail``: at a
-rollback, and when the server stops. ``pass`` needs ``min_paired`` pairs of each kind and no regression. `agentrl
-promote --require-live` (or ``deploy.gate.require_live``) refuses a version whose ``gate.live`` is not ``pass`` and
-adds the check ``live`` to its gate decision (:func:`check_live`). ``GET /challenger`` (the API key as /stats) shows
-the state.
+Evidence. A challenger that is a registry version (``models:/name/N`` or ``@alias``) gets the tags ``live.*`` (mode,
+champion version, paired counts, both success rates and unsafe shares, p-values, ``live.rolled_back``) and
+``gate.live`` (``pass``, ``fail`` or ``insufficient``) with ``gate.live.detail``: at a rollback, and when the server
+stops. ``pass`` needs ``min_paired`` pairs of each kind and no regression. `agentrl promote --require-live` (or
+``deploy.gate.require_live``) refuses a version whose ``gate.live`` is not ``pass`` and adds the check ``live`` to
+its gate decision (:func:`check_live`). ``GET /challenger`` (the API key as /stats) shows the state.
 
 Deliberately left out: a sequential test with alpha spending (the fixed conservative alpha is simpler to explain),
 automatic promotion of a canary that does well (promotion stays `agentrl promote`, which reads the evidence), and
@@ -49,7 +50,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future
 
 from fastapi import Request  # module level: FastAPI resolves the handlers' annotations in this namespace
@@ -60,6 +61,17 @@ from pipeline.deploy.gate import PAIRED_TESTS, Check
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 10_000  # halves of pairs waiting for the other half (a dropped copy leaves one): oldest forgotten
+MAX_DONE = 200_000  # keys of paired requests remembered (a repeat counts once); oldest forgotten
+EVERY_PAIR_UP_TO = 1000  # the tests run at every new pair up to this many pairs, then every n/100 pairs
+
+
+def judge_now(n: int) -> bool:
+    """Whether the paired tests run at the `n`-th pair (bounded work per request however long the server runs).
+
+    >>> [n for n in range(1, 3000) if judge_now(n)][-3:]
+    [2929, 2958, 2987]
+    """
+    return n <= EVERY_PAIR_UP_TO or n % max(1, n // 100) == 0
 
 
 # ------------------------------------------------------------------------------------------------------- the worker
@@ -98,6 +110,9 @@ class ChallengerWorker:
                     self.queue.put(None)  # stop after this batch
                     break
                 batch.append(nxt)
+            batch = [b for b in batch if b[3].set_running_or_notify_cancel()]  # a caller gone cancels its future
+            if not batch:
+                continue
             try:
                 results = self.solve([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
             except Exception as exc:  # noqa: BLE001 - a failing batch fails its copies, not the server
@@ -126,9 +141,10 @@ class Evidence:
     def __init__(self):
         self.lock = threading.Lock()
         self.pending: OrderedDict = OrderedDict()  # key -> {role: result}
-        self.done: set[str] = set()
-        self.success: list[tuple[bool, bool]] = []  # (challenger, champion), requests with ground truth
-        self.safe: list[tuple[bool, bool]] = []  # (challenger, champion): no refused unsafe call
+        self.done: OrderedDict = OrderedDict()  # keys already paired
+        self.success: Counter = Counter()  # (challenger, champion) -> pairs, requests with ground truth
+        self.safe: Counter = Counter()  # (challenger, champion) -> pairs: no refused unsafe call
+        self.pairs = 0
 
     def add(self, key: str, role: str, result: dict) -> bool:
         """Record one half; True when it completed a new pair."""
@@ -142,17 +158,20 @@ class Evidence:
                     self.pending.popitem(last=False)
                 return False
             del self.pending[key]
-            self.done.add(key)
+            self.done[key] = None
+            if len(self.done) > MAX_DONE:
+                self.done.popitem(last=False)
             ch, champ = halves["challenger"], halves["champion"]
             if ch.get("success") is not None and champ.get("success") is not None:
-                self.success.append((bool(ch["success"]), bool(champ["success"])))
-            self.safe.append((not ch.get("n_violations"), not champ.get("n_violations")))
+                self.success[(bool(ch["success"]), bool(champ["success"]))] += 1
+            self.safe[(not ch.get("n_violations"), not champ.get("n_violations"))] += 1
+            self.pairs += 1
             return True
 
     def verdict(self, cfg) -> dict:
         """Both paired tests (each once it has ``cfg.min_paired`` pairs) and the verdict pass/fail/insufficient."""
         with self.lock:
-            success, safe = list(self.success), list(self.safe)
+            success, safe = (sorted(c.elements()) for c in (self.success, self.safe))  # order: a fixed bootstrap
         out = {"paired_success": len(success), "paired_safety": len(safe)}
         worse = []
         for name, pairs, rate in (("success", success, "success"), ("safety", safe, "safe")):
@@ -284,6 +303,8 @@ class Live:
     def _add(self, key: str, role: str, result: dict) -> None:
         if not self.active or not self.evidence.add(key, role, result):  # the evidence stops at a rollback
             return
+        if not judge_now(self.evidence.pairs):
+            return
         v = self.evidence.verdict(self.cfg)
         with self.lock:
             self.last = v
@@ -327,7 +348,7 @@ class Live:
 
         m = re.match(r"\Amodels:/([^/@]+)", self.cfg.uri or "")
         version = self.model.get("model_version")
-        if not self.cfg.write_tags or m is None or version is None:
+        if m is None or version is None:
             return
         try:
             from pipeline.deploy.registry import ModelRegistry
@@ -342,7 +363,7 @@ class Live:
         if self.worker is None:
             return
         self.worker.close()
-        if self.evidence.success or self.evidence.safe:
+        if self.evidence.pairs:
             self.write_evidence()
 
 
