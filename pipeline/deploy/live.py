@@ -152,7 +152,7 @@ class Evidence:
             if key in self.done:
                 return False
             halves = self.pending.setdefault(key, {})
-            halves.setdefault(role, result)
+            halves.setdefault(role, {"success": result.get("success"), "n_violations": result.get("n_violations")})
             if len(halves) < 2:
                 while len(self.pending) > MAX_PENDING:
                     self.pending.popitem(last=False)
@@ -230,7 +230,7 @@ class Live:
     """The challenger's routing, copies and evidence in one server (``mode`` "off": every hook does nothing)."""
 
     def __init__(self, cfg, solver, batcher, store, max_batch: int, champion: dict):
-        self.cfg, self.solver, self.batcher, self.store = cfg, solver, batcher, store
+        self.cfg, self.batcher, self.store = cfg, batcher, store
         self.mode = cfg.mode if solver is not None else "off"
         self.champion = champion
         self.model = model_identity(cfg.uri) if self.mode != "off" else {}
@@ -242,7 +242,6 @@ class Live:
         self.answered = 0
         self.champion_dropped = 0
         self.lock = threading.Lock()
-        self.last: dict = {}
 
     # -- routing (event loop)
     def routes(self, key: str) -> bool:
@@ -307,7 +306,6 @@ class Live:
             return
         v = self.evidence.verdict(self.cfg)
         with self.lock:
-            self.last = v
             if v["verdict"] != "fail" or not self.active:
                 return
             self.active = False
