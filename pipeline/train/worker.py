@@ -167,7 +167,8 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                               questions, env_cfg.history_window,
                               signatures=prompt_signatures(runtime, train_tasks, env_cfg.context_actions))
     ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
-    tracker = Tracker() if dist.is_main else NullTracker()
+    # a tracking server lost mid-run is said once and training goes on untracked (pipeline.core.tracking)
+    tracker = Tracker(on_outage="continue") if dist.is_main else NullTracker()
     t0 = time.perf_counter()
     params = {"env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump(), "train": cfg.model_dump(),
               "world_size": dist.world_size}
