@@ -242,6 +242,8 @@ class Live:
         self.answered = 0
         self.champion_dropped = 0
         self.lock = threading.Lock()
+        self.writer: threading.Thread | None = None  # writes the evidence at a rollback
+        self.write_lock = threading.Lock()  # one writer of the tags at a time
 
     # -- routing (event loop)
     def routes(self, key: str) -> bool:
@@ -312,7 +314,8 @@ class Live:
             self.rolled_back_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         log.warning("challenger %s rolled back: %s; every request goes to the champion from now on", self.cfg.uri,
                     describe(v, self.cfg, self.champion.get("model_version")))
-        threading.Thread(target=self.write_evidence, name="agentrl-live-tags", daemon=True).start()
+        self.writer = threading.Thread(target=self.write_evidence, name="agentrl-live-tags", daemon=True)
+        self.writer.start()
 
     # -- state and evidence
     def state(self) -> dict:
@@ -351,9 +354,10 @@ class Live:
         try:
             from pipeline.deploy.registry import ModelRegistry
 
-            registry = ModelRegistry(m.group(1))
-            for k, value in self.tags().items():
-                registry.client.set_model_version_tag(registry.name, version, k, value)
+            with self.write_lock:
+                registry = ModelRegistry(m.group(1))
+                for k, value in self.tags().items():
+                    registry.client.set_model_version_tag(registry.name, version, k, value)
         except Exception as exc:  # noqa: BLE001
             log.warning("live evidence of %s v%s not written to the registry: %s", m.group(1), version, exc)
 
@@ -361,6 +365,8 @@ class Live:
         if self.worker is None:
             return
         self.worker.close()
+        if self.writer is not None:
+            self.writer.join(timeout=120)
         if self.evidence.pairs:
             self.write_evidence()
 
