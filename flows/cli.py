@@ -222,12 +222,15 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         "champion on the same test tasks. Every check is tagged on the version; on a pass `champion` moves to it. "
         "Exits 0 when promoted, 1 when rejected. Reads `deploy`, `env`, `rollout`.",
         run="pipeline.deploy.main:promote_main", project=True, locks=always, verdict=True,
-        passes=("params", "version", "alias", "dry_run"),
+        passes=("params", "version", "alias", "dry_run", "require_live"),
         arguments=(
             PARAMS,
             OneOf(Arg("--version", type=int, metavar="N", help="model version to judge"),
                   Arg("--alias", metavar="A", help="alias of the version to judge (default: challenger)")),
             Arg("--dry-run", action="store_true", help="show the decision and its reasons; write nothing"),
+            Arg("--require-live", action="store_true",
+                help="require the live check: the version served as a shadow or canary challenger and not worse "
+                     "than the champion on live traffic (tag gate.live pass; also deploy.gate.require_live)"),
         ),
     ),
     Command(

@@ -8,7 +8,10 @@ Records (one JSON object per line):
   "batch_size", "latency_ms"}``: ``request`` is the task as the caller sent it, ``outcome`` "answered" (a 200) or
   "model_failure" (a 500: ``error`` says why, the episode fields are null), ``trajectory`` the episode's ``steps``
   (each ``{"action", "observation"}``), ``calls`` its call log (tool, parameters, outcome), ``success`` None when the
-  request carried no ground truth;
+  request carried no ground truth, ``role`` "champion", or "challenger" for a canary's answer;
+- ``{"kind": "shadow", ...}``: the same fields for the answer of the other model to a copy of a request (a shadow
+  challenger's, or the champion's to a canary request), never returned to a caller, with the caller's
+  ``request_id`` and the ``role`` of the model that played it (:mod:`pipeline.deploy.live`);
 - ``{"kind": "feedback", "request_id", "time", "rating", "label", "text"}`` (:mod:`pipeline.deploy.feedback`).
 
 Segments. The writer appends to ``<start>-<pid>-<n>.jsonl.open`` and renames it to ``<start>-<pid>-<n>.jsonl``

@@ -58,6 +58,10 @@ class DeployGateConfig(PhaseConfig):
                               "the comparison (the champion is then evaluated on the challenger's tasks when the data "
                               "is at hand).")
     seed: int = Field(0, description="Seed of the bootstrap resampling.")
+    require_live: bool = Field(
+        False, description="`agentrl promote` requires the live check: the version's gate.live tag, written by "
+                           "`agentrl serve` with it as a shadow or canary challenger, must be 'pass' (else one error "
+                           "line and nothing written); also `agentrl promote --require-live`.")
 
 
 class CaptureConfig(PhaseConfig):
@@ -99,6 +103,33 @@ class MonitorConfig(PhaseConfig):
                                                       "run 'serve-monitor'; 0: not logged.")
 
 
+class ChallengerConfig(PhaseConfig):
+    """`agentrl serve` with a challenger beside the champion: in shadow or as a canary (pipeline.deploy.live)."""
+
+    mode: Literal["off", "shadow", "canary"] = Field(
+        "off", description="'off': the champion alone; 'shadow': the challenger plays a copy of each request after "
+                           "the champion answered, and its answer is recorded, never returned; 'canary': a share of "
+                           "requests is answered by the challenger (the champion plays a copy of each, for the "
+                           "paired comparison), rolled back to the champion when it is worse.")
+    uri: str | None = Field(None, min_length=1, description="Model URI of the challenger (null: "
+                                                           "models:/<deploy.model_name>@challenger).")
+    share: float = Field(0.1, gt=0, le=1, description="Canary: share of distinct requests the challenger answers "
+                                                      "(chosen by a hash of the request: the same request always "
+                                                      "goes to the same model).")
+    min_paired: int = Field(20, ge=1, description="Fewest paired requests before success (those that carried ground "
+                                                  "truth) or safety (all) is tested; fewer: no verdict.")
+    paired_test: Literal["mcnemar", "bootstrap"] = Field(
+        "mcnemar", description="Paired test of the challenger against the champion on the same requests, as the "
+                               "promotion gate's vs_champion check.")
+    alpha: float = Field(0.01, gt=0, lt=0.5, description="Significance level of the live paired tests. Lower than "
+                                                         "the offline gate's: the test is repeated at every new pair.")
+    bootstrap_samples: int = Field(2000, ge=100, le=1_000_000, description="Resamples of the paired bootstrap.")
+    seed: int = Field(0, description="Seed of the bootstrap resampling.")
+    max_queue: int = Field(256, ge=1, description="Copies waiting for the challenger (shadow) or the champion "
+                                                  "(canary) at most; beyond it a copy is dropped and counted: the "
+                                                  "comparison never slows a caller down.")
+
+
 class ServeConfig(PhaseConfig):
     """`agentrl serve`: dynamic batching, the response cache and the request limits."""
 
@@ -127,6 +158,8 @@ class ServeConfig(PhaseConfig):
     capture: CaptureConfig = Field(default_factory=CaptureConfig, description="Capture of answered requests and "
                                                                               "feedback (off by default).")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Live monitoring at GET /metrics.")
+    challenger: ChallengerConfig = Field(default_factory=ChallengerConfig, description="A challenger in shadow or "
+                                                                                       "as a canary (off by default).")
 
 
 class ServedCheckConfig(PhaseConfig):

@@ -317,8 +317,9 @@ def main(params_path: str = "params.yaml") -> dict:
 
 # ------------------------------------------------------------------------------------------ promote, rollback, serve
 def promote_main(params_path: str = "params.yaml", version: int | None = None, alias: str | None = None,
-                 dry_run: bool = False) -> bool:
-    """`agentrl promote`: the gate on a version (default: the challenger); returns whether it passed."""
+                 dry_run: bool = False, require_live: bool = False) -> bool:
+    """`agentrl promote`: the gate on a version (default: the challenger); returns whether it passed. With
+    `require_live` (or ``deploy.gate.require_live``) the version's live check must have passed."""
     from pipeline.deploy.registry import ModelRegistry, promote
     from pipeline.envs.registry import open_environment
     from pipeline.envs.taskfile import load_task_file
@@ -340,7 +341,8 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
                                      "until the last; `agentrl registry check` lists them); the champion alias moves "
                                      "only after all of them"):
             decision = promote(registry, cfg.gate, version=version, alias=alias, dry_run=dry_run,
-                               evaluate_champion=evaluator, notify=lambda line: print(f"promote: {line}"))
+                               evaluate_champion=evaluator, notify=lambda line: print(f"promote: {line}"),
+                               require_live=require_live or cfg.gate.require_live)
     finally:
         if runtime is not None:
             runtime.close()
@@ -385,8 +387,13 @@ def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, h
 
         check_folder(cfg.serve.capture)
     uri = model_uri or f"models:/{cfg.model_name}@champion"
-    if uri.startswith("models:/"):
-        from pipeline.core.tracking import require_tracking
+    serve_cfg = cfg.serve
+    if serve_cfg.challenger.mode != "off" and serve_cfg.challenger.uri is None:
+        challenger = serve_cfg.challenger.model_copy(update={"uri": f"models:/{cfg.model_name}@challenger"})
+        serve_cfg = serve_cfg.model_copy(update={"challenger": challenger})
+    for u in (uri, serve_cfg.challenger.uri if serve_cfg.challenger.mode != "off" else ""):
+        if u.startswith("models:/"):
+            from pipeline.core.tracking import require_tracking
 
-        require_tracking(f"serving {uri} (a registry model)")
-    serve(uri, cfg.serve, host, port)
+            require_tracking(f"serving {u} (a registry model)")
+    serve(uri, serve_cfg, host, port)

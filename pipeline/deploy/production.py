@@ -35,16 +35,19 @@ class Production:
         self._stop = threading.Event()
         self._logger: threading.Thread | None = None
 
-    def answered(self, request: dict, seed, result: dict, started: float, cached: bool) -> dict:
+    def answered(self, request: dict, seed, result: dict, started: float, cached: bool, model: dict | None = None,
+                 role: str = "champion") -> dict:
         """The response to send for `result` (`started`: time.perf_counter() at the request's arrival): observed by
-        the monitor and, with capture on, written before it is returned and given its ``request_id``."""
+        the monitor and, with capture on, written before it is returned and given its ``request_id``. A canary's
+        answer (:mod:`pipeline.deploy.live`) gives the challenger's `model` identity and `role` "challenger"."""
         latency = time.perf_counter() - started
         self.monitor.observe(request, result, latency)
         response = {**result, "cached": cached}
         if self.store is None:
             return response
         rid = uuid.uuid4().hex
-        self.store.append(request_record(rid, request, seed, result, latency, cached, self.model))
+        self.store.append({**request_record(rid, request, seed, result, latency, cached, model or self.model),
+                           "role": role})
         return {**response, "request_id": rid}
 
     def failed(self, request: dict, seed, error: str, started: float) -> dict:

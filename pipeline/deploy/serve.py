@@ -10,6 +10,7 @@ API (JSON):
   and misses, rejections.
 - ``POST /feedback`` and ``GET /metrics`` (Prometheus text), and the capture of answered requests (``request_id`` in
   each answer when it is on): :mod:`pipeline.deploy.production`.
+- a challenger in shadow or as a canary, and ``GET /challenger``: :mod:`pipeline.deploy.live`.
 
 Request handling, in order; every refusal happens before the model sees anything (the checks of steps 2-4 are
 :mod:`pipeline.deploy.serve_validation`, which says why each exists):
@@ -57,6 +58,7 @@ from fastapi.responses import JSONResponse
 
 from pipeline.core.errors import AgentRLError
 from pipeline.deploy.config import ServeConfig
+from pipeline.deploy.live import add_live
 from pipeline.deploy.production import add_production
 from pipeline.deploy.serve_validation import Refusal, authorized, parse_json, read_body, serving_key, \
     validate_request
@@ -189,10 +191,12 @@ class Batcher:
 
 
 # ------------------------------------------------------------------------------------------------------------ app
-def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_key: bytes | None = None):
+def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_key: bytes | None = None,
+               challenger=None):
     """The FastAPI app around a loaded :class:`~pipeline.deploy.pyfunc.PolicySolver` (or any object with
     ``solve_tasks(tasks, seeds, truth)``, ``seed`` and ``runtime``); with `api_key`, every endpoint but /health needs
-    it (:func:`~pipeline.deploy.serve_validation.serving_key`)."""
+    it (:func:`~pipeline.deploy.serve_validation.serving_key`); `challenger`: a second loaded solver, served as
+    ``cfg.challenger`` says (:mod:`pipeline.deploy.live`)."""
     cfg = cfg or ServeConfig()
     stats = Stats()
     batcher = Batcher(solver.solve_tasks, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats)
@@ -204,12 +208,15 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
         batcher.start()
         service.prod.start()
         yield
+        service.live.close()
         await batcher.stop()
         service.prod.close()
 
     app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.stats, app.state.batcher = stats, batcher
     service.prod = add_production(app, cfg, model_uri, service.locked, stats)  # capture, /feedback, /metrics
+    service.live = add_live(app, cfg.challenger, challenger, batcher, service.prod.store, cfg.max_batch_size,
+                            service.prod.model, service.locked)  # shadow, canary, GET /challenger
     app.get("/health")(service.health)
     app.get("/ready")(service.ready)
     app.get("/stats")(service.get_stats)
@@ -233,6 +240,7 @@ class Service:
     bucket: TokenBucket
     pending: dict[str, asyncio.Future] = field(default_factory=dict)
     prod: Any = None  # capture, feedback and monitoring (pipeline.deploy.production), set by create_app
+    live: Any = None  # the challenger in shadow or as a canary (pipeline.deploy.live), set by create_app
 
     def refuse(self, status: int, reason: str, kind: str, headers: dict | None = None) -> JSONResponse:
         self.stats.rejected[kind] = self.stats.rejected.get(kind, 0) + 1
@@ -285,6 +293,12 @@ class Service:
         """Steps 5-7: from the cache, from an identical request in flight, or from a new batch slot (503 when the
         queue is full)."""
         key = json.dumps([task.to_dict(), seed, truth], sort_keys=True)
+        live = self.live
+        if live.routes(key) and (result := await live.answer(task, int(seed), truth)) is not None:  # a canary
+            response = self.prod.answered(obj, seed, result, started, cached=False, model=live.model,
+                                          role="challenger")
+            live.compare(key, task, int(seed), truth, obj, response, by="challenger")
+            return response
         hit = self.cache.get(key)
         if hit is not None:
             self.stats.cache_hits += 1
@@ -308,7 +322,9 @@ class Service:
             if self.pending.get(key) is fut and fut.done():
                 del self.pending[key]
         self.cache.put(key, result)
-        return self.prod.answered(obj, seed, result, started, cached=False)
+        response = self.prod.answered(obj, seed, result, started, cached=False)
+        live.compare(key, task, int(seed), truth, obj, response, by="champion")  # shadow: a copy to the challenger
+        return response
 
 
 def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int | None = None,
@@ -325,14 +341,18 @@ def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int |
     from pipeline.deploy.pyfunc import load_solver  # imports mlflow.pyfunc, which warns on stderr: after the checks
 
     solver = load_solver(model_uri)
-    app = create_app(solver, cfg, model_uri, api_key)
+    challenger = load_solver(cfg.challenger.uri) if cfg.challenger.mode != "off" else None
+    app = create_app(solver, cfg, model_uri, api_key, challenger)
     if ready_message:
         print(f"serving {model_uri} ({solver.precision}) on http://{host}:{port} (POST /solve, GET /health, /ready); "
-              f"API key {'required ($' + cfg.api_key_env + ')' if api_key else 'off (loopback only)'}", flush=True)
+              f"API key {'required ($' + cfg.api_key_env + ')' if api_key else 'off (loopback only)'}"
+              + (f"; challenger {cfg.challenger.uri} as {cfg.challenger.mode}" if challenger else ""), flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         solver.close()
+        if challenger is not None:
+            challenger.close()
 
 
 def check_listen(host: str, port: int) -> None:
