@@ -337,5 +337,23 @@ def decide(version: str, inputs: GateInputs, champion_version: str | None, champ
     return GateDecision(version=str(version), champion=champion_version, checks=checks)
 
 
-__all__ = ["CHECKS", "Check", "GateDecision", "GateInputs", "bootstrap_worse", "decide", "extract_task_results",
-           "mcnemar_worse", "pair_results", "task_result"]
+def check_live(tags: dict) -> Check:
+    """The gate check ``live`` from a version's tags (``gate.live`` written by the server)."""
+    status, detail = tags.get("gate.live"), tags.get("gate.live.detail", "")
+    if status is None:
+        return Check("live", False, "no live evidence (no gate.live tag): serve it as a shadow or canary "
+                                    "challenger first (deploy.serve.challenger.mode)", {"status": None})
+    return Check("live", status == "pass", f"gate.live {status}: {detail}", {"status": status})
+
+
+def require_live(tags: dict, version: str) -> Check:
+    """The passing ``live`` check of `version`, or an AgentRLError saying why it is missing or failed."""
+    check = check_live(tags)
+    if not check.passed:
+        raise AgentRLError(f"promote: version {version} has no passing live check -- {check.detail}; leave out "
+                           f"--require-live (and deploy.gate.require_live) to promote without it")
+    return check
+
+
+__all__ = ["CHECKS", "Check", "GateDecision", "GateInputs", "bootstrap_worse", "check_live", "decide",
+           "extract_task_results", "mcnemar_worse", "pair_results", "require_live", "task_result"]

@@ -57,7 +57,7 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' anno
 
 from pipeline.core.errors import AgentRLError
 from pipeline.deploy.capture import model_identity, request_record
-from pipeline.deploy.gate import PAIRED_TESTS, Check
+from pipeline.deploy.gate import PAIRED_TESTS, Check, check_live, require_live  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 10_000  # halves of pairs waiting for the other half (a dropped copy leaves one): oldest forgotten
@@ -205,24 +205,6 @@ def describe(v: dict, cfg, champion: str | None) -> str:
             "pass": f"not worse than champion v{champion} (alpha {cfg.alpha})",
             "insufficient": f"too few paired requests to judge against champion v{champion}"}[v["verdict"]]
     return f"{head}: " + "; ".join(parts)
-
-
-def check_live(tags: dict) -> Check:
-    """The gate check ``live`` from a version's tags (``gate.live`` written by the server)."""
-    status, detail = tags.get("gate.live"), tags.get("gate.live.detail", "")
-    if status is None:
-        return Check("live", False, "no live evidence (no gate.live tag): serve it as a shadow or canary "
-                                    "challenger first (deploy.serve.challenger.mode)", {"status": None})
-    return Check("live", status == "pass", f"gate.live {status}: {detail}", {"status": status})
-
-
-def require_live(tags: dict, version: str) -> Check:
-    """The passing ``live`` check of `version`, or an AgentRLError saying why it is missing or failed."""
-    check = check_live(tags)
-    if not check.passed:
-        raise AgentRLError(f"promote: version {version} has no passing live check -- {check.detail}; leave out "
-                           f"--require-live (and deploy.gate.require_live) to promote without it")
-    return check
 
 
 # ------------------------------------------------------------------------------------------------------------ live

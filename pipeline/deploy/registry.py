@@ -421,7 +421,7 @@ def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int |
             evaluate_champion: ChampionEvaluator | None = None, attempts: int = 2,
             notify: Callable[[str], None] | None = None, require_live: bool = False) -> GateDecision:
     """Run the gate on a version (default: the challenger) and, unless `dry_run`, record it and promote on a pass.
-    With `require_live`, the check ``live`` (:func:`pipeline.deploy.live.require_live`) must pass first.
+    With `require_live`, the check ``live`` (:func:`pipeline.deploy.gate.require_live`) must pass first.
 
     When the challenger's and the champion's stored results share fewer than ``min_paired_tasks`` tasks and
     `evaluate_champion` is given, it is called with (champion version, the challenger's results) and must return the
@@ -432,7 +432,7 @@ def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int |
     up to `attempts` decisions in all (`notify` hears one line each time); after the last, :class:`ChampionMoved`."""
     v = registry.resolve(version, alias)
     inputs = registry.gate_inputs(v)  # raises before any write when metrics are missing
-    from pipeline.deploy.live import require_live as live_check  # an AgentRLError, before any write, when not passed
+    from pipeline.deploy.gate import require_live as live_check  # an AgentRLError, before any write, when not passed
 
     live = [live_check(registry.tags(v), v)] if require_live else []
     for attempt in range(1, attempts + 1):

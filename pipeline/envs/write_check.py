@@ -4,7 +4,7 @@ The reward-hacking probe ``attempt_writes`` (:mod:`pipeline.envs.probes`) calls 
 ``writes=True``; a tool that changes the world but is declared as the docs' plain ``ToolSpec(name, description,
 parameters)`` would leave the probe with nothing to call. :func:`undeclared_writes` finds such tools for any
 environment, on private episodes of a few training tasks (nothing is written to the world folder, and the build's
-data and random draws are untouched), with the same parameters the probes use (:func:`pipeline.envs.probes.fill`:
+data and random draws are untouched), with the same parameters the probes use (:func:`pipeline.envs.schema_fill.fill`:
 the strings quoted in the question, an enum's first value, a small integer):
 
 - an episode that offers :class:`~pipeline.envs.capabilities.DigestsState` (``state_digest()``) is fingerprinted
@@ -46,7 +46,7 @@ def _close(episode) -> None:
 
 def undeclared_writes(world: Environment, tasks: list, seed: int = 0) -> list[str]:
     """The names of tools not declared ``writes`` that change an episode's state (see the module docstring), sorted."""
-    from pipeline.envs.probes import fill, quoted
+    from pipeline.envs.schema_fill import fill, quoted
 
     found: set[str] = set()
     for task in tasks[:MAX_TASKS]:
