@@ -159,3 +159,46 @@ def test_the_checker_accepts_allowed_imports(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(source)
     assert layering_violations(tmp_path) == []
+
+
+def import_circles(root: Path, packages=("pipeline", "flows")) -> list[list[str]]:
+    """Every circle of modules under `packages` that import each other, counting imports inside functions too (a
+    loop of them is a tangle whichever import runs first); a package's ``__init__`` counts as its own module."""
+    files = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            files[name.removesuffix(".__init__")] = (path, name.endswith(".__init__"))
+    # a module's own packages are left out: Python imports them before the module anyway, so `from pkg import x`
+    # inside pkg ties nothing new
+    graph = {m: sorted({d for _, d in imported_modules(path.read_text(), m, is_pkg)
+                        if d in files and d != m and not m.startswith(d + ".")})
+             for m, (path, is_pkg) in files.items()}
+    circles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in graph[m]:
+            if state.get(d) == 1:
+                circles.append(path[path.index(d):] + [m, d] if d in path else [m, d])
+            elif d not in state:
+                visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return circles
+
+
+def test_no_import_circle_anywhere():
+    circles = import_circles(Path(__file__).resolve().parents[1])
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_circle_finder_finds_a_circle(tmp_path):
+    for name, body in {"a.py": "from pipeline import b\n", "b.py": "def f():\n    from pipeline import a\n"}.items():
+        (tmp_path / "pipeline").mkdir(exist_ok=True)
+        (tmp_path / "pipeline" / name).write_text(body)
+    (tmp_path / "pipeline" / "__init__.py").write_text("")
+    assert import_circles(tmp_path, ("pipeline",)) == [["pipeline.a", "pipeline.b", "pipeline.a"]]
