@@ -115,6 +115,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    """Acts on the params file's project and holds the repository lock, as the phase commands do."""
+    from flows.snapshot import run_snapshot
+    from pipeline.core.lock import repo_lock
+
+    enter_project(args)
+    check_params(args.params)
+    with repo_lock(Path(args.params).resolve().parent, f"snapshot --params {args.params}"):
+        run_snapshot(args.params, args.capture)
+    return 0
+
+
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from pipeline.evaluate import main as evaluate
     evaluate.main(args.params)
@@ -410,6 +422,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dvc-yaml", default="dvc.yaml", metavar="FILE", help="dvc.yaml to read (default: %(default)s)")
     p.set_defaults(func=_cmd_stages)
+
+    p = sub.add_parser(
+        "snapshot", help="snapshot captured traffic into data/production/snapshot (validated, DVC-tracked)",
+        description="Read the sealed segments of the capture folder, join people's feedback, turn the requests the "
+        "environment can verify into tasks, check the drift against the training data (the alarm the scheduled "
+        "retraining reads), write data/production/snapshot whole and `dvc add` it. Reads `deploy`, `env`.")
+    params_option(p)
+    p.add_argument("--capture", default=None, metavar="DIR",
+                   help="capture folder to read (default: deploy.serve.capture.dir)")
+    p.set_defaults(func=_cmd_snapshot)
     return parser
 
 
