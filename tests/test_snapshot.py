@@ -155,4 +155,13 @@ def test_shifted_traffic_raises_the_drift_alarm_and_bad_input_loses_nothing(proj
         f"data/production/snapshot was left as it was"]
     missing = snapshot(project, tmp_path / "nowhere")
     assert missing.returncode == 2 and "error: snapshot: no capture folder" in missing.stderr
+    broken = tmp_path / "broken"  # segments copied by hand: a step without its observation, a rating of 9
+    store = CaptureStore(CaptureConfig(dir=str(broken)))
+    store.append(request_record("b1", {"question": "q?"}, 0, result_of([{"action": "<call>x {}</call>"}], None),
+                                0.01, False, MODEL))
+    store.append({"kind": "feedback", "request_id": "b1", "time": "t", "rating": 9, "label": None, "text": None})
+    store.close()
+    refused = snapshot(project, broken)
+    assert refused.returncode == 2 and "the episodes break the suite 'production'" in refused.stderr
+    assert "steps_well_formed" in refused.stderr and "rating" in refused.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
