@@ -12,11 +12,12 @@ One run of :func:`retrain_flow`:
 4. drift found (``task_drift``, ``trajectory_drift`` or ``state_drift`` failed) or ``force``: runs the pipeline flow
    with every stage from ``adapt`` on forced (build_env is skipped when its data is up to date), so the policy is
    retrained and the deploy stage registers a challenger and runs the promotion gate (which reads the pipeline's own
-   drift verdict on the same incoming data); otherwise nothing is retrained;
+   drift verdict on the same incoming data); otherwise nothing is retrained.
    A drift alarm of served traffic also retrains: when the traffic snapshot (``deploy.snapshot.out``, written by
    `agentrl snapshot`, :mod:`pipeline.deploy.snapshot`) raised its alarm and no earlier retrain acted on that same
-   snapshot (the ``retrain.alarm_snapshot`` tag of the `retrain` runs holds the digests acted on), the flow retrains
-   as on drift found; the retrain trains on the snapshot's tasks (``train.production_tasks``);
+   snapshot (the ``retrain.alarm_snapshot`` tag of the finished `retrain` runs holds the digests acted on; a retrain
+   that failed does not count), the flow retrains as on drift found; the retrain trains on the snapshot's tasks
+   (``train.production_tasks``);
 5. records the decision either way: an MLflow run ``retrain`` (tags ``retrain.decision``, ``retrain.reason``; the
    verdict and the decision as artefacts; the pipeline's runs nest under it) and a Prefect markdown artifact.
 
@@ -96,7 +97,7 @@ def reference_path(root: Path, configured: str, versions: dict[str, str], scratc
 @task(name="production-drift-alarm", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def production_alarm(snapshot_dir: str, tracking_uri: str) -> dict[str, Any] | None:
     """The drift alarm of the traffic snapshot in `snapshot_dir` (None without a snapshot), with ``acted_on``: the id
-    of an earlier `retrain` run that retrained on this same snapshot's alarm (None when none did)."""
+    of an earlier `retrain` run that retrained on this same snapshot's alarm and finished (None when none did)."""
     from mlflow import MlflowClient
 
     from pipeline.core.tracking import EXPERIMENT
@@ -114,7 +115,8 @@ def production_alarm(snapshot_dir: str, tracking_uri: str) -> dict[str, Any] | N
         exp = client.get_experiment_by_name(EXPERIMENT)
         if exp is not None:
             earlier = client.search_runs([exp.experiment_id], max_results=1,
-                                         filter_string=f"tags.`{ALARM_TAG}` = '{out['digest']}'")
+                                         filter_string=f"tags.`{ALARM_TAG}` = '{out['digest']}' "
+                                                       "and attributes.status = 'FINISHED'")
             out["acted_on"] = earlier[0].info.run_id if earlier else None
     return out
 
