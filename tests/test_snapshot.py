@@ -49,17 +49,20 @@ def result_of(steps: list[dict], success) -> dict:
             "n_violations": 0, "truncated": False, "batch_size": 1}
 
 
-def calm_traffic(root: Path, folder: Path, redact=()) -> dict:
-    """Requests like the training data (each training task as asked, with its demonstration's trajectory), plus a
-    bare question, a task with a wrong stated answer and one whose id is redacted; feedback on some. Sealed."""
+def calm_traffic(root: Path, folder: Path, redact=(), asked: list[dict] | None = None) -> dict:
+    """Requests like the training data: each training task as asked with its demonstration's trajectory (or, with
+    `asked`, these task records, each with a demonstration's trajectory), plus a bare question, a task with a wrong
+    stated answer and a model failure; feedback on some. Sealed."""
     tasks = {t["task_id"]: t for t in jsonl(root / "data/tasks/train.jsonl")}
     demos = [d for d in jsonl(root / "data/demos/train.jsonl") if d["task_id"] in tasks][:24]
+    asked = asked or [tasks[d["task_id"]] for d in demos]
     store = CaptureStore(CaptureConfig(dir=str(folder), redact=list(redact)))
     ids = {}
-    for i, d in enumerate(demos):
+    for i, task in enumerate(asked):
         rid = f"calm{i:04d}"
-        store.append(request_record(rid, tasks[d["task_id"]], i, result_of(d["steps"], True), 0.01, False, MODEL))
-        ids[rid] = tasks[d["task_id"]]
+        steps = demos[i % len(demos)]["steps"]
+        store.append(request_record(rid, task, i, result_of(steps, True), 0.01, False, MODEL))
+        ids[rid] = task
     first = tasks[demos[0]["task_id"]]
     store.append(request_record("bare", {"question": first["question"]}, 0, result_of(demos[0]["steps"], None),
                                 0.01, False, MODEL))
@@ -96,7 +99,7 @@ def test_a_snapshot_is_a_validated_dvc_dataset_with_feedback_and_verified_tasks(
     from pipeline.train.incoming import load_incoming
 
     capture = tmp_path / "traffic"
-    calm = calm_traffic(project, capture, redact=["nothing-here"])
+    calm = calm_traffic(project, capture, redact=["nothing-here"])  # a redacted field no request has
     CaptureStore(CaptureConfig(dir=str(capture))).append({"kind": "request", "request_id": "open-one",
                                                           "trajectory": []})  # left open: not in the snapshot
     proc = snapshot(project, capture)
