@@ -140,7 +140,7 @@ def main() -> None:
     embed = lambda c: hidden_state_features(model, tok, c, cfg.hidden_batch_size, cfg.hidden_max_tokens,  # noqa: E731
                                             dtype=cfg.hidden_dtype)
     (h_ref, h_cur), t_embed = timed(lambda: (embed(sub_ref), embed(sub_cur)))
-    mmd, t_mmd = timed(C.mmd_test, h_ref, h_cur, cfg.mmd_permutations, cfg.seed, cfg.mmd_alpha)
+    mmd, t_mmd = timed(C.mmd_test, h_ref, h_cur, cfg.mmd_permutations, cfg.seed, cfg.alpha)
     n_tok = sum(len(tok.encode(c)) for c in sub_ref + sub_cur)
     multivariate = t_embed + t_mmd
     print(f"multivariate, {len(sub_ref)} + {len(sub_cur)} observations ({n_tok:,} tokens, built-in policy size, "

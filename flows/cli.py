@@ -5,9 +5,14 @@ It lives in `flows/`, next to the Prefect flows it starts: the layer above the l
 (tests/test_layering.py). Every command imports its phase only when it runs, so `agentrl --help` stays fast; Prefect
 is imported by `agentrl run` and `agentrl schedule` alone, after its state directory has been pointed into the repo.
 
+The commands are declared once, in :data:`COMMANDS` (name, help, arguments, what runs, whether it holds the repository
+lock and acts in its project's folder; the parts are in flows/commands.py); the parser and the dispatch are built from
+that table.
+
 Errors the user can fix (a bad `params.yaml`, a corrupt task file, a missing phase output: `ConfigError` and every
-`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback; anything else is a bug
-and keeps its traceback.
+`AgentRLError`) are printed as ``error: <message>`` and exit with status 2, without a traceback, and so is a tracking
+server that stopped answering (:func:`pipeline.core.tracking.store_failure`); anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipeline.core.config import DEFAULT_PARAMS, ConfigError
+from flows.commands import PARAMS, Arg, Command, OneOf, always
+from pipeline.core.config import ConfigError
 from pipeline.core.errors import AgentRLError
 from pipeline.core.tracking import require_tracking, tracking_enabled
 
@@ -31,16 +37,6 @@ USER_ERROR = 2
 # of the command: its own process with the parts it ran in child processes (pipeline.core.isolation), or its largest other
 # child (a DeepSpeed rank), whichever is larger.
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"
-# Commands that write the repository's outputs or move registry aliases: each holds the repository lock
-# (pipeline.core.lock: a second one is refused at once, exit 2; the stages `run` launches run inside its lock).
-# `schedule` holds it only with --once (served, it would hold it for good; its flow runs' stages take it each).
-LOCKED = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift", "evaluate", "deploy", "promote",
-                    "rollback", "run"})
-# Commands that read and write a project's own folders (data/, models/, metrics/, checkpoints/, its MLflow store): each
-# acts on the project its params file belongs to (see enter_project). `run` and `schedule` get the same from DVC,
-# which runs every stage in the folder of dvc.yaml; `eval` takes its own paths for the policy, tasks and output.
-PROJECT_COMMANDS = frozenset({"build-env", "adapt", "reward-model", "train", "check-drift", "evaluate", "deploy",
-                              "promote", "rollback", "serve"})
 
 
 def enter_project(args: argparse.Namespace) -> None:
@@ -59,84 +55,6 @@ def enter_project(args: argparse.Namespace) -> None:
     args.params = str(params.resolve())
     os.chdir(folder)
     print(f"agentrl {args.command}: acting on the project in {folder} (the folder of {params})", file=sys.stderr)
-
-
-def _cmd_build_env(args: argparse.Namespace) -> int:
-    from pipeline.build_env import main as build_env
-    build_env.main(args.params)
-    return 0
-
-
-def _cmd_adapt(args: argparse.Namespace) -> int:
-    from pipeline.adapt import main as adapt
-    adapt.main(args.params)
-    return 0
-
-
-def _cmd_reward_model(args: argparse.Namespace) -> int:
-    from pipeline.reward_model import main as reward_model
-    reward_model.main(args.params)
-    return 0
-
-
-def _cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.train import main as train
-    train.main(args.params)
-    return 0
-
-
-def _cmd_check_drift(args: argparse.Namespace) -> int:
-    from pipeline.check_drift import main as check_drift
-    check_drift.main(args.params)
-    return 0
-
-
-def _cmd_deploy(args: argparse.Namespace) -> int:
-    from pipeline.deploy import main as deploy
-    deploy.main(args.params)
-    return 0
-
-
-def _cmd_promote(args: argparse.Namespace) -> int:
-    from pipeline.deploy import main as deploy
-    passed = deploy.promote_main(args.params, version=args.version, alias=args.alias, dry_run=args.dry_run)
-    return 0 if passed else 1
-
-
-def _cmd_rollback(args: argparse.Namespace) -> int:
-    from pipeline.deploy import main as deploy
-    deploy.rollback_main(args.params)
-    return 0
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from pipeline.deploy import main as deploy
-    deploy.serve_main(args.params, model_uri=args.model_uri, host=args.host, port=args.port)
-    return 0
-
-
-def _cmd_snapshot(args: argparse.Namespace) -> int:
-    """Acts on the params file's project and holds the repository lock, as the phase commands do."""
-    from flows.snapshot import run_snapshot
-    from pipeline.core.lock import repo_lock
-
-    enter_project(args)
-    check_params(args.params)
-    with repo_lock(Path(args.params).resolve().parent, f"snapshot --params {args.params}"):
-        run_snapshot(args.params, args.capture)
-    return 0
-
-
-def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from pipeline.evaluate import main as evaluate
-    evaluate.main(args.params)
-    return 0
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    from pipeline.policy import episodes as evaluation
-    evaluation.main(args.policy, args.tasks, args.out, args.params, args.seed)
-    return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -220,113 +138,127 @@ def _cmd_envs(args: argparse.Namespace) -> int:
     return 0 if all(r["ok"] for r in rows) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="agentrl",
-        description="Train tool-using agents with RL: one command per phase, `run` for the whole pipeline, "
-                    "`schedule` for scheduled retraining.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _with_repair(args: argparse.Namespace) -> bool:
+    return args.repair  # a listing writes nothing; a repair moves aliases
 
-    def params_option(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--params", default=str(DEFAULT_PARAMS), metavar="FILE", help="params file to read (default: %(default)s)"
-        )
 
-    p = sub.add_parser(
+def _with_once(args: argparse.Namespace) -> bool:
+    return args.once  # served, `schedule` would hold the lock for good; its flow runs' stages take it each
+
+
+# Every `agentrl` command, in the order `agentrl --help` lists them. Adding a command is one entry here (its parts are
+# in flows/commands.py):
+#   Command("name", help="one line for `agentrl --help`", description="the paragraph of `agentrl name --help`",
+#           run="pipeline.<phase>.main:main",  # called with the parsed arguments `passes` names, in that order
+#           arguments=(PARAMS, Arg("--out", metavar="FILE", help="...")),  # Arg takes what add_argument takes
+#           passes=("params", "out"),  # default: arguments (PARAMS,), passes ("params",)
+#           project=True,  # acts on the project its params file belongs to (enter_project)
+#           locks=always),  # writes the project's outputs or moves registry aliases: holds the repository lock
+# A command whose work is more than one library call names a handler instead: a function of the parsed arguments
+# that returns the exit status (as `run` and `schedule` below). The parser, the repository lock and the project
+# folder all follow from the entry; place a new one beside the commands of its kind.
+COMMANDS: dict[str, Command] = {command.name: command for command in (
+    Command(
         "envs",
         help="list the environments: built-in and installed (entry-point group agentrl.environments)",
         description="List every environment that `env.name` can name: the built-in ones and those installed packages "
         "register in the entry-point group agentrl.environments, with whether each loads and keeps the contract.",
-    )
-    p.set_defaults(func=_cmd_envs)
-
-    p = sub.add_parser(
+        run=_cmd_envs, arguments=(),
+    ),
+    Command(
         "build-env",
         help="build the environment's data: database, documents, task splits, demonstrations",
         description="Generate the SQLite world, the document corpus, the train/validation/test task splits and the "
         "demonstrations under data/, validate them, and write metrics/build_env.json. "
         "Reads the `env` and `build_env` sections of the params file.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_build_env)
-
-    p = sub.add_parser(
+        run="pipeline.build_env.main:main", project=True, locks=always,
+    ),
+    Command(
         "adapt",
         help="adapt the base model: tokenizer, optional continued pre-training, adapter fine-tuning, capability gate",
         description="Build (or load) the base model, optionally continue pre-training on the environment's corpus, "
         "fine-tune it on the demonstrations with adapters, evaluate its capabilities on the validation split, apply "
         "the capability gate, and save models/adapted and metrics/adapt.json. Reads `env`, `model`, `rollout`, `adapt`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_adapt)
-
-    p = sub.add_parser(
+        run="pipeline.adapt.main:main", project=True, locks=always,
+    ),
+    Command(
         "reward-model",
         help="train the learned verifier (success and process soundness) on demonstrations and the policy's rollouts",
         description="Replay the demonstrations and sample rollouts of the adapted policy on training tasks, label them "
         "with the rule verifier and reward, fit the learned verifier, and save models/reward_model and "
         "metrics/reward_model.json (held-out AUC, accuracy, calibration). Reads `reward_model`, `env`, `rollout`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_reward_model)
-
-    p = sub.add_parser(
+        run="pipeline.reward_model.main:main", project=True, locks=always,
+    ),
+    Command(
         "train",
         help="RL training from the adapted model with DeepSpeed (train.num_ranks processes)",
         description="Train the adapted policy with RL (PPO or a group baseline) inside DeepSpeed engines launched with "
         "the deepspeed launcher; write the best policy to models/policy, metrics/train.json and "
         "metrics/train_curve.csv. Resumes from checkpoints/train when present. Reads `env`, `rollout`, `train`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_train)
-
-    p = sub.add_parser(
+        run="pipeline.train.main:main", project=True, locks=always,
+    ),
+    Command(
         "check-drift",
         help="drift and state-representation checks (train/serve consistency, data and behaviour drift)",
         description="Compare the current data (data/incoming/ or the validation split) and the policy's behaviour "
         "with the reference it was trained on, check that training and serving preprocess observations identically, "
         "and write metrics/drift.json with a verdict per check. Reads `check_drift`, `env`, `rollout`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_check_drift)
-
-    p = sub.add_parser(
+        run="pipeline.check_drift.main:main", project=True, locks=always,
+    ),
+    Command(
         "deploy",
         help="quantise the policy, check parity, register it as challenger, run the promotion gate",
         description="Measure fp32, bf16 and int8 variants of models/policy on the test split (success, latency per "
         "action, throughput, size), check quantisation parity, log the policy to MLflow as a pyfunc with its world, "
         "register it as a new version with alias `challenger`, and (deploy.promote) run the promotion gate. Writes "
         "metrics/deploy.json. Reads `deploy`, `env`, `rollout`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_deploy)
-
-    p = sub.add_parser(
+        run="pipeline.deploy.main:main", project=True, locks=always,
+    ),
+    Command(
         "promote",
         help="run the promotion gate on a model version by hand (challenger -> champion)",
         description="Judge a registered version (default: the one with alias `challenger`) with the promotion gate: "
         "capability, safety, drift and consistency verdicts, quantisation parity, and a paired test against the "
         "champion on the same test tasks. Every check is tagged on the version; on a pass `champion` moves to it. "
         "Exits 0 when promoted, 1 when rejected. Reads `deploy`, `env`, `rollout`.",
-    )
-    params_option(p)
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--version", type=int, metavar="N", help="model version to judge")
-    which.add_argument("--alias", metavar="A", help="alias of the version to judge (default: challenger)")
-    p.add_argument("--dry-run", action="store_true", help="show the decision and its reasons; write nothing")
-    p.set_defaults(func=_cmd_promote)
-
-    p = sub.add_parser(
+        run="pipeline.deploy.main:promote_main", project=True, locks=always, verdict=True,
+        passes=("params", "version", "alias", "dry_run"),
+        arguments=(
+            PARAMS,
+            OneOf(Arg("--version", type=int, metavar="N", help="model version to judge"),
+                  Arg("--alias", metavar="A", help="alias of the version to judge (default: challenger)")),
+            Arg("--dry-run", action="store_true", help="show the decision and its reasons; write nothing"),
+        ),
+    ),
+    Command(
         "rollback",
         help="point the `champion` alias back to the previous champion",
         description="Move the registered model's `champion` alias to the version that was champion before the "
         "current one (the history is the registered-model tag agentrl.champion_history). Reads `deploy`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_rollback)
-
-    p = sub.add_parser(
+        run="pipeline.deploy.main:rollback_main", project=True, locks=always,
+    ),
+    Command(
+        "registry",
+        help="check the registered model for half-finished alias moves and orphan versions (--repair fixes them)",
+        description="List what stopped commands or writers that skip the registry lease leave in the registered "
+        "model: a champion that did not pass its gate or is missing from the history, a challenger whose passed "
+        "promotion never moved the champion, versions whose gate.decision says passed or promoted but that never "
+        "became champion, gate tags written part-way, stale lease tickets. With --repair, fix them under the lease "
+        "(never promoting a version the gate did not pass, never deleting a version). Exits 0 when nothing is left "
+        "to report, 1 otherwise. Reads `deploy`.",
+        run="pipeline.deploy.registry_check:main", passes=("params", "repair", "min_age"), verdict=True,
+        project=True, locks=_with_repair,
+        arguments=(
+            Arg("action", nargs="?", default="check", choices=["check"],
+                help="what to do (check, the default: list, and with --repair fix)"),
+            PARAMS,
+            Arg("--repair", action="store_true", help="repair what is listed, under the registry lease"),
+            Arg("--min-age", type=float, default=900.0, metavar="S",
+                help="leave versions younger than S seconds alone: a deploy may still be publishing them "
+                     "(default: %(default)s)"),
+        ),
+    ),
+    Command(
         "serve",
         help="serve a registered policy over HTTP (dynamic batching, cache, limits)",
         description="Load models:/<deploy.model_name>@champion (or --model-uri) and serve POST /solve (a task in, "
@@ -334,15 +266,26 @@ def build_parser() -> argparse.ArgumentParser:
         "requests are answered from a cache; request size and rate are limited (deploy.serve). Binding a "
         "non-loopback address requires an API key in $AGENTRL_SERVE_API_KEY (deploy.serve.api_key_env); with a key "
         "set, requests need 'Authorization: Bearer <key>'. Reads `deploy`.",
-    )
-    params_option(p)
-    p.add_argument("--model-uri", metavar="URI", help="any MLflow model URI (default: models:/NAME@champion)")
-    p.add_argument("--host", metavar="HOST", help="interface to listen on (default: deploy.serve.host; a "
-                   "non-loopback one needs the API key)")
-    p.add_argument("--port", type=int, metavar="PORT", help="port (default: deploy.serve.port)")
-    p.set_defaults(func=_cmd_serve)
-
-    p = sub.add_parser(
+        run="pipeline.deploy.main:serve_main", project=True, passes=("params", "model_uri", "host", "port"),
+        arguments=(
+            PARAMS,
+            Arg("--model-uri", metavar="URI", help="any MLflow model URI (default: models:/NAME@champion)"),
+            Arg("--host", metavar="HOST", help="interface to listen on (default: deploy.serve.host; a "
+                "non-loopback one needs the API key)"),
+            Arg("--port", type=int, metavar="PORT", help="port (default: deploy.serve.port)"),
+        ),
+    ),
+    Command(
+        "snapshot",
+        help="snapshot captured traffic into data/production/snapshot (validated, DVC-tracked)",
+        description="Read the sealed segments of the capture folder, join people's feedback, turn the requests the "
+        "environment can verify into tasks, check the drift against the training data (the alarm the scheduled "
+        "retraining reads), write data/production/snapshot whole and `dvc add` it. Reads `deploy`, `env`.",
+        run="flows.snapshot:run_snapshot", project=True, locks=always, passes=("params", "capture"),
+        arguments=(PARAMS, Arg("--capture", default=None, metavar="DIR",
+                               help="capture folder to read (default: deploy.serve.capture.dir)")),
+    ),
+    Command(
         "evaluate",
         help="evaluate the SFT and RL policies on every split: metrics with intervals, overfitting flags",
         description="Evaluate the SFT policy (models/adapted) and the RL policy (models/policy) on a subset of the "
@@ -351,44 +294,53 @@ def build_parser() -> argparse.ArgumentParser:
         "validation gap), failure on unseen question templates and rigid behaviour (low behaviour diversity and few "
         "distinct solutions across seeds). Write metrics/evaluate.json and metrics/evaluate_success.csv, and log a "
         "report to MLflow. Reads `evaluate`, `env`, `rollout`.",
-    )
-    params_option(p)
-    p.set_defaults(func=_cmd_evaluate)
-
-    p = sub.add_parser(
-        "eval",
+        run="pipeline.evaluate.main:main", project=True, locks=always,
+    ),
+    Command(
+        "report",
+        help="write a markdown report card of the last run (default: metrics/report.md)",
+        description="Each phase's headline figures, the gate's decision, times, memory, the MLflow run and the plots "
+        "of the project's last run, from metrics/*.json and its MLflow run (flows/report.py).",
+        run=_cmd_report,
+        arguments=(
+            PARAMS,
+            Arg("--out", default=None, metavar="FILE", help="where to write it (default: metrics/report.md)"),
+            Arg("--run-id", default=None, metavar="ID", help="the MLflow parent run (default: the last run's)"),
+        ),
+    ),
+    Command(
+        "eval",  # takes its own paths for the policy, tasks and output: not a project command
         help="evaluate a policy on a task file",
         description="Run a policy on every task of a task file (JSON Lines, the schema build-env writes) and write "
         "success rate, mean return, mean reward components, mean tool calls and safety violations, overall and per "
         "level, as JSON. A task file that breaks the schema is refused before anything runs.",
-    )
-    p.add_argument("--policy", required=True, metavar="POLICY",
-                   help="'expert', 'random', or a model directory (e.g. models/adapted, models/policy)")
-    p.add_argument("--tasks", required=True, metavar="FILE", help="task file (JSON Lines), e.g. data/tasks/test.jsonl")
-    p.add_argument("--out", required=True, metavar="FILE.json", help="where to write the results")
-    params_option(p)
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the policy and episodes (default: %(default)s)")
-    p.set_defaults(func=_cmd_eval)
-
-    p = sub.add_parser(
-        "run",
+        run="pipeline.policy.episodes:main", passes=("policy", "tasks", "out", "params", "seed"),
+        arguments=(
+            Arg("--policy", required=True, metavar="POLICY",
+                help="'expert', 'random', or a model directory (e.g. models/adapted, models/policy)"),
+            Arg("--tasks", required=True, metavar="FILE", help="task file (JSON Lines), e.g. data/tasks/test.jsonl"),
+            Arg("--out", required=True, metavar="FILE.json", help="where to write the results"),
+            PARAMS,
+            Arg("--seed", type=int, default=0, metavar="N",
+                help="seed of the policy and episodes (default: %(default)s)"),
+        ),
+    ),
+    Command(
+        "run",  # DVC runs every stage in the folder of dvc.yaml; the stages it launches run inside its lock
         help="run the whole pipeline (Prefect flow over the dvc.yaml stages)",
         description="Run every stage of dvc.yaml in graph order as a Prefect flow on an embedded local server (state "
         "under .prefect/), each through `dvc repro --single-item`, so up-to-date stages are skipped. The stages read "
         "the params.yaml next to dvc.yaml; to try other values, edit it or use `dvc exp run -S key=value`.",
-    )
-    params_option(p)
-    p.add_argument(
-        "--stage",
-        action="append",
-        metavar="NAME",
-        help="run only this stage (repeatable; run in graph order); default: every stage",
-    )
-    p.add_argument("--push", action="store_true",
-                   help="`dvc push` data and models to the default DVC remote at the end (retried when it fails)")
-    p.set_defaults(func=_cmd_run)
-
-    p = sub.add_parser(
+        run=_cmd_run, locks=always, only_known=False,
+        arguments=(
+            PARAMS,
+            Arg("--stage", action="append", metavar="NAME",
+                help="run only this stage (repeatable; run in graph order); default: every stage"),
+            Arg("--push", action="store_true",
+                help="`dvc push` data and models to the default DVC remote at the end (retried when it fails)"),
+        ),
+    ),
+    Command(
         "schedule",
         help="serve the scheduled retraining deployment of prefect.yaml (or run one retraining now: --once)",
         description="Serve the retraining deployment defined in prefect.yaml (its cron schedule and parameters) from "
@@ -396,42 +348,41 @@ def build_parser() -> argparse.ArgumentParser:
         "Each run checks data/incoming/*.jsonl for drift against the data the champion was trained on, retrains and "
         "re-gates (the pipeline stages from adapt on) when drift is found or when forced, and otherwise records that "
         "nothing was needed. Trigger a run by hand with `prefect deployment run agentrl-retrain/<name>`.",
-    )
-    params_option(p)
-    p.add_argument("--name", metavar="NAME", help="deployment of prefect.yaml to serve (default: the retraining one)")
-    p.add_argument("--cron", metavar="EXPR", help="override the deployment's cron schedule, e.g. '*/30 * * * *'")
-    p.add_argument("--once", action="store_true", help="run one retraining decision now, without a server, and exit")
-    p.add_argument("--force", action="store_true", help="with --once: retrain and re-gate even without drift")
-    p.add_argument("--incoming", default="data/incoming", metavar="DIR",
-                   help="with --once: folder of incoming task files (default: %(default)s)")
-    p.set_defaults(func=_cmd_schedule)
-
-    p = sub.add_parser(
-        "report", help="write a markdown report card of the last run (default: metrics/report.md)",
-        description="Each phase's headline figures, the gate's decision, times, memory, the MLflow run and the plots "
-                    "of the project's last run, from metrics/*.json and its MLflow run (flows/report.py).")
-    params_option(p)
-    p.add_argument("--out", default=None, metavar="FILE", help="where to write it (default: metrics/report.md)")
-    p.add_argument("--run-id", default=None, metavar="ID", help="the MLflow parent run (default: the last run's)")
-    p.set_defaults(func=_cmd_report)
-
-    p = sub.add_parser(
+        run=_cmd_schedule, locks=_with_once,
+        arguments=(
+            PARAMS,
+            Arg("--name", metavar="NAME", help="deployment of prefect.yaml to serve (default: the retraining one)"),
+            Arg("--cron", metavar="EXPR", help="override the deployment's cron schedule, e.g. '*/30 * * * *'"),
+            Arg("--once", action="store_true", help="run one retraining decision now, without a server, and exit"),
+            Arg("--force", action="store_true", help="with --once: retrain and re-gate even without drift"),
+            Arg("--incoming", default="data/incoming", metavar="DIR",
+                help="with --once: folder of incoming task files (default: %(default)s)"),
+        ),
+    ),
+    Command(
         "stages",
         help="print the phase graph in run order",
         description="Print the stages of dvc.yaml in the order the pipeline runs them, with their deps and outputs.",
-    )
-    p.add_argument("--dvc-yaml", default="dvc.yaml", metavar="FILE", help="dvc.yaml to read (default: %(default)s)")
-    p.set_defaults(func=_cmd_stages)
+        run=_cmd_stages,
+        arguments=(Arg("--dvc-yaml", default="dvc.yaml", metavar="FILE",
+                       help="dvc.yaml to read (default: %(default)s)"),),
+    ),
+)}
+# Read from the table: the commands that hold the repository lock whatever their arguments, and those that act on the
+# project their params file belongs to.
+LOCKED = frozenset(name for name, command in COMMANDS.items() if command.locks is always)
+PROJECT_COMMANDS = frozenset(name for name, command in COMMANDS.items() if command.project)
 
-    p = sub.add_parser(
-        "snapshot", help="snapshot captured traffic into data/production/snapshot (validated, DVC-tracked)",
-        description="Read the sealed segments of the capture folder, join people's feedback, turn the requests the "
-        "environment can verify into tasks, check the drift against the training data (the alarm the scheduled "
-        "retraining reads), write data/production/snapshot whole and `dvc add` it. Reads `deploy`, `env`.")
-    params_option(p)
-    p.add_argument("--capture", default=None, metavar="DIR",
-                   help="capture folder to read (default: deploy.serve.capture.dir)")
-    p.set_defaults(func=_cmd_snapshot)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentrl",
+        description="Train tool-using agents with RL: one command per phase, `run` for the whole pipeline, "
+                    "`schedule` for scheduled retraining.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS.values():
+        command.add_to(sub)
     return parser
 
 
@@ -484,22 +435,33 @@ def check_params(path: str, only_known: bool = True) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    command = COMMANDS[args.command]
     rc: int | str = "exception"
     try:
         tracking_enabled()  # a mistyped AGENTRL_TRACKING stops every command here, before it does anything
-        if args.command in PROJECT_COMMANDS:
+        if command.project:
             enter_project(args)
-        if args.command in LOCKED or (args.command == "schedule" and args.once):
+        if command.locks(args):
             from pipeline.core.lock import repo_lock
 
-            check_params(args.params, only_known=args.command != "run")
+            check_params(args.params, only_known=command.only_known)
             with repo_lock(Path(args.params).resolve().parent, " ".join(sys.argv[1:] if argv is None else argv)):
-                rc = args.func(args)
+                rc = command(args)
         else:
-            rc = args.func(args)
+            rc = command(args)
         return rc
     except (ConfigError, AgentRLError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        rc = USER_ERROR
+        return rc
+    except Exception as exc:  # a tracking server that stopped answering in the middle: one line, not a traceback
+        from pipeline.core.tracking import store_failure
+
+        why = store_failure(exc)
+        if why is None:
+            raise
+        print(f"error: {args.command}: {why}; it stopped there: its outputs are as they were or whole, and its MLflow "
+              f"run, if one was open, stays RUNNING with what it logged before", file=sys.stderr)
         rc = USER_ERROR
         return rc
     except KeyboardInterrupt:

@@ -213,38 +213,57 @@ def pipeline_flow(params_path: str = "params.yaml", stages: list[str] | None = N
                     run.set_tags({f"agentrl.stage.{stage}": "FAILED", "agentrl.failed_stage": stage})
                     raise
                 results[stage] = result
-                print(f"[{k}/{n}] {stage}: {result['status']} in {result['seconds']:.1f} s", flush=True)
-                update_progress_artifact(progress_id, progress=100.0 * k / n)
-                run.log_metrics({f"pipeline/{stage}_wall_s": result["seconds"],
-                                 **({f"pipeline/{stage}_peak_mib": result["peak_mib"]}
-                                    if result.get("peak_mib") is not None else {})})
-                run.set_tags({f"agentrl.stage.{stage}": result["status"]})
-                if result["status"] == "ran":
-                    tag_runs(uri, run.run_id, {}, stage, {**git, **lineage.version_tags(
-                        lineage.stage_versions(root, stage))})
-            tag_runs(uri, run.run_id, lineage.version_tags(lineage.data_versions(root)))
-            if push:
-                logger.info("dvc push: %s", push_data(str(root)))
-            gate = summary.gate_decision(root) if "deploy" in order else None
-            if gate is not None and gate.get("model_name"):
-                gate["champion"] = read_champion(uri, gate["model_name"])  # the registry's word, not the file's
-                run.set_tags({"agentrl.gate": "unchanged" if gate.get("unchanged") else
-                              "promoted" if gate["passed"] else "rejected",
-                              "agentrl.model_version": gate["version"]})
-            out["gate"] = gate
+                _record_stage(k, n, stage, result, run, uri, root, git, progress_id)
+            out["gate"] = _finish(root, order, push, run, uri, logger)
             run.log_metrics({"pipeline/total_wall_s": time.time() - wall0})
     finally:
-        cost = summary.cost_figures(time.time() - wall0, results)
-        out["cost"] = cost
-        summary.write_run_record(root / RUN_RECORD, results, cost, error, out["run_id"])
-        print(_timing_table(results, cost["total_s"]), flush=True)
-        print(summary.describe_cost(cost), flush=True)
-        figures = {s: summary.headlines(s, root / by_name[s].metrics[0]) for s in results if by_name[s].metrics}
-        try:
-            create_markdown_artifact(
-                key=SUMMARY_KEY, description="phases, headline figures, the gate's decision, where to look next",
-                markdown=summary.markdown("agentrl pipeline run", results, figures, out["gate"], cost, uri,
-                                          out["run_id"], error))
-        except Exception as exc:  # a summary that cannot be stored must not hide the run's own outcome
-            logger.warning("could not store the summary artifact: %s", exc)
+        out["cost"] = _report(root, by_name, results, out, error, time.time() - wall0, uri, logger)
     return out
+
+
+def _record_stage(k: int, n: int, stage: str, result: dict[str, Any], run, uri: str, root: Path, git: dict,
+                  progress_id) -> None:
+    """A stage that ran or was up to date: its `[k/n]` line, the progress artifact, its wall time and peak memory on
+    the parent run, its status tag, and (when it ran) the lineage tags of its phase run."""
+    print(f"[{k}/{n}] {stage}: {result['status']} in {result['seconds']:.1f} s", flush=True)
+    update_progress_artifact(progress_id, progress=100.0 * k / n)
+    run.log_metrics({f"pipeline/{stage}_wall_s": result["seconds"],
+                     **({f"pipeline/{stage}_peak_mib": result["peak_mib"]}
+                        if result.get("peak_mib") is not None else {})})
+    run.set_tags({f"agentrl.stage.{stage}": result["status"]})
+    if result["status"] == "ran":
+        tag_runs(uri, run.run_id, {}, stage, {**git, **lineage.version_tags(lineage.stage_versions(root, stage))})
+
+
+def _finish(root: Path, order: list[str], push: bool, run, uri: str, logger) -> dict[str, Any] | None:
+    """After the last stage: the data versions on the parent run, `dvc push` when asked, and the gate's outcome
+    (with the champion as the registry names it, and tags on the parent run) when `deploy` was among the stages."""
+    tag_runs(uri, run.run_id, lineage.version_tags(lineage.data_versions(root)))
+    if push:
+        logger.info("dvc push: %s", push_data(str(root)))
+    gate = summary.gate_decision(root) if "deploy" in order else None
+    if gate is not None and gate.get("model_name"):
+        gate["champion"] = read_champion(uri, gate["model_name"])  # the registry's word, not the file's
+        run.set_tags({"agentrl.gate": "unchanged" if gate.get("unchanged") else
+                      "promoted" if gate["passed"] else "rejected",
+                      "agentrl.model_version": gate["version"]})
+    return gate
+
+
+def _report(root: Path, by_name: dict, results: dict[str, dict[str, Any]], out: dict[str, Any], error: str | None,
+            wall_s: float, uri: str, logger) -> dict[str, Any]:
+    """Whatever the outcome: the cost figures (returned), the run record, the timing table and cost lines, and the
+    summary artifact (a summary that cannot be stored is a warning, never the run's outcome)."""
+    cost = summary.cost_figures(wall_s, results)
+    summary.write_run_record(root / RUN_RECORD, results, cost, error, out["run_id"])
+    print(_timing_table(results, cost["total_s"]), flush=True)
+    print(summary.describe_cost(cost), flush=True)
+    figures = {s: summary.headlines(s, root / by_name[s].metrics[0]) for s in results if by_name[s].metrics}
+    try:
+        create_markdown_artifact(
+            key=SUMMARY_KEY, description="phases, headline figures, the gate's decision, where to look next",
+            markdown=summary.markdown("agentrl pipeline run", results, figures, out["gate"], cost, uri,
+                                      out["run_id"], error))
+    except Exception as exc:  # a summary that cannot be stored must not hide the run's own outcome
+        logger.warning("could not store the summary artifact: %s", exc)
+    return cost

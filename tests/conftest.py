@@ -78,9 +78,10 @@ def one_thread():
 # --no-loadscope-reorder` (scripts/test) each module runs whole on one worker, in collection order; starting the long
 # ones first keeps the two workers busy to the end instead of leaving one module running alone (xdist's own order,
 # by number of tests, started the whole-pipeline modules last). Order only: a module missing here runs after these.
-LONG_FIRST = ("test_flow", "test_adapt", "test_train", "test_foreign_model", "test_prefect_worker", "test_serve",
-              "test_production",
-              "test_deploy", "test_env_plugins", "test_deploy_kill", "test_env_calendar", "test_foundation",
+LONG_FIRST = ("test_flow", "test_adapt", "test_train", "test_foreign_model", "test_prefect_worker", "test_outages",
+              "test_kills", "test_serve", "test_production",
+              "test_deploy", "test_registry_shared", "test_env_plugins", "test_deploy_kill", "test_registry_check",
+              "test_env_calendar", "test_foundation",
               "test_faults", "test_train_nodes", "test_replay", "test_served_check", "test_build_env",
               "test_scale_out", "test_task_generator", "test_inputs", "test_context_actions", "test_validation",
               "test_drift", "test_snapshot")

@@ -15,10 +15,10 @@ import yaml
 from pipeline.core.config import parse_section
 from pipeline.core.errors import AgentRLError
 from pipeline.train import core_algos as A
-from pipeline.train.advantages import score_episodes, turn_events
+from pipeline.train.advantages import score_episodes
 from pipeline.train.config import TrainConfig
-from pipeline.train.reward_weights import credit_mode
-from pipeline.train.sampling import make_sampler_state
+from pipeline.train.extensions.event_credit import EventCredit, turn_events
+from pipeline.train.sampling import make_learner_state
 
 
 # ------------------------------------------------------------------------------------------------- known answers
@@ -97,7 +97,7 @@ def test_event_credit_turn_advantages_by_hand_and_the_old_turn_credit_key():
                                       "reward": {"credit": "event", "event_gamma": 0.5}}, "p:train")
     # episode 0 writes at turn 1 and earns 2 at turn 2; episode 1 earns 1 at its last turn, no event
     records = [ep([0.0, 0.0, 2.0], ["lookup", "update", "answer"], 0), ep([0.0, 1.0], ["lookup", "answer"], 0)]
-    sc = score_episodes(records, cfg, make_sampler_state(cfg), write_tools=frozenset({"update"}))
+    sc = score_episodes(records, cfg, make_learner_state(cfg), extensions=[EventCredit(cfg, frozenset({"update"}))])
     # G(ep0) = (1, 1, 2): the write's discount halves what comes after it for turns 0 and 1; G(ep1) = (1, 1)
     # RLOO baseline of the first-turn returns: ep0 1 − 1 = 0, ep1 1 − 1 = 0; later turns add G_t − G_0
     assert sc.turn_gammas.tolist() == [[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]]
@@ -105,13 +105,13 @@ def test_event_credit_turn_advantages_by_hand_and_the_old_turn_credit_key():
     assert sc.metrics["credit/events_write_per_episode"] == 0.5
     # turn credit (γ = 1): G(ep0) = (2, 2, 2) -> advantage 2 − 1 = 1 on every turn
     turn = cfg.model_copy(update={"reward": cfg.reward.model_copy(update={"credit": "turn"})})
-    assert score_episodes(records, turn, make_sampler_state(turn)).turn_adv.tolist() == [[1.0, 1.0, 1.0],
+    assert score_episodes(records, turn, make_learner_state(turn)).turn_adv.tolist() == [[1.0, 1.0, 1.0],
                                                                                         [-1.0, -1.0, 0.0]]
     # the older key: turn_credit: true is credit 'turn'; it does not undo 'event'
     old = parse_section(TrainConfig, {"turn_credit": True}, "p:train")
-    assert credit_mode(old) == "turn" and credit_mode(cfg) == "event"
-    assert credit_mode(cfg.model_copy(update={"turn_credit": True})) == "event"
-    assert credit_mode(parse_section(TrainConfig, {}, "p:train")) == "episode"
+    assert old.credit == "turn" and cfg.credit == "event"
+    assert cfg.model_copy(update={"turn_credit": True}).credit == "event"
+    assert parse_section(TrainConfig, {}, "p:train").credit == "episode"
 
 
 # ---------------------------------------------------------------------------------------- in the real training loop
@@ -174,8 +174,8 @@ def test_event_credit_discounts_after_the_write_in_the_loop(write_project, monke
 def test_doctests_of_the_maths_modules():
     import doctest
 
-    from pipeline.train import reward_weights
+    from pipeline.train.extensions import adversarial, replay, reward_weighting
 
-    for module in (A, reward_weights):
+    for module in (A, reward_weighting, replay, adversarial):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

@@ -5,7 +5,9 @@ an exact point) just before its version is created, between the version and its 
 `challenger` and `champion` moves. After each kill: every version in the registry carries its weights digest and its
 gate tags, the aliases point where they did or to a whole version, `metrics/deploy.json` is the earlier run's, and
 the lock is free. The rerun then finishes the job: the new weights end as champion, at the end of the history, and a
-deploy killed between its alias moves is completed rather than registered again.
+deploy killed between its alias moves is completed rather than registered again. What each kill leaves is what
+`agentrl registry check` lists: a version whose decision says passed (never promoted, since no alias reached it), or
+a half-made move with the killed holder's lease ticket, which blocks no one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,7 @@ def test_a_deploy_killed_at_each_registry_write_leaves_it_whole_and_the_rerun_fi
     from pipeline.core.lock import repo_lock
     from pipeline.deploy.main import deploy
     from pipeline.deploy.registry import ModelRegistry, weights_digest
+    from pipeline.deploy.registry_check import inspect
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     metrics = project / "metrics"
@@ -88,10 +92,16 @@ def test_a_deploy_killed_at_each_registry_write_leaves_it_whole_and_the_rerun_fi
     elif kill_at == "publish":
         assert after["aliases"] == before["aliases"] and after["tags"] == before["tags"]
         assert {str(v) for v in after["versions"]} == {"1", "2"}
+        # no alias reached v2, so its decision says passed, not promoted; `agentrl registry check` finds the orphan
+        assert {str(v): t for v, t in after["versions"].items()}["2"]["gate.decision"] == "passed"
+        assert [(f.kind, f.subject) for f in inspect(registry, time.time() * 1000, min_age_s=0)] == [("orphan", "v2")]
     else:
         aliases = {k: str(v) for k, v in before["aliases"].items()}
         assert {k: str(v) for k, v in after["aliases"].items()} == {**aliases, "challenger": "2"}
         assert after["tags"] == before["tags"]
+        found = inspect(registry, time.time() * 1000, min_age_s=0)  # the move the killed deploy left half-made, and
+        assert [f.kind for f in found] == ["half-moved", "stale-ticket"]  # its lease ticket (which blocks no one)
+        assert found[0].subject == "v2"
     assert (metrics / "deploy.json").read_bytes() == deploy_json  # the killed run wrote no metrics
     assert not [p.name for p in metrics.iterdir() if p.name.startswith(".")]  # nor left a temporary file
     with repo_lock(tmp_path, "test"):  # the kernel released the killed holder's lock (its record stays, stale)

@@ -150,7 +150,7 @@ def test_effect_floor_keeps_a_significant_but_tiny_difference_from_counting_as_d
     ref, cur = {"v": pd.Series(rng.normal(0, 1, 100_000))}, {"v": pd.Series(rng.normal(0.05, 1, 100_000))}
     floored = C.compare_features(ref, cur, feat, DriftConfig(), "t").tests[0]
     raw = C.compare_features(ref, cur, feat, DriftConfig(ks_min_statistic=0.0), "t").tests[0]
-    assert floored.p_adjusted < ALPHA and not floored.drifted and "effect" in floored.note
+    assert floored.p_adjusted < ALPHA and not floored.drifted and "effect" in floored.decision
     assert raw.drifted
 
 

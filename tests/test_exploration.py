@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.core.errors import AgentRLError
 from pipeline.policy.sampling import ToolChoiceNoise, mixture_logprobs, mixture_posterior, sample_tokens
-from pipeline.train.exploration import annealed_epsilon
+from pipeline.train.extensions.tool_noise import annealed_epsilon
 
 
 def test_annealing_schedule_known_values():
@@ -109,11 +108,11 @@ def test_multi_token_names_sharing_a_prefix_are_written_whole_with_the_mixture_l
 
 def test_tool_noise_with_async_rollouts_is_refused():
     from pipeline.train.config import TrainConfig
-    from pipeline.train.exploration import attach_tool_noise
+    from pipeline.train.extensions.tool_noise import ToolNoise
 
-    cfg = TrainConfig(async_rollouts=True, max_staleness=1, exploration={"tool_noise": 0.2})
-    with pytest.raises(AgentRLError, match="async_rollouts"):
-        attach_tool_noise(object(), cfg)
+    with pytest.raises(ValueError, match="async_rollouts"):  # the config refuses it, before anything is built
+        TrainConfig(async_rollouts=True, max_staleness=1, exploration={"tool_noise": 0.2})
+    assert ToolNoise.create(TrainConfig(), None, None) is None  # off by default: no extension at all
     with pytest.raises(ValueError):
         TrainConfig(exploration={"tool_noise": 1.5})
 
@@ -155,7 +154,7 @@ def _engine(project: Path, eps: float, max_steps: int = 1):
     from pipeline.policy.model import load_policy
     from pipeline.policy.rollout import RolloutEngine
     from pipeline.train.config import TrainConfig
-    from pipeline.train.exploration import attach_tool_noise, begin_update
+    from pipeline.train.extensions.tool_noise import attach_tool_noise, begin_update
 
     model, tok, _ = load_policy(project / "models" / "adapted")
     engine = RolloutEngine(model, tok, ShopWorld.load(project / "data" / "env"), EnvConfig(max_steps=max_steps),
@@ -192,7 +191,7 @@ def test_a_rollout_with_epsilon_one_picks_the_tools_uniformly(project):
         picks = [_first_tool(r, names, call_id) for r in records]
         counts[eps] = {name: sum(p == name for p, _ in picks) for name in names}
         if eps == 1.0:
-            stats = engine.tool_noise.stats
+            stats = engine.sampling_hook.stats
             assert stats["noised"] == stats["actions"] >= len(records)
             # every action's tool is one of the task's tools, drawn uniformly: chi-square with K − 1 = 5 degrees of
             # freedom below its 0.1 % quantile (20.5), with this fixed seed

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from pipeline import repo_root
-from flows.cli import build_parser, main
-from pipeline.core.config import ConfigError, load_section, read_params
+from flows.cli import COMMANDS, LOCKED, PARAMS, Arg, Command, build_parser, main
+from pipeline.core.config import DEFAULT_PARAMS, ConfigError, load_section, read_params
 from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
 from pipeline.core.graph import GraphError, load_stages, parse_stages, select, stage_order, toposort
@@ -272,6 +272,64 @@ def test_every_subcommand_has_help(command, capsys):
         main([command, "--help"])
     assert exit_.value.code == 0
     assert f"agentrl {command}" in capsys.readouterr().out
+
+
+def signature_in_source(target: str) -> inspect.Signature:
+    """The signature of the top-level function ``module:function`` of this repository, read from the module's source
+    without importing it or its package (the phases import torch and more; defaults stand as None)."""
+    module, function = target.split(":")
+    tree = ast.parse((ROOT / f"{module.replace('.', '/')}.py").read_text(encoding="utf-8"))
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    positional, keyword = node.args.args, node.args.kwonlyargs
+    first_default = len(positional) - len(node.args.defaults)
+    return inspect.Signature(
+        [inspect.Parameter(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           default=None if i >= first_default else inspect.Parameter.empty)
+         for i, a in enumerate(positional)]
+        + [inspect.Parameter(a.arg, inspect.Parameter.KEYWORD_ONLY,
+                             default=inspect.Parameter.empty if d is None else None)
+           for a, d in zip(keyword, node.args.kw_defaults)])
+
+
+def test_every_table_entry_names_a_function_that_takes_what_it_passes():
+    """An entry of cli.COMMANDS that names its library function as ``module:function``: the function exists, and the
+    parsed arguments the entry passes exist on its parser and bind to the function's parameters in order. A command
+    that locks or acts on its project takes --params."""
+    choices = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name, command in COMMANDS.items():  # the lock and the project folder are the params file's folder
+        if command.project or command.name in LOCKED:
+            assert "params" in {a.dest for a in choices[name]._actions}, name
+    phases = {name: command for name, command in COMMANDS.items() if isinstance(command.run, str)}
+    assert {"build-env", "adapt", "train", "deploy", "promote", "serve", "eval"} <= set(phases)
+    for name, command in phases.items():
+        assert set(command.passes) <= {a.dest for a in choices[name]._actions}, name
+        signature_in_source(command.run).bind(*command.passes)
+    with pytest.raises(TypeError):  # the check can fail: a function given more than it takes
+        signature_in_source("pipeline.deploy.main:rollback_main").bind("params", "version")
+
+
+DEMO_CALLS = []
+
+
+def demo_phase(params_path: str, times: int) -> bool:
+    """The library function of the command test_a_new_command_is_one_table_entry adds: passes when `times` is even."""
+    DEMO_CALLS.append((params_path, times))
+    return times % 2 == 0
+
+
+def test_a_new_command_is_one_table_entry(monkeypatch, capsys):
+    """One entry in cli.COMMANDS gives the command its help, its arguments and its dispatch (its function, called with
+    the arguments it passes; a verdict that fails exits 1)."""
+    demo = Command("demo", help="a demonstration command", description="Run the demonstration.",
+                   run=f"{__name__}:demo_phase", passes=("params", "times"), verdict=True,
+                   arguments=(PARAMS, Arg("--times", type=int, default=2, metavar="N", help="how often")))
+    monkeypatch.setitem(COMMANDS, "demo", demo)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "demo        a demonstration command" in capsys.readouterr().out
+    DEMO_CALLS.clear()
+    assert main(["demo"]) == 0 and main(["demo", "--times", "3", "--params", "p.yaml"]) == 1
+    assert DEMO_CALLS == [(str(DEFAULT_PARAMS), 2), ("p.yaml", 3)]
 
 
 def test_installed_entry_point_runs():

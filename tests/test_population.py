@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.population import (PopulationConfig, cosine, member_configs, member_diversity,
+from pipeline.train.config import PopulationConfig
+from pipeline.train.extensions.population import (cosine, member_configs, member_diversity,
                                        pairwise_diversity, trajectory_features)
 
 

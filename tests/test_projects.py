@@ -7,6 +7,7 @@ anything, so one project's build never lands in another's data/ (flows/cli.py: e
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -30,16 +31,24 @@ def two_projects(base: Path) -> tuple[Path, Path]:
     return root, sql
 
 
+def record_calls(command: str, monkeypatch) -> list[tuple[Path, Path]]:
+    """Replace the library function that `command` runs (its ``module:function`` in cli.COMMANDS) by one that records
+    the working directory and the params file it was called with, and passes (promote's verdict)."""
+    seen = []
+
+    def record(params, *rest):
+        seen.append((Path.cwd(), Path(params)))
+        return True
+
+    module, function = cli.COMMANDS[command].run.split(":")
+    monkeypatch.setattr(importlib.import_module(module), function, record)
+    return seen
+
+
 @pytest.mark.parametrize("command", sorted(cli.PROJECT_COMMANDS))
 def test_every_phase_command_acts_in_the_folder_of_its_params_file(command, tmp_path, monkeypatch, capsys):
     root, sql = two_projects(tmp_path)
-    seen = []
-
-    def record(args):
-        seen.append((Path.cwd(), Path(args.params)))
-        return 0
-
-    monkeypatch.setattr(cli, "_cmd_" + command.replace("-", "_"), record)
+    seen = record_calls(command, monkeypatch)
     monkeypatch.chdir(root)
     assert cli.main([command, "--params", "projects/sql-analyst/params.yaml"]) == 0  # root -> the SQL analyst
     monkeypatch.chdir(sql)
@@ -61,11 +70,10 @@ def test_a_params_file_outside_any_project_keeps_the_working_directory(tmp_path,
     loose = tmp_path / "overrides" / "params.yaml"
     loose.parent.mkdir()
     shutil.copy2(root / "params.yaml", loose)
-    seen = []
-    monkeypatch.setattr(cli, "_cmd_evaluate", lambda args: seen.append(Path.cwd()) or 0)
+    seen = record_calls("evaluate", monkeypatch)
     monkeypatch.chdir(root)
     assert cli.main(["evaluate", "--params", str(loose)]) == 0
-    assert seen == [Path.cwd()] and Path.cwd().resolve() == root.resolve()
+    assert [cwd for cwd, _ in seen] == [Path.cwd()] and Path.cwd().resolve() == root.resolve()
 
 
 @pytest.mark.slow

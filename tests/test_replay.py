@@ -13,12 +13,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.core.errors import AgentRLError
 from pipeline.train.batch import collate_records, slice_rows
-from pipeline.train.config import TrainConfig
-from pipeline.train.replay import (ReplayStore, SamplingConfig, episode_deltas, mix_count, priorities,
+from pipeline.train.config import SamplingConfig, TrainConfig
+from pipeline.train.extensions.replay import (ReplayStore, episode_deltas, mix_count, priorities,
                                    priority_weights, replay_scores, weigh_rows)
-from pipeline.train.sampling import TaskFailures, failure_weights, make_sampler_state
+from pipeline.train.advantages import score_episodes
+from pipeline.train.extensions.adversarial import TaskFailures, failure_weights
+from pipeline.train.sampling import make_learner_state
 
 from tests.test_train import make_project
 
@@ -115,20 +116,22 @@ def test_the_store_evicts_by_age_and_draws_by_priority_reproducibly():
 
 def test_replayed_episodes_keep_their_stored_advantage_and_their_weight_in_the_loss():
     cfg = TrainConfig(algorithm="rloo", sampling={"replay": True})
-    state = make_sampler_state(cfg)
+    state = make_learner_state(cfg)
     new = [dict(_record("t", 5, r), group=0) for r in (1.0, 0.0)]
     rep = dict(_record("old", 2, 0.0), replayed=True, replay_weight=0.25, replay_adv=-0.75, replay_turn_adv=None,
                group="replay-0")
     records = new + [rep]
-    sc = replay_scores(records, cfg, state)
+    sc = replay_scores(records, lambda recs: score_episodes(recs, cfg, state), state.normalizer)
     assert sc.episode_adv.tolist() == pytest.approx([1.0, -1.0, -0.75])  # rloo: 1 − 0, 0 − 1; then the stored one
     assert sc.zero_var.tolist() == [False, False, False]
     batch = collate_records(records, 0)
     w = weigh_rows(batch.mask.clone(), records, batch)
     assert w[:, 1].tolist() == [1.0, 1.0, 0.25]
     assert weigh_rows(batch.mask[:2], new, collate_records(new, 0)) is not None  # no replayed record: unchanged
-    with pytest.raises(AgentRLError, match="episode credit"):
-        make_sampler_state(TrainConfig(algorithm="ppo", turn_credit=True, sampling={"replay": True}))
+    with pytest.raises(ValidationError, match="episode credit"):  # the config refuses it, before any state exists
+        TrainConfig(algorithm="ppo", turn_credit=True, sampling={"replay": True})
+    with pytest.raises(ValidationError, match="episode credit"):
+        TrainConfig(algorithm="ppo", reward={"credit": "event"}, sampling={"replay": True})
 
 
 def test_replayed_turn_advantages_and_ppo_scores():
@@ -137,17 +140,18 @@ def test_replayed_turn_advantages_and_ppo_scores():
     new = [dict(_record("t", 5, r), group=0, step_rewards=[r]) for r in (1.0, 0.0)]  # one turn each
     rep = dict(_record("old", 2, 1.0), replayed=True, replay_weight=1.0, replay_adv=None,
                replay_turn_adv=[0.5, -0.25, 0.125], group="replay-0")
-    sc = replay_scores(new + [rep], cfg, make_sampler_state(cfg))
+    state = make_learner_state(cfg)
+    sc = replay_scores(new + [rep], lambda recs: score_episodes(recs, cfg, state), state.normalizer)
     assert sc.turn_adv.shape == (3, 3) and sc.turn_adv[2].tolist() == [0.5, -0.25, 0.125]
     assert sc.turn_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 1]]
     assert sc.turn_adv[0, 0] > 0 > sc.turn_adv[1, 0]
     # ppo: a replayed episode's score is its return under the normaliser's window before this batch, which the
     # replayed return does not enter: window [0, 2] -> shift 1, scale 1 (+1e-6)
     cfg = TrainConfig(algorithm="ppo", reward_norm_window=4, sampling={"replay": True})
-    state = make_sampler_state(cfg)
+    state = make_learner_state(cfg)
     state.normalizer.update([0.0, 2.0])
     sc = replay_scores([dict(_record("t", 5, 1.0), group=0), dict(_record("o", 4, 3.0), replayed=True, group="r")],
-                       cfg, state)
+                       lambda recs: score_episodes(recs, cfg, state), state.normalizer)
     assert sc.scores.tolist() == pytest.approx([0.0, 2.0], abs=1e-5) and sc.episode_adv is None
     assert list(state.normalizer.history) == [0.0, 2.0, 1.0]
 
@@ -176,10 +180,11 @@ def in_project(project, monkeypatch):
 def test_replayed_rows_are_trained_with_their_stored_advantage_behaviour_logprobs_and_weights(in_project,
                                                                                               monkeypatch):
     from pipeline.train import learner
+    from pipeline.train.extensions import replay
     from pipeline.train.worker import run_worker
 
     seen, targets = [], []
-    real_remember, real_optimize = learner.remember, learner._optimize
+    real_remember, real_optimize = replay.remember, learner._optimize
 
     def spy_remember(state, records, sc, batch, adv, u, dist):
         seen.append((u, records, sc))
@@ -189,7 +194,7 @@ def test_replayed_rows_are_trained_with_their_stored_advantage_behaviour_logprob
         targets.append(t)
         return real_optimize(lr, t, *args)
 
-    monkeypatch.setattr(learner, "remember", spy_remember)
+    monkeypatch.setattr(replay, "remember", spy_remember)
     monkeypatch.setattr(learner, "_optimize", spy_optimize)
     params = _params("params-replay.yaml", replay="true", beta_min=0.5, max_age=2, alpha=1.0, beta_is=1.0)
     # the tiny policy's failures all score alike: reward normalisation (its window changes every update) makes the
@@ -227,6 +232,7 @@ def test_replayed_rows_are_trained_with_their_stored_advantage_behaviour_logprob
 
 def test_slicing_and_adversarial_sampling_in_the_loop(in_project, monkeypatch):
     from pipeline.train import learner, sampling
+    from pipeline.train.extensions import adversarial
     from pipeline.train.worker import run_worker
 
     rows = []
@@ -235,7 +241,7 @@ def test_slicing_and_adversarial_sampling_in_the_loop(in_project, monkeypatch):
     # the tiny random policy fails every task, so all would weigh 1: one task is reported solved (its weight must
     # fall to floor^power = 0.01) and the goal sampler must multiply the weights into its probabilities
     solved, probs = [], []
-    real_update, real_probs = sampling.TaskFailures.update, sampling.GoalSampler.probabilities
+    real_update, real_probs = adversarial.TaskFailures.update, sampling.GoalSampler.probabilities
 
     def update(self, ids, successes):
         solved.append(solved[0] if solved else ids[0])
@@ -246,7 +252,7 @@ def test_slicing_and_adversarial_sampling_in_the_loop(in_project, monkeypatch):
         probs.append((list(ids), None if weights is None else weights.copy(), real_probs(self, ids), p))
         return p
 
-    monkeypatch.setattr(sampling.TaskFailures, "update", update)
+    monkeypatch.setattr(adversarial.TaskFailures, "update", update)
     monkeypatch.setattr(sampling.GoalSampler, "probabilities", probabilities)
     params = _params("params-slices.yaml", slice_turns=1, adversarial="true", adversarial_power=2.0)
     h = run_worker(params, ckpt="ckpt-slices", out="models/policy-slices", stop_after=3)["history"]
@@ -315,10 +321,10 @@ def test_two_deepspeed_ranks_share_one_store_and_checkpoint_it(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (state,) = (proj / "checkpoints/train").glob("*/update-4/mp_rank_00_model_states.pt")
     client = torch.load(state, weights_only=False)
-    h, sampler = client["history"], client["sampler"]
+    h, states = client["history"], client["extensions"]  # each extension's state under its name
     # what an update stores (every rank's episodes) is what its store grew by, on rank 0 too
     assert [x["replay/stored"] for x in h] == [x["replay/size_after"] - x["replay/size"] for x in h]
-    assert len(sampler["replay"]["entries"]) == h[-1]["replay/size_after"] > 2
-    assert {e["record"]["policy_version"] for e in sampler["replay"]["entries"]} >= {0, 1}
+    assert len(states["replay"]["entries"]) == h[-1]["replay/size_after"] > 2
+    assert {e["record"]["policy_version"] for e in states["replay"]["entries"]} >= {0, 1}
     assert h[0]["replay/replayed"] == 0 and all(x["replay/replayed"] > 0 for x in h[1:])
-    assert len(sampler["tasks"]["outcomes"]) == h[-1]["sampling/adversarial_tasks_seen"] > 0
+    assert len(states["adversarial"]["outcomes"]) == h[-1]["sampling/adversarial_tasks_seen"] > 0

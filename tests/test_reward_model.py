@@ -153,6 +153,31 @@ def test_learned_reward_config_refuses_bad_values_and_coef_zero_reads_nothing(tm
         make_learned_reward(LearnedRewardConfig(coef=1.0, model=str(tmp_path / "sql-rm")), "shop", None)
 
 
+def test_the_stage_trains_no_verifier_when_no_run_reads_one(tmp_path, monkeypatch):
+    """reward_model.when: used (the default) with train.learned_reward.coef 0: a fixed marker, no model and no
+    training; its bytes do not change between runs, so the `train` stage (which lists the folder) stays up to date.
+    A run that then asks for the learned reward is told to rerun the stage; when: always trains regardless."""
+    from pipeline.reward_model.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTRL_TRACKING", "off")  # its MLflow run is the flow's business (tests/test_flow.py)
+    Path("params.yaml").write_text("reward_model: {}\ntrain:\n  learned_reward:\n    coef: 0.0\n")
+    result = main("params.yaml")
+    assert result["trained"] is False and "coef is 0" in result["reason"]
+    marker = Path("models/reward_model") / M.UNUSED_FILE
+    first = marker.read_bytes()
+    assert sorted(p.name for p in Path("models/reward_model").iterdir()) == [M.UNUSED_FILE]
+    assert json.loads(Path("metrics/reward_model.json").read_text()) == result
+    main("params.yaml")
+    assert marker.read_bytes() == first
+    with pytest.raises(AgentRLError, match="holds no trained verifier"):
+        make_learned_reward(LearnedRewardConfig(coef=1.0), "shop", None)
+    # when: always goes on to train: here it stops at the missing adapted policy, which proves it tried
+    Path("params.yaml").write_text("reward_model:\n  when: always\n")
+    with pytest.raises(AgentRLError, match="policy folder models/adapted does not exist"):
+        main("params.yaml")
+
+
 class OneRank:
     rank, world_size, is_main = 0, 1, True
 

@@ -1,4 +1,4 @@
-"""Reward engineering in the learner (`train.reward.weighting`, pipeline/train/reward_weights.py): the maths against
+"""Reward engineering in the learner (`train.reward.weighting`, pipeline/train/extensions/reward_weighting.py): the maths against
 hand-computed values, the state through a checkpoint, bad config, and both dynamic modes inside the real tiny
 training loop (weights and multipliers reported and moving, the learner's returns recomputed with them, a resumed run
 continuing the state)."""
@@ -15,8 +15,8 @@ import yaml
 
 from pipeline.core.config import ConfigError, parse_section
 from pipeline.core.errors import AgentRLError
-from pipeline.envs.config import RewardWeights
-from pipeline.train import reward_weights as W
+from pipeline.envs.config import EnvConfig, RewardWeights
+from pipeline.train.extensions import reward_weighting as W
 from pipeline.train.config import TrainConfig
 
 
@@ -112,24 +112,24 @@ def test_with_turn_credit_the_reweighting_difference_is_paid_on_the_last_turn():
     """R' − R goes on the episode's last turn; the environment's step rewards keep their timing (γ = 1: the first
     turn's return is R')."""
     from pipeline.train.advantages import score_episodes
-    from pipeline.train.sampling import make_sampler_state
+    from pipeline.train.sampling import make_learner_state
 
     cfg = parse_section(TrainConfig, {"algorithm": "rloo", "group_size": 2, "tasks_per_update": 1, "num_ranks": 1,
                                       "reward": {"weighting": "lagrange", "thresholds": {"safety": -0.01},
                                                  "credit": "turn"}}, "p:train")
-    state = make_sampler_state(cfg)
-    state.reward_weights = W.make_reward_weighting(cfg.reward, RewardWeights())
+    state = make_learner_state(cfg)
+    weighting = W.ReturnWeighting.create(cfg, EnvConfig(reward=RewardWeights()), None)
     mask = [0, 1, 0, 1, 0, 1]
     # a refused write at turn 0 (safety −1 charged there), then a correct answer: R = 1 − 1 + 0.5·(−0.125) + 0.1·1
     a = {**rec(1, -0.125, -1.0, 1.0, ret=0.0375), "step_rewards": [-1.0, 0.0, 1.0375], "action_mask": mask,
          "group": 0}
     b = {**rec(0, 0.0, 0.0, 0.0, ret=0.0), "step_rewards": [0.0, 0.0, 0.0], "action_mask": mask, "group": 0}
-    sc = score_episodes([a, b], cfg, state)
+    sc = score_episodes([a, b], cfg, state, extensions=[weighting])
     # λ_safety = 1: R'(a) = 1 + 1·(−1 + 0.01) = 0.01, R'(b) = 0 + 0.01 = 0.01; R' − R = −0.0275 and 0.01
     assert sc.scores.tolist() == pytest.approx([0.01, 0.01])
     assert sc.turn_rewards.flatten().tolist() == pytest.approx([-1.0, 0.0, 1.0375 - 0.0275, 0.0, 0.0, 0.01])
     assert sc.metrics["reward/lambda_safety"] == 1.0 and sc.metrics["reward/constraint_safety"] == -0.5
-    assert state.reward_weights.lambdas.tolist() == pytest.approx([1.49])  # violated: 1 − (−0.5 + 0.01)
+    assert weighting.state.lambdas.tolist() == pytest.approx([1.49])  # violated: 1 − (−0.5 + 0.01)
 
 
 def test_bad_reward_config_is_refused():

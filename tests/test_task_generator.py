@@ -18,7 +18,8 @@ from pipeline.envs.contract import BuildRequest, Task
 from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.environment import ShopOptions
 from pipeline.envs.shop.tasks import FAMILIES, FAMILY_LEVEL
-from pipeline.train.task_generator import (REFUSALS, TaskGenerationConfig, TaskGenerator, allocate, check_generated,
+from pipeline.train.config import TaskGenerationConfig
+from pipeline.train.extensions.task_generation import (REFUSALS, TaskGenerator, allocate, check_generated,
                                            renamed, slice_of, slice_stats, weakest_slices)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -323,7 +324,7 @@ def test_a_training_run_with_task_generation_adds_weak_spot_tasks_to_the_pool_an
     assert any(k.startswith("taskgen/target/") for k in hist[0])
     # the checkpoint carries the generated tasks, and the goal sampler has drawn some of them
     client = _client_state(project / "ckpt-gen")
-    state = client["sampler"]["task_generation"]
+    state = client["extensions"]["task_generation"]  # the extension's state under its name
     assert len(state["accepted"]) == hist[-1]["taskgen/pool_generated"] and state["round"] == 4
     assert all(re.fullmatch(r"generated/r\d-[01]/gen-\d+-\d{6}", r["task_id"]) and r["split"] == "train"
                for r in state["accepted"])

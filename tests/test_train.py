@@ -511,11 +511,11 @@ def _learn_step(cfg, engine, records: list[dict], tok, dist, demos: list | None 
     padding), from a fresh sampling state."""
     from pipeline.policy.tokenizer import PAD, marker_ids
     from pipeline.train import learner
-    from pipeline.train.sampling import make_sampler_state
+    from pipeline.train.sampling import make_learner_state
 
     fp32 = lambda dtype, device: contextlib.nullcontext()  # noqa: E731
     ctx = learner.Learner(cfg, engine, None, marker_ids(tok)[PAD], 1.0, dist, fp32, demos, np.random.default_rng(0))
-    return learner.learn(ctx, records, make_sampler_state(cfg), 0)
+    return learner.learn(ctx, records, make_learner_state(cfg), 0)
 
 
 @pytest.mark.parametrize("algorithm,loss_agg", [("rloo", "token-mean"), ("ppo", "token-mean"),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -145,31 +146,15 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
           out_dir: Path, metrics_path: Path, build_metrics: Path, run=None) -> dict:
     """Run the phase (see the module docstring); returns the metrics written to `metrics_path`."""
     from pipeline.envs.registry import open_environment
-    from pipeline.adapt import adapters, batching, capability, pretrain, sft
-    from pipeline.policy import learnability
+    from pipeline.adapt import capability
+    from pipeline.adapt.entity_source import name_source
     from pipeline.policy.learnability_render import render
-    from pipeline.policy.demos import prompt_signatures
-    from pipeline.policy.model import (autocast_context, dtype_notice, n_parameters, release_free_memory,
-                                       resolve_dtype, save_policy)
+    from pipeline.policy.model import n_parameters, resolve_dtype
 
     t0 = time.perf_counter()
     seconds: dict[str, float] = {}
     peak_mib: dict[str, float] = {}  # the process tree's high-water resident size after each part (tree_peak_mib)
-    from pipeline.envs.registry import environment_class
-
-    levels = tuple(sorted(environment_class(env_cfg.name).levels))  # the environment's, not a fixed 1-4
-    if cfg.gate.min != "auto":  # an `auto` gate is derived below, from the data
-        cfg = cfg.model_copy(update={"gate": cfg.gate.model_copy(update={"min": capability.gate_for_levels(
-            cfg.gate.min, levels)})})
-        capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {}, levels)
-    if cfg.sft.compile:
-        sft.check_compile_available()  # before pre-training, not minutes into the phase
-    check_base_exists(model_cfg)
-    if (notice := dtype_notice(model_cfg.dtype)) is not None:
-        print(f"adapt: {notice}", flush=True)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-
+    cfg, levels = checked_config(cfg, model_cfg, env_cfg)
     world = open_environment(env_cfg.name, data_dir / "env")
     inputs = load_inputs(data_dir, cfg.eval.split, world)
     eval_tasks = inputs["eval"][: cfg.eval.max_tasks] if cfg.eval.max_tasks else inputs["eval"]
@@ -183,33 +168,112 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     rollout_cfg, recipe = recipes.token_recipe(rollout_cfg, tokenizer, inputs["demos"])  # before the first rollout
     recipe[recipes.GATE_KEY] = gate
     n_base = n_parameters(model)
-    autocast = lambda: autocast_context(model_cfg)  # noqa: E731
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
-
-    from pipeline.adapt.entity_source import documents, name_source
-
-    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"])  # drills, augmentation
-    pool = names.pool
+    # the fictitious names of the drills and of entity augmentation
+    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"])
     print(f"adapt: fictitious names for drills and augmentation: {names.source}", flush=True)
 
-    # continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is off)
     pre_summary = None
     if cfg.pretrain.steps > 0:
         t = time.perf_counter()
-        questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
-        pre_summary = pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg,
-                                                     documents(world, data_dir, cfg.pretrain.include_documents), pool,
-                                                     world.vocabulary(), questions, rng, log)
+        pre_summary = _pretrain(model, tokenizer, cfg, model_cfg, world, data_dir, inputs, names, rng, log)
         seconds["pretrain"] = time.perf_counter() - t
         peak_mib["pretrain"] = round(tree_peak_mib(), 1)
 
-    # SFT with the adapter
     t = time.perf_counter()
+    model, sft = _sft(model, tokenizer, cfg, model_cfg, env_cfg, rollout_cfg, world, inputs, names, rng, log, levels)
+    seconds["sft"] = time.perf_counter() - t
+    if sft.selector is not None:
+        seconds["select"] = sft.selector.seconds
+    peak_mib["sft"] = round(tree_peak_mib(), 1)
+
+    t = time.perf_counter()
+    cap, episodes, learn = _evaluate(model, tokenizer, world, eval_tasks, inputs, env_cfg, rollout_cfg, cfg)
+    seconds["evaluate"] = time.perf_counter() - t
+    peak_mib["evaluate"] = round(tree_peak_mib(), 1)
+    shortfalls = capability.check_gate(cap, gate_min) if cfg.gate.enabled else []
+    seconds["total"] = time.perf_counter() - t0
+    metrics = {
+        "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
+                 "bf16": resolve_dtype(model_cfg.dtype) == torch.bfloat16, "dtype": model_cfg.dtype},
+        "adapter": {"kind": sft.kind, "configured_kind": cfg.adapter.kind, **sft.counts},
+        "recipe": recipe,
+        "pretrain": pre_summary,
+        "sft": sft.summary,
+        **_capability_metrics(cap, levels, learn, cfg, rollout_cfg, len(eval_tasks), build_metrics),
+        "gate": {"enabled": cfg.gate.enabled, "passed": (not shortfalls) if cfg.gate.enabled else None,
+                 "min": dict(gate_min),
+                 "shortfalls": [{"metric": k, "value": v, "min": lo} for k, v, lo in shortfalls]},
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "peak_rss_mib": peak_mib,
+    }
+    if run is not None:
+        _log_run(run, metrics, cap, episodes)
+    if shortfalls:  # the gate stops the phase here: say why the policy does not learn first
+        print(render(learn, LEARN_TITLE.format(split=cfg.eval.split)), flush=True)
+    if cfg.gate.enabled:
+        capability.enforce_gate(cap, gate_min, PHASE)
+    _publish(model, tokenizer, metrics, cfg, model_cfg, out_dir, metrics_path, build_metrics, run)
+    return metrics
+
+
+def checked_config(cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: EnvConfig) -> tuple[AdaptConfig, tuple]:
+    """The phase's config with a fixed gate made per level, and the environment's levels (not a fixed 1-4); refuses
+    what would fail minutes into the phase (gate keys, torch.compile, a missing base). Also sets the thread count."""
+    from pipeline.envs.registry import environment_class
+    from pipeline.adapt import capability, sft
+    from pipeline.policy.model import dtype_notice
+
+    levels = tuple(sorted(environment_class(env_cfg.name).levels))
+    if cfg.gate.min != "auto":  # an `auto` gate is derived from the data (recipe.gate_recipe)
+        cfg = cfg.model_copy(update={"gate": cfg.gate.model_copy(update={"min": capability.gate_for_levels(
+            cfg.gate.min, levels)})})
+        capability.check_gate_keys(cfg.gate.min if cfg.gate.enabled else {}, levels)
+    if cfg.sft.compile:
+        sft.check_compile_available()  # before pre-training, not minutes into the phase
+    check_base_exists(model_cfg)
+    if (notice := dtype_notice(model_cfg.dtype)) is not None:
+        print(f"adapt: {notice}", flush=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return cfg, levels
+
+
+def _pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, world, data_dir: Path, inputs: dict, names,
+              rng, log) -> dict:
+    """Continued pre-training: full parameters, every token (in a child process unless adapt.pretrain.subprocess is
+    off); returns its summary."""
+    from pipeline.adapt import pretrain
+    from pipeline.adapt.entity_source import documents
+
+    questions = [t.question for t in inputs["train"]] if cfg.pretrain.include_questions else None
+    return pretrain.continued_pretraining(model, tokenizer, cfg, model_cfg,
+                                          documents(world, data_dir, cfg.pretrain.include_documents), names.pool,
+                                          world.vocabulary(), questions, rng, log)
+
+
+@dataclass
+class SFTResult:
+    """What `_sft` hands back besides the finished model."""
+
+    kind: str  # the adapter kind, `auto` resolved
+    counts: dict  # trainable and total parameters (adapters.trainable_summary)
+    summary: dict  # metrics["sft"]
+    selector: object | None  # the CheckpointSelector when adapt.sft.select_every is on
+
+
+def _sft(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: EnvConfig, rollout_cfg: RolloutConfig,
+         world, inputs: dict, names, rng, log, levels: tuple):
+    """SFT with the adapter on the demonstrations; returns the finished (merged) model and an :class:`SFTResult`."""
+    from pipeline.adapt import adapters, batching, capability, pretrain, sft
+    from pipeline.policy.demos import prompt_signatures
+    from pipeline.policy.model import autocast_context
+
     sampler = batching.DemoSampler(tokenizer, inputs["demos"], {t.task_id: t.to_dict() for t in inputs["train"]},
-                              env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, pool,
-                              signatures=prompt_signatures(world, inputs["train"], env_cfg.context_actions),
-                              names=names.names)
+                                   env_cfg.history_window, cfg.sft.max_len, cfg.sft.entity_augmentation, names.pool,
+                                   signatures=prompt_signatures(world, inputs["train"], env_cfg.context_actions),
+                                   names=names.names)
     examples = [e for exs in sampler.plain for e in exs]
     kind = adapters.resolve_kind(cfg.adapter.kind, model_cfg.base)
     trainable_model = adapters.apply_adapter(model, cfg.adapter.model_copy(update={"kind": kind}))
@@ -223,32 +287,34 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     selector = None
     if cfg.sft.select_every:
         selector = capability.CheckpointSelector(trainable_model, tokenizer, world,
-                                      inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
-                                      cfg.eval.seed, log)
+                                                 inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
+                                                 cfg.eval.seed, log)
     res = sft.train_lm(trainable_model, batching.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
                                                               tokenizer.pad_token_id),
                        cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
-                       grad_clip=cfg.sft.grad_clip, autocast=autocast, log=sft_log, log_every=cfg.sft.log_every,
-                       micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
+                       grad_clip=cfg.sft.grad_clip, autocast=lambda: autocast_context(model_cfg), log=sft_log,
+                       log_every=cfg.sft.log_every, micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
                        shared_prefix=cfg.sft.shared_prefix, stop=selector, stop_every=cfg.sft.select_every or 100)
     selection = selector.finish(res.steps) if selector is not None else None
-    model = adapters.finalize(trainable_model)
-    sft_summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
-                   "demos": len(inputs["demos"]), "loss_curve": curve,
-                   "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in levels},
-                   "loss_tokens_per_epoch": sum(sum(e.loss_mask) for e in examples),
-                   "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
-                   "entity_augmentation": cfg.sft.entity_augmentation if pool else 0.0,
-                   "entity_augmentation_applied": sampler.applied(), "entity_augmentation_source": names.source,
-                   "selection": selection}
-    seconds["sft"] = time.perf_counter() - t
-    if selector is not None:
-        seconds["select"] = selector.seconds
+    summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
+               "demos": len(inputs["demos"]), "loss_curve": curve,
+               "examples_per_level": {str(lv): sum(e.level == lv for e in examples) for lv in levels},
+               "loss_tokens_per_epoch": sum(sum(e.loss_mask) for e in examples),
+               "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
+               "entity_augmentation": cfg.sft.entity_augmentation if names.pool else 0.0,
+               "entity_augmentation_applied": sampler.applied(), "entity_augmentation_source": names.source,
+               "selection": selection}
+    return adapters.finalize(trainable_model), SFTResult(kind, counts, summary, selector)
 
-    peak_mib["sft"] = round(tree_peak_mib(), 1)
 
-    # capability evaluation and gate
-    t = time.perf_counter()
+def _evaluate(model, tokenizer, world, eval_tasks: list, inputs: dict, env_cfg: EnvConfig, rollout_cfg: RolloutConfig,
+              cfg: AdaptConfig) -> tuple[dict, dict, dict]:
+    """Capability evaluation on the evaluation split and the learnability report of its greedy episodes; closes the
+    world. Returns (capabilities, episodes, learnability)."""
+    from pipeline.adapt import capability
+    from pipeline.policy import learnability
+    from pipeline.policy.model import release_free_memory
+
     # The SFT loop leaves its C heap fragmented, up to `sft.TRIM_HEADROOM_MIB` above its live size, and the
     # evaluation's rollouts (about 900 MiB in a fresh process) land on top of it; return the free pages first
     # (release_free_memory says why the heap grows; nothing numerical changes).
@@ -261,51 +327,43 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                         env_cfg, rollout_cfg)
     finally:
         world.close()
-    seconds["evaluate"] = time.perf_counter() - t
-    peak_mib["evaluate"] = round(tree_peak_mib(), 1)
-    shortfalls = capability.check_gate(cap, gate_min) if cfg.gate.enabled else []
-    seconds["total"] = time.perf_counter() - t0
-    metrics = {
-        "base": {"source": source, "n_parameters": n_base, "vocab_size": len(tokenizer),
-                 "bf16": resolve_dtype(model_cfg.dtype) == torch.bfloat16, "dtype": model_cfg.dtype},
-        "adapter": {"kind": kind, "configured_kind": cfg.adapter.kind, **counts},
-        "recipe": recipe,
-        "pretrain": pre_summary,
-        "sft": sft_summary,
+    return cap, episodes, learn
+
+
+def _capability_metrics(cap: dict, levels: tuple, learn: dict, cfg: AdaptConfig, rollout_cfg: RolloutConfig,
+                        n_tasks: int, build_metrics: Path) -> dict:
+    """The evaluation's part of metrics/adapt.json: capabilities (NaN as null), per level, learnability, the
+    baselines build-env measured, and what was evaluated how."""
+    from pipeline.adapt import capability
+
+    return {
         "capability": {k: (None if isinstance(v, float) and not np.isfinite(v) else v) for k, v in sorted(cap.items())},
         "per_level": capability.per_level_table(cap, levels),
         "learnability": learn,
         "baselines": baselines(build_metrics, cfg.eval.split),
-        "eval": {"split": cfg.eval.split, "tasks": len(eval_tasks), "sampled_per_task": cfg.eval.sampled_per_task,
+        "eval": {"split": cfg.eval.split, "tasks": n_tasks, "sampled_per_task": cfg.eval.sampled_per_task,
                  "temperature": rollout_cfg.temperature, "top_p": rollout_cfg.top_p,
                  "recovery_failure_rate": cfg.eval.recovery_failure_rate},
-        "gate": {"enabled": cfg.gate.enabled, "passed": (not shortfalls) if cfg.gate.enabled else None,
-                 "min": dict(gate_min),
-                 "shortfalls": [{"metric": k, "value": v, "min": lo} for k, v, lo in shortfalls]},
-        "seconds": {k: round(v, 2) for k, v in seconds.items()},
-        "peak_rss_mib": peak_mib,
     }
-    if run is not None:
-        _log_run(run, metrics, cap, episodes)
-    if shortfalls:  # the gate stops the phase here: say why the policy does not learn first
-        print(render(learn, LEARN_TITLE.format(split=cfg.eval.split)), flush=True)
-    if cfg.gate.enabled:
-        capability.enforce_gate(cap, gate_min, PHASE)
 
-    # publish: the model (atomic swap), then the metrics (temp file + rename)
-    meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
-            "adapt_config": cfg.model_dump(), "base": source, "adapter": kind,
-            "step": (pre_summary["steps"] if pre_summary else 0) + (selection["selected_step"] if selection
-                                                                     else sft_summary["steps"]),
-            "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]},
-            "recipe": {k: v for k, v in recipe.items() if k == recipes.TOKEN_KEY}}  # what later phases' `auto` reads
-    save_policy(model, tokenizer, out_dir, meta)
+
+def _publish(model, tokenizer, metrics: dict, cfg: AdaptConfig, model_cfg: ModelConfig, out_dir: Path,
+             metrics_path: Path, build_metrics: Path, run) -> None:
+    """Publish: the model (atomic swap), then the metrics (temp file + rename)."""
     from pipeline.core.atomic import write_json
+    from pipeline.policy.model import save_policy
 
+    pre_summary, selection = metrics["pretrain"], metrics["sft"]["selection"]
+    meta = {"phase": PHASE, "data_version": data_version(build_metrics), "model_config": model_cfg.model_dump(),
+            "adapt_config": cfg.model_dump(), "base": metrics["base"]["source"], "adapter": metrics["adapter"]["kind"],
+            "step": (pre_summary["steps"] if pre_summary else 0) + (selection["selected_step"] if selection
+                                                                     else metrics["sft"]["steps"]),
+            "capability": {k: metrics["per_level"][k] for k in metrics["per_level"]},
+            "recipe": {k: v for k, v in metrics["recipe"].items() if k == recipes.TOKEN_KEY}}  # what later `auto` reads
+    save_policy(model, tokenizer, out_dir, meta)
     write_json(metrics_path, metrics)
     if run is not None:
         run.log_artifact(str(metrics_path))
-    return metrics
 
 
 def _log_run(run, metrics: dict, cap: dict, episodes: dict) -> None:

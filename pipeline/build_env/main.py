@@ -216,11 +216,7 @@ def build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path:
 def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path: Path, run, validator) -> dict:
     t0 = time.perf_counter()
     cls, request = resolve_request(cfg, env_cfg)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    stage = data_dir / ".staging-build_env"
-    if stage.exists():
-        shutil.rmtree(stage)
-    (stage / "env").mkdir(parents=True)
+    stage = _fresh_stage(data_dir)
     world = None
     try:
         try:
@@ -229,32 +225,12 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
             raise AgentRLError(f"build_env: environment {cls.name!r}: {exc}") from None
         tasks = result.tasks
         world = cls.load(stage / "env")
-        min_calls = [t.min_calls for ts in tasks.values() for t in ts]
-        first_cfg = recipes.provisional(env_cfg, min_calls)  # `auto` characters at their bounds until derived
-        try:  # the class, tools, tasks and expert (pipeline.envs.checks); nothing is written or published otherwise
-            check_environment(world, tasks, first_cfg)
-        except EnvironmentError_ as exc:
-            raise EnvironmentError_(f"build_env: {exc}; nothing was published") from None
-        demos = build_demos(as_read_back(tasks["train"], world), world, cfg, first_cfg)  # the file's key order; the same
-        # demonstrations under the limits derived from them
-        env_cfg, recipe = recipes.data_recipe(env_cfg, demos, min_calls)
-        over = sum(t.min_calls > env_cfg.max_steps for ts in tasks.values() for t in ts)
-        if over:  # the expert check runs with the budget raised; the run's own budget would truncate these
-            print(f"build_env: warning: {over} tasks need more calls than env.max_steps={env_cfg.max_steps} allows; "
-                  f"no policy can solve them in this run's episodes", flush=True)
-        families = {t.family for ts in tasks.values() for t in ts}
-        unknown = sorted(set(cfg.demos.family_coverage) - families)
-        if unknown:
-            raise AgentRLError(f"build_env.demos.family_coverage names task families {unknown} that environment "
-                               f"{cls.name!r} does not build; its families: {sorted(families)}")
+        demos, env_cfg, recipe, over = _checked_demos(cls, world, tasks, cfg, env_cfg)
         t_probe = time.perf_counter()
         probes = probe_rewards(world, tasks["train"], cfg, env_cfg)  # a winning probe stops the phase here
         t_probe = time.perf_counter() - t_probe
         t_gen = time.perf_counter() - t0 - t_probe
-        for split, ts in tasks.items():
-            write_tasks(ts, stage / "tasks" / f"{split}.jsonl")
-        (stage / "demos").mkdir(parents=True)
-        (stage / "demos" / "train.jsonl").write_text("".join(json.dumps(d, sort_keys=True) + "\n" for d in demos))
+        _write_stage(stage, tasks, demos)
         t1 = time.perf_counter()
         reports = validator(stage, world)
         t_val = time.perf_counter() - t1
@@ -262,46 +238,13 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
         if failed:
             raise AgentRLError("build_env: generated data failed validation; the previous outputs are left untouched.\n"
                                + "\n".join(r.describe() for r in failed))
-
-        baselines = {}
-        eval_cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0})
-        policies = [p for p, make in (("expert", world.expert), ("random", lambda: world.random_policy(None)))
-                    if make() is not None]
-        for split, ts in tasks.items():
-            for policy in policies:
-                summary, _ = evaluate(policy, ts, world, eval_cfg, seed=cfg.seed)
-                baselines[f"{split}/{policy}"] = summary
+        baselines = _baselines(world, tasks, cfg, env_cfg)
         files = {str(Path("data") / p.relative_to(stage)): p for p in
                  [*sorted(Path(f) for f in result.files), *sorted((stage / "tasks").glob("*.jsonl")),
                   stage / "demos" / "train.jsonl"]}
-        metrics = {
-            "environment": cls.name,
-            "recipe": recipe,
-            "tasks_over_step_budget": over,
-            "counts": {**result.counts, **{f"tasks_{s}": len(ts) for s, ts in tasks.items()}, "demos": len(demos)},
-            "level_mix": {s: dict(sorted(Counter(str(t.level) for t in ts).items())) for s, ts in tasks.items()},
-            "family_mix": {s: dict(sorted(Counter(t.family for t in ts).items())) for s, ts in tasks.items()},
-            "test_unseen_template_share": sum(not t.template_seen for t in tasks["test"]) / len(tasks["test"]),
-            "demos": {
-                "per_level": dict(sorted(Counter(str(d["level"]) for d in demos).items())),
-                "per_flaw": dict(sorted(Counter(d["flaw"] for d in demos).items())),
-                "success_rate": sum(d["success"] for d in demos) / max(1, len(demos)),
-            },
-            "baselines": {k: {"success_rate": v["overall"]["success_rate"], "mean_return": v["overall"]["mean_return"],
-                              "mean_tool_calls": v["overall"]["mean_tool_calls"],
-                              "safety_violations": v["overall"]["safety_violations"],
-                              "per_level_success": {lv: s["success_rate"] for lv, s in v["per_level"].items()}}
-                          for k, v in baselines.items()},
-            "validation": {
-                "datasets": len(reports), "rows": sum(r.n_rows for r in reports),
-                "expectations_evaluated": sum(len(r.results) for r in reports),
-                "expectations_failed": sum(len(r.failures) for r in reports),
-            },
-            "reward_hacking_probes": probes,
-            "checksums": {name: sha256(p) for name, p in files.items()},
-            "seconds": {"generate": round(t_gen, 3), "validate": round(t_val, 3), "probes": round(t_probe, 3),
-                        "total": round(time.perf_counter() - t0, 3)},
-        }
+        metrics = _metrics(cls.name, recipe, over, result.counts, tasks, demos, baselines, reports, probes, files)
+        metrics["seconds"] = {"generate": round(t_gen, 3), "validate": round(t_val, 3), "probes": round(t_probe, 3),
+                              "total": round(time.perf_counter() - t0, 3)}
         world.close()
         world = None
         publish(stage, data_dir)
@@ -313,19 +256,113 @@ def _build(cfg: BuildEnvConfig, env_cfg: EnvConfig, data_dir: Path, metrics_path
             shutil.rmtree(stage)
     write_json(metrics_path, metrics)
     if run is not None:
-        flat = {f"data/{k}": v for k, v in metrics["counts"].items()}
-        for k, v in metrics["baselines"].items():
-            flat[f"env/{k.replace('/', '_')}_success"] = v["success_rate"]
-        flat["data/demo_success_rate"] = metrics["demos"]["success_rate"]
-        flat.update({f"sys/{k}_seconds": v for k, v in metrics["seconds"].items()})
-        flat.update({f"data/validation_{k}": v for k, v in metrics["validation"].items()})
-        for name, r in probes.get("probes", {}).items():  # a skipped probe (no write tool) has no numbers
-            flat.update({f"env/probe_{name}_{k}": r[k] for k in ("mean_return", "ratio") if r.get(k) is not None})
-        run.log_metrics(flat)
-        run.log_params(recipes.mlflow_params(recipe))
-        run.log_dict(metrics["checksums"], "checksums.json")
-        run.log_artifact(str(metrics_path))
+        _log_run(run, metrics, probes, recipe, metrics_path)
     return metrics
+
+
+def _fresh_stage(data_dir: Path) -> Path:
+    """The empty staging folder (with its `env/`) the phase generates into; one a failed run left is removed."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stage = data_dir / ".staging-build_env"
+    if stage.exists():
+        shutil.rmtree(stage)
+    (stage / "env").mkdir(parents=True)
+    return stage
+
+
+def _checked_demos(cls: type[Environment], world: Environment, tasks: dict, cfg: BuildEnvConfig,
+                   env_cfg: EnvConfig) -> tuple[list[dict], EnvConfig, dict, int]:
+    """Check the environment, make the demonstrations and derive the `auto` limits from them; returns the
+    demonstrations, the env config with its limits derived, the recipe, and the number of tasks over the step budget.
+    A broken environment or a family_coverage naming a family the environment does not build stops the phase."""
+    min_calls = [t.min_calls for ts in tasks.values() for t in ts]
+    first_cfg = recipes.provisional(env_cfg, min_calls)  # `auto` characters at their bounds until derived
+    try:  # the class, tools, tasks and expert (pipeline.envs.checks); nothing is written or published otherwise
+        check_environment(world, tasks, first_cfg)
+    except EnvironmentError_ as exc:
+        raise EnvironmentError_(f"build_env: {exc}; nothing was published") from None
+    demos = build_demos(as_read_back(tasks["train"], world), world, cfg, first_cfg)  # the file's key order; the same
+    # demonstrations under the limits derived from them
+    env_cfg, recipe = recipes.data_recipe(env_cfg, demos, min_calls)
+    over = sum(t.min_calls > env_cfg.max_steps for ts in tasks.values() for t in ts)
+    if over:  # the expert check runs with the budget raised; the run's own budget would truncate these
+        print(f"build_env: warning: {over} tasks need more calls than env.max_steps={env_cfg.max_steps} allows; "
+              f"no policy can solve them in this run's episodes", flush=True)
+    families = {t.family for ts in tasks.values() for t in ts}
+    unknown = sorted(set(cfg.demos.family_coverage) - families)
+    if unknown:
+        raise AgentRLError(f"build_env.demos.family_coverage names task families {unknown} that environment "
+                           f"{cls.name!r} does not build; its families: {sorted(families)}")
+    return demos, env_cfg, recipe, over
+
+
+def _write_stage(stage: Path, tasks: dict, demos: list[dict]) -> None:
+    """The task splits and the demonstrations, into the staging folder."""
+    for split, ts in tasks.items():
+        write_tasks(ts, stage / "tasks" / f"{split}.jsonl")
+    (stage / "demos").mkdir(parents=True)
+    (stage / "demos" / "train.jsonl").write_text("".join(json.dumps(d, sort_keys=True) + "\n" for d in demos))
+
+
+def _baselines(world: Environment, tasks: dict, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> dict:
+    """The expert's and the random policy's (each where the environment has one) evaluation summary per split,
+    keyed "split/policy", without simulated tool latency."""
+    baselines = {}
+    eval_cfg = env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0})
+    policies = [p for p, make in (("expert", world.expert), ("random", lambda: world.random_policy(None)))
+                if make() is not None]
+    for split, ts in tasks.items():
+        for policy in policies:
+            summary, _ = evaluate(policy, ts, world, eval_cfg, seed=cfg.seed)
+            baselines[f"{split}/{policy}"] = summary
+    return baselines
+
+
+def _metrics(environment: str, recipe: dict, over: int, counts: dict, tasks: dict, demos: list[dict], baselines: dict,
+             reports: list, probes: dict, files: dict[str, Path]) -> dict:
+    """metrics/build_env.json but its `seconds`: counts, mixes, demonstrations, baselines, validation, probes and the
+    checksums of every file the phase publishes."""
+    return {
+        "environment": environment,
+        "recipe": recipe,
+        "tasks_over_step_budget": over,
+        "counts": {**counts, **{f"tasks_{s}": len(ts) for s, ts in tasks.items()}, "demos": len(demos)},
+        "level_mix": {s: dict(sorted(Counter(str(t.level) for t in ts).items())) for s, ts in tasks.items()},
+        "family_mix": {s: dict(sorted(Counter(t.family for t in ts).items())) for s, ts in tasks.items()},
+        "test_unseen_template_share": sum(not t.template_seen for t in tasks["test"]) / len(tasks["test"]),
+        "demos": {
+            "per_level": dict(sorted(Counter(str(d["level"]) for d in demos).items())),
+            "per_flaw": dict(sorted(Counter(d["flaw"] for d in demos).items())),
+            "success_rate": sum(d["success"] for d in demos) / max(1, len(demos)),
+        },
+        "baselines": {k: {"success_rate": v["overall"]["success_rate"], "mean_return": v["overall"]["mean_return"],
+                          "mean_tool_calls": v["overall"]["mean_tool_calls"],
+                          "safety_violations": v["overall"]["safety_violations"],
+                          "per_level_success": {lv: s["success_rate"] for lv, s in v["per_level"].items()}}
+                      for k, v in baselines.items()},
+        "validation": {
+            "datasets": len(reports), "rows": sum(r.n_rows for r in reports),
+            "expectations_evaluated": sum(len(r.results) for r in reports),
+            "expectations_failed": sum(len(r.failures) for r in reports),
+        },
+        "reward_hacking_probes": probes,
+        "checksums": {name: sha256(p) for name, p in files.items()},
+    }
+
+
+def _log_run(run, metrics: dict, probes: dict, recipe: dict, metrics_path: Path) -> None:
+    flat = {f"data/{k}": v for k, v in metrics["counts"].items()}
+    for k, v in metrics["baselines"].items():
+        flat[f"env/{k.replace('/', '_')}_success"] = v["success_rate"]
+    flat["data/demo_success_rate"] = metrics["demos"]["success_rate"]
+    flat.update({f"sys/{k}_seconds": v for k, v in metrics["seconds"].items()})
+    flat.update({f"data/validation_{k}": v for k, v in metrics["validation"].items()})
+    for name, r in probes.get("probes", {}).items():  # a skipped probe (no write tool) has no numbers
+        flat.update({f"env/probe_{name}_{k}": r[k] for k in ("mean_return", "ratio") if r.get(k) is not None})
+    run.log_metrics(flat)
+    run.log_params(recipes.mlflow_params(recipe))
+    run.log_dict(metrics["checksums"], "checksums.json")
+    run.log_artifact(str(metrics_path))
 
 
 def main(params_path: str = "params.yaml", data_dir: str = "data", metrics_path: str = "metrics/build_env.json") -> dict:

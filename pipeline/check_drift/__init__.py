@@ -4,6 +4,8 @@
   hidden-state features (mean-pooled last hidden state of any Hugging Face causal LM);
 - :mod:`pipeline.check_drift.checks`: per-feature tests (chi-square, Kolmogorov-Smirnov, Bonferroni/Holm), the kernel
   two-sample (MMD) test on hidden states, fresh reference samples and documented drifted samples, false-alarm rate;
+- :mod:`pipeline.check_drift.verdict`: the verdict's family-wise rule (Holm across the statistical checks at one
+  level, so its false-alarm rate on drift-free data is at most ``alpha``);
 - :mod:`pipeline.check_drift.consistency`: train/serve consistency of prompts, token ids and hidden states (the design
   document, section 5.3.1);
 - :mod:`pipeline.check_drift.config`: :class:`DriftConfig`, the `check_drift` section of params.yaml.

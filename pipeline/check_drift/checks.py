@@ -13,11 +13,13 @@ Per-feature tests (scipy.stats, :func:`compare_features`):
   conservative, which errs on the side of fewer false alarms.
 
 Multiple testing: one check runs m feature tests, so its p-values are adjusted with Bonferroni (p * m) or Holm (the
-step-down version: the same family-wise error guarantee, never less powerful) and compared with ``alpha``; the chance
-that a check fires on drift-free data is then at most ``alpha`` (both are valid under any dependence between the
-features, which matters here: return, success and correctness move together). A feature counts as drifted only if it is
-significant *and* its effect size reaches a floor (KS statistic D; Cohen's w = sqrt(chi2 / n) for chi-square): with
-100k samples a difference of no practical consequence is still significant.
+step-down version: the same family-wise error guarantee, never less powerful), valid under any dependence between
+the features, which matters here: return, success and correctness move together. A feature counts as drifted only if
+its adjusted p-value is at most the check's level *and* its effect size reaches a floor (KS statistic D; Cohen's w =
+sqrt(chi2 / n) for chi-square): with 100k samples a difference of no practical consequence is still significant. The
+check's own p-value (:attr:`DriftReport.p_value`) is its smallest adjusted p-value among the features at or above
+their floor; the phase judges it with the verdict's other checks at one family level
+(:mod:`pipeline.check_drift.verdict`), and a report judged alone uses ``alpha``.
 
 Outcome features of the behaviour check (success, return, correctness; ``check_drift.trajectory_outcomes``): by
 default they are tested as a family of their own and reported, but do not fail the check. The reference episodes are
@@ -29,7 +31,11 @@ tool sequences, calls, failed calls, lengths) stay gated; ``'test'`` gates the o
 Multivariate test on the policy's hidden states (:func:`mmd_test`): a kernel two-sample test, the maximum mean
 discrepancy with a Gaussian (RBF) kernel whose bandwidth is the median pairwise distance of the pooled sample (the
 median heuristic; Gretton et al., "A Kernel Two-Sample Test", JMLR 2012), with its p-value from a permutation test
-with a fixed seed. Chosen over a classifier two-sample test because it needs no training, no train/test split of
+with a fixed seed, ``p = (1 + #{permuted >= observed}) / (1 + permutations)`` (never 0, exact at any sample size).
+Its level holds only for independent observations: the phase gives it one random step per episode
+(:func:`pipeline.check_drift.features.observation_contexts`), and 2,000 permutations by default, so that the smallest
+p-value (0.0005) lies well below the level the verdict's family rule gives the check. Chosen over a classifier
+two-sample test because it needs no training, no train/test split of
 already small samples and no classifier hyper-parameters; the permutation p-value is exact at any sample size (the
 test's level is alpha by construction), and all permutations are evaluated together as one matrix multiplication with the
 kernel matrix, so 500 permutations of 200 + 200 observations take tens of milliseconds. Both sides are subsampled to
@@ -40,7 +46,9 @@ from the environment's own generator (:meth:`Environment.sample_tasks`) with a n
 datasets are a shifted level mix (``level_shift``) and shifted values (``value_shift``: the environment's
 :meth:`Environment.value_shifted` copy of the world; the default world redraws one numeric attribute of every entity
 from the upper half of its allowed range; answers recomputed on that copy).
-:func:`false_alarm_rate` runs a check on repeated drift-free pairs.
+:func:`false_alarm_rate` runs a check on repeated drift-free pairs and tests its alarms against the check's level
+(binomial); the calibration's fresh samples are subsamples of split-sized draws (``drawn_as``), exchangeable with the
+reference split even where the generator draws distinct tasks from a bounded space.
 
 Deliberately left out: sequential monitoring (each run is one batch comparison) and per-level conditional tests.
 """
@@ -79,15 +87,36 @@ class FeatureTest:
     effect: float | None = None  # KS: D; chi-square: Cohen's w
     p_value: float | None = None
     p_adjusted: float | None = None
+    floor: float | None = None  # the effect size a drifted feature must reach (ks_min_statistic or chi2_min_effect)
     drifted: bool = False
     note: str = ""
+    decision: str = ""  # why a significant feature did not count as drifted (set by :meth:`decided`)
     details: dict = field(default_factory=dict)
+
+    @property
+    def gating_p(self) -> float:
+        """The adjusted p-value when the effect reaches its floor, else 1: a feature below the floor can never count
+        as drifted, so it takes no part in the check's p-value (which stays valid: it can only grow)."""
+        if self.test == "skipped" or self.p_adjusted is None:
+            return 1.0
+        return self.p_adjusted if self.effect >= (self.floor or 0.0) else 1.0
+
+    def decided(self, level: float) -> "FeatureTest":
+        """This test judged at `level`: drifted when its adjusted p-value is at most `level` and its effect reaches
+        the floor."""
+        if self.test == "skipped":
+            return self
+        significant = self.p_adjusted <= level
+        drifted = bool(significant and self.effect >= (self.floor or 0.0))
+        why = (f"significant but effect {self.effect:.3f} < floor {self.floor}" if significant and not drifted
+               else "")
+        return dataclasses.replace(self, drifted=drifted, decision=why)
 
     def describe(self) -> str:
         if self.test == "skipped":
             return f"{self.feature}: skipped ({self.note})"
         flag = "DRIFT" if self.drifted else "ok"
-        note = f"; {self.note}" if self.note else ""
+        note = "".join(f"; {x}" for x in (self.note, self.decision) if x)
         return (f"{self.feature}: {flag} ({self.test}, effect {self.effect:.3f}, p {self.p_value:.2e}, adjusted "
                 f"{self.p_adjusted:.2e}, n {self.n_reference}/{self.n_current}){note}")
 
@@ -120,9 +149,21 @@ class DriftReport:
         """'fail' when a feature drifted, 'skipped' when no feature could be tested, else 'pass'."""
         return "fail" if not self.passed else "pass" if self.tested else "skipped"
 
+    @property
+    def p_value(self) -> float:
+        """The check's p-value for "no gated feature drifted": the smallest gating adjusted p-value of its features
+        (:attr:`FeatureTest.gating_p`; 1 when none is tested). Bonferroni's and Holm's smallest adjusted p-values are
+        both ``m`` times the smallest raw one, a valid p-value under any dependence between the features, so the
+        check can join the verdict's family-wise rule (:mod:`pipeline.check_drift.verdict`)."""
+        return min((t.gating_p for t in self.tested), default=1.0)
+
+    def at_level(self, level: float) -> "DriftReport":
+        """The same tests judged at `level` (the level the verdict's family-wise rule gives this check)."""
+        return dataclasses.replace(self, alpha=level, tests=[t.decided(level) for t in self.tests])
+
     def to_dict(self) -> dict:
         return {
-            "status": self.status, "alpha": self.alpha, "correction": self.correction,
+            "status": self.status, "alpha": self.alpha, "correction": self.correction, "p_value": self.p_value,
             "n_tests": len(self.tested), "drifted_features": self.drifted_features,
             "skipped_features": {t.feature: t.note for t in self.tests if t.test == "skipped"},
             "features": {t.feature: {k: v for k, v in dataclasses.asdict(t).items() if k != "feature"}
@@ -242,12 +283,8 @@ def compare_features(reference: Mapping[str, pd.Series], current: Mapping[str, p
     for i, p_adj in zip(tested, adjusted):
         r = results[i]
         floor = cfg.chi2_min_effect if r.test == "chi2" else cfg.ks_min_statistic
-        drifted = bool(p_adj < cfg.alpha and r.effect >= floor)
-        note = r.note
-        if p_adj < cfg.alpha and not drifted:
-            note = (note + "; " if note else "") + f"significant but effect {r.effect:.3f} < floor {floor}"
-        results[i] = dataclasses.replace(r, p_adjusted=float(p_adj), drifted=drifted, note=note)
-    return DriftReport(check, cfg.alpha, cfg.correction, results)
+        results[i] = dataclasses.replace(r, p_adjusted=float(p_adj), floor=floor)
+    return DriftReport(check, cfg.alpha, cfg.correction, results).at_level(cfg.alpha)
 
 
 def _selected(registry: Mapping[str, Feature], cfg: DriftConfig) -> dict[str, Feature]:
@@ -306,14 +343,19 @@ class MMDResult:
 
     @property
     def drifted(self) -> bool:
-        return self.p_value < self.alpha
+        return self.p_value <= self.alpha
 
     @property
     def passed(self) -> bool:
         return not self.drifted
 
+    def at_level(self, level: float) -> "MMDResult":
+        """The same test judged at `level` (the level the verdict's family-wise rule gives this check)."""
+        return dataclasses.replace(self, alpha=level)
+
     def to_dict(self) -> dict:
-        return {"status": "pass" if self.passed else "fail", **dataclasses.asdict(self), "drifted": self.drifted}
+        return {"status": "pass" if self.passed else "fail", **dataclasses.asdict(self), "drifted": self.drifted,
+                "min_p_value": 1 / (1 + self.permutations)}
 
 
 def _subsample(x: np.ndarray, k: int | None, rng: np.random.Generator) -> np.ndarray:
@@ -370,30 +412,52 @@ def state_drift(model, tokenizer, reference_contexts: Sequence[str], current_con
     cur = [current_contexts[i] for i in picks[1]]
     embed = lambda ctx: hidden_state_features(model, tokenizer, ctx, cfg.hidden_batch_size,  # noqa: E731
                                               cfg.hidden_max_tokens, encode, cfg.hidden_dtype)
-    return mmd_test(embed(ref), embed(cur), cfg.mmd_permutations, cfg.seed, cfg.mmd_alpha)
+    return mmd_test(embed(ref), embed(cur), cfg.mmd_permutations, cfg.seed, cfg.alpha)
 
 
 # ================================================================================================ calibration
 @dataclass(frozen=True)
 class FalseAlarmRate:
-    """How often a check fired on pairs of drift-free samples."""
+    """How often a check fired on pairs of drift-free samples, and whether that is more than its level allows.
+
+    With `nominal` (the level the check was run at on each pair), :attr:`p_value` is the binomial test of "the
+    check's false-alarm rate is at most `nominal`": ``P(Binomial(repeats, nominal) >= alarms)``. Under that
+    hypothesis it is a valid p-value (the repeats are independent draws), so the calibration joins the verdict's
+    family-wise rule like any other check, instead of failing above a hand-set rate."""
 
     repeats: int
     alarms: int
     alarms_by_feature: dict[str, int]
+    nominal: float | None = None
+    level: float | None = None  # the level the verdict's family-wise rule judged p_value at (None: not judged)
 
     @property
     def rate(self) -> float:
         return self.alarms / self.repeats if self.repeats else float("nan")
 
+    @property
+    def p_value(self) -> float:
+        if self.nominal is None or not self.alarms:
+            return 1.0
+        return float(stats.binom.sf(self.alarms - 1, self.repeats, self.nominal))
+
+    @property
+    def passed(self) -> bool:
+        return self.level is None or self.p_value > self.level
+
+    def at_level(self, level: float) -> "FalseAlarmRate":
+        return dataclasses.replace(self, level=level)
+
     def to_dict(self) -> dict:
-        return {"repeats": self.repeats, "alarms": self.alarms, "rate": self.rate,
+        return {"status": "pass" if self.passed else "fail", "repeats": self.repeats, "alarms": self.alarms,
+                "rate": self.rate, "nominal": self.nominal, "p_value": self.p_value, "alpha": self.level,
                 "alarms_by_feature": self.alarms_by_feature}
 
 
-def false_alarm_rate(pairs: Iterable[tuple[Any, Any]], check: Callable[[Any, Any], Any]) -> FalseAlarmRate:
+def false_alarm_rate(pairs: Iterable[tuple[Any, Any]], check: Callable[[Any, Any], Any],
+                     nominal: float | None = None) -> FalseAlarmRate:
     """Run `check(reference, current)` (returning a :class:`DriftReport` or :class:`MMDResult`) on each drift-free
-    pair and count the alarms."""
+    pair and count the alarms; `nominal`: the level `check` runs at (for :attr:`FalseAlarmRate.p_value`)."""
     repeats = alarms = 0
     by_feature: dict[str, int] = {}
     for ref, cur in pairs:
@@ -402,7 +466,7 @@ def false_alarm_rate(pairs: Iterable[tuple[Any, Any]], check: Callable[[Any, Any
         alarms += int(not result.passed)
         for f in getattr(result, "drifted_features", []):
             by_feature[f] = by_feature.get(f, 0) + 1
-    return FalseAlarmRate(repeats, alarms, by_feature)
+    return FalseAlarmRate(repeats, alarms, by_feature, nominal)
 
 
 # ==================================================================================================== samples
@@ -440,13 +504,24 @@ def _generate(world, n: int, seed: int, level_mix: Mapping[int, float], split: s
 
 
 def make_reference_sample(world, n: int, seed: int, level_mix: Mapping[int, float] | None = None,
-                          split: str = "train", options=None) -> Sample:
+                          split: str = "train", options=None, drawn_as: int | None = None) -> Sample:
     """A fresh sample of `n` tasks from the reference generator: `split`'s entities, the build's level mix
     (`level_mix`, default build_env's default) and options (`options`, default the environment's defaults), a new
-    `seed` (use one the build did not: the build uses ``build_env.seed``)."""
+    `seed` (use one the build did not: the build uses ``build_env.seed``).
+
+    `drawn_as`: draw that many tasks, as many as the reference split holds, and keep a uniform subsample of `n`.
+    A generator that draws distinct tasks from a bounded space (one built-in environment's hardest level holds
+    about 1,800 distinct training questions) shifts its mix as a large split uses up the small families, so `n`
+    tasks drawn on their own are not exchangeable with a split of 4,000; `n` taken from a split-sized draw are. The calibration
+    draws this way (:mod:`pipeline.check_drift.main`); None draws `n` on their own."""
     mix = dict(level_mix or _build_default("level_mix"))
-    return Sample(_generate(world, n, seed, mix, split, options), world, "reference",
-                  f"{n} {split} tasks, level mix {mix}, seed {seed}")
+    if drawn_as is None or drawn_as <= n:
+        return Sample(_generate(world, n, seed, mix, split, options), world, "reference",
+                      f"{n} {split} tasks, level mix {mix}, seed {seed}")
+    tasks = _generate(world, drawn_as, seed, mix, split, options)
+    keep = np.sort(np.random.default_rng([seed, 9]).choice(drawn_as, size=n, replace=False))
+    return Sample([tasks[i] for i in keep], world, "reference",
+                  f"{n} of {drawn_as} {split} tasks drawn as the split is, level mix {mix}, seed {seed}")
 
 
 def _level_shift(world, n: int, seed: int, level_mix: Mapping[int, float], split: str, options=None) -> Sample:

@@ -57,12 +57,15 @@ class DriftConfig(PhaseConfig):
     # ------------------------------------------------------------------------------------------- per-feature tests
     alpha: float = Field(
         0.01, gt=0, lt=0.5,
-        description="Family-wise significance level of each per-feature check (task features; trajectory "
-                    "features): the chance that a check fires on data with no drift at all is at most alpha.")
+        description="Family-wise false-alarm level of the whole drift verdict: the statistical checks (task_drift, "
+                    "task_drift_per_env, calibration, trajectory_drift, state_drift) are judged together by Holm's "
+                    "step-down rule at this level (pipeline/check_drift/verdict.py), so on data without drift the "
+                    "verdict fails with probability at most alpha, however many checks run.")
     correction: Literal["bonferroni", "holm"] = Field(
         "bonferroni",
         description="Multiple-testing correction across the features of one check: 'bonferroni' (p * m) or 'holm' "
-                    "(step-down; same family-wise guarantee, never less powerful).")
+                    "(step-down; same family-wise guarantee, never less powerful). Across checks the verdict always "
+                    "uses Holm (alpha).")
     min_expected_count: float = Field(
         5.0, gt=0,
         description="Chi-square: categories whose expected count is below this in either sample are pooled into one "
@@ -91,16 +94,18 @@ class DriftConfig(PhaseConfig):
                     "and TRAJECTORY_FEATURES).")
 
     # -------------------------------------------------------------------------------------- hidden-state MMD test
-    mmd_alpha: float = Field(
-        0.01, gt=0, lt=0.5,
-        description="Significance level of the kernel two-sample test (MMD) on the policy's hidden-state features.")
     mmd_permutations: int = Field(
-        500, ge=19, le=100_000,
-        description="Permutations of the MMD test; the smallest attainable p-value is 1 / (permutations + 1).")
+        2000, ge=19, le=100_000,
+        description="Permutations of the MMD test; its smallest p-value is 1 / (permutations + 1), which must lie "
+                    "below the level the verdict's family rule gives the check (alpha / 5 at worst: 0.002 at alpha "
+                    "0.01) for the check to be able to fire; 2000 gives 0.0005, and a Monte Carlo standard error of "
+                    "the p-value of about 0.001 near that level.")
     max_hidden_samples: int = Field(
         200, ge=10, le=20_000,
         description="Observations per side embedded for the MMD test (a fixed-seed subsample; the forward passes "
-                    "and the O(n^2) kernel dominate the check's time).")
+                    "and the O(n^2) kernel dominate the check's time). With episodes, each contributes one "
+                    "observation (a random step): the steps of one episode are not independent draws, and the "
+                    "permutation test's level needs independent ones.")
     hidden_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto",
         description="Compute dtype of the drift test's forward passes: 'auto' is bf16 autocast where the CPU (or GPU) "
@@ -132,16 +137,13 @@ class DriftConfig(PhaseConfig):
     # -------------------------------------------------------------------------------------------- calibration
     false_alarm_repeats: int = Field(
         20, ge=0, le=1000,
-        description="Pairs of fresh samples drawn from the reference task generator (the world and build_env's "
-                    "level mix) on which the task check is run to measure its false-alarm rate; 0 skips it.")
+        description="Fresh samples drawn from the reference task generator (the world and build_env's level mix and "
+                    "options), each a uniform subsample of a draw as large as the reference split, on which the task "
+                    "check is run against the reference tasks at level alpha; the calibration check's p-value is "
+                    "the binomial test of its alarms against alpha (joined to the verdict's family rule); 0 skips it.")
     false_alarm_sample_size: int = Field(
         400, ge=20,
         description="Tasks per fresh sample in the calibration (capped by the size of the current data).")
-    max_false_alarm_rate: float = Field(
-        0.2, ge=0, le=1,
-        description="The calibration check fails when the task check's measured false-alarm rate on data without "
-                    "drift exceeds this (Bonferroni at alpha 0.01 expects ≤ 0.01; 0.2 leaves room for 20-repeat "
-                    "noise).")
     fail_on_drift: bool = Field(
         False,
         description="Exit with an error (after writing metrics/drift.json) when any check fails. Off by default: the "

@@ -224,10 +224,14 @@ def episode_contexts(question: str, steps: Sequence[dict], window: int, signatur
 
 
 def observation_contexts(tasks: Sequence[dict], trajectories: Sequence[dict] | None, window: int,
-                         signatures: Sequence[str]) -> list[str]:
+                         signatures: Sequence[str], one_per_episode: np.random.Generator | None = None) -> list[str]:
     """Observations for the hidden-state test: every step's context of `trajectories` (questions looked up by
     task_id in `tasks`; episodes of unknown tasks are left out), or, without trajectories, each task's first
-    observation (the reset context)."""
+    observation (the reset context).
+
+    `one_per_episode`: a generator that picks one step of each episode (its context only). The steps of one episode
+    share its question and history, so they are not independent draws; a two-sample test that counts them as such
+    (the MMD permutation test) fires more often than its level. One step per episode keeps the draws independent."""
     from pipeline.envs.prompt import render_context
 
     sigs = list(signatures)
@@ -237,8 +241,14 @@ def observation_contexts(tasks: Sequence[dict], trajectories: Sequence[dict] | N
     out: list[str] = []
     for r in trajectories:
         q = questions.get(r.get("task_id"))
-        if q is not None:
-            out += episode_contexts(q, r.get("steps") or [], window, sigs)
+        steps = r.get("steps") or []
+        if q is None or not steps:
+            continue
+        if one_per_episode is None:
+            out += episode_contexts(q, steps, window, sigs)
+        else:
+            k = int(one_per_episode.integers(len(steps)))
+            out.append(episode_contexts(q, steps[: k + 1], window, sigs)[k])
     return out
 
 

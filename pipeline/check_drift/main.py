@@ -20,15 +20,19 @@ Checks, each ``pass``, ``fail`` or ``skipped`` (with the reason) in the verdict:
   fp32 policy, equal by construction. The model that is actually served (the registered int8 pyfunc behind `agentrl
   serve`) is checked against the training path by the deploy phase (:mod:`pipeline.deploy.served_check`);
 - ``task_drift``: per-feature tests on task features (pipeline.check_drift.checks);
-- ``calibration``: the task check's false-alarm rate on repeated fresh samples of the reference generator against
-  the reference tasks; fails above ``max_false_alarm_rate`` (the task verdict would not be trustworthy);
+- ``calibration``: the task check's alarms on repeated fresh samples of the reference generator against the
+  reference tasks, tested against its level (binomial); it fails when the task check fires more often on drift-free
+  data than its level allows (the task verdict would not be trustworthy);
 - ``trajectory_drift``: per-feature tests on episode features (behaviour drift); the outcome features (success,
   return, correctness) are reported under ``outcomes`` but gate only with ``trajectory_outcomes: test``
   (pipeline.check_drift.checks says why);
 - ``state_drift``: the MMD test on the policy's hidden states of reference and current observations;
 - ``trajectory_suite``: the Great Expectations suite "trajectories" on the rollouts this phase produced.
 
-The overall verdict passes when no check failed. Bad input (a missing or empty file, a task file that breaks the
+The statistical checks (task, per-environment, calibration, behaviour and hidden-state drift) are judged together
+by Holm's rule at the family level ``alpha`` (:mod:`pipeline.check_drift.verdict`), so the verdict's false-alarm
+rate on drift-free data is at most ``alpha``; consistency and the trajectory suite are exact checks. The overall
+verdict passes when no check failed. Bad input (a missing or empty file, a task file that breaks the
 "tasks" suite, episodes that break the "trajectories" suite) is refused with an :class:`AgentRLError`; the verdict
 file is then overwritten with ``"verdict": "error"`` and ``"passed": false`` first, so a stale pass never survives.
 
@@ -39,7 +43,7 @@ collecting production trajectories (they arrive as a file).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -138,124 +142,196 @@ def rollouts(policy: Policy, tasks: list[dict], world, env_cfg: EnvConfig, rollo
     return engine.run([world.task_from_dict(t) for t in tasks], [seed + i for i in range(len(tasks))], greedy=True)
 
 
+@dataclass
+class Episodes:
+    """The episodes the behaviour and hidden-state checks compare, where they came from, and those this phase made."""
+
+    reference: list[dict] | None
+    reference_source: str
+    current: list[dict] | None
+    current_source: str
+    made: dict[str, list[dict]] = field(default_factory=dict)
+
+
+def _roll_out_missing(cfg: DriftConfig, env_cfg: EnvConfig, policy: Policy | None, rollout_cfg, ref_tasks, cur_tasks,
+                      ref_world, cur_world, eps: Episodes) -> Episodes:
+    """Roll the policy out where it must provide the episodes (no file given for that side)."""
+    if policy is None:
+        return eps
+    rng = np.random.default_rng([cfg.seed, 10])
+    source = f"policy rollouts ({policy.path})"
+    if eps.reference is None:
+        eps.reference = eps.made["reference"] = rollouts(policy, _sample(ref_tasks, cfg.max_rollout_episodes, rng),
+                                                         ref_world, env_cfg, rollout_cfg, cfg.seed * 1_000_000)
+        eps.reference_source = source
+    if eps.current is None:
+        eps.current = eps.made["current"] = rollouts(policy, _sample(cur_tasks, cfg.max_rollout_episodes, rng),
+                                                     cur_world, env_cfg, rollout_cfg, cfg.seed * 1_000_000 + 500_000)
+        eps.current_source = source
+    return eps
+
+
+def _consistency(cfg: DriftConfig, env_cfg: EnvConfig, ref_tasks, eps: Episodes, sigs, policy: Policy | None) -> dict:
+    from pipeline.check_drift.consistency import check_consistency, probes_from_episodes, resolve_callable
+
+    probes = probes_from_episodes(ref_tasks, eps.reference or [], env_cfg.history_window, cfg.consistency_probes,
+                                  cfg.seed, signatures=sigs)
+    serve = resolve_callable(cfg.serving_preprocess)
+    report = check_consistency(probes, None, serve, None, policy.tokenizer if policy else None)
+    out = {**report.to_dict(), "serving_preprocess": cfg.serving_preprocess,
+           "served_model": "checked by the deploy phase (metrics/deploy.json served_consistency)"}
+    if policy is None:
+        out["skipped"].append(f"no policy at {cfg.policy}")
+    return out
+
+
+def _task_checks(cfg: DriftConfig, ref_tasks, cur_tasks, ref_world, cur_world) -> dict[str, object]:
+    """The task check, and in a run over several environments each environment's task check on its own."""
+    from pipeline.check_drift.checks import task_drift
+    from pipeline.check_drift.verdict import PerEnvironment
+
+    out: dict[str, object] = {"task_drift": task_drift(ref_tasks, cur_tasks, ref_world, cur_world, cfg)}
+    envs = sorted({t.get("env", "") for t in ref_tasks} | {t.get("env", "") for t in cur_tasks})
+    if len(envs) > 1:
+        reports, skipped = {}, {}
+        for env in envs:
+            r, c = [t for t in ref_tasks if t.get("env") == env], [t for t in cur_tasks if t.get("env") == env]
+            if r and c:
+                reports[env] = task_drift(r, c, ref_world, cur_world, cfg)
+            else:
+                skipped[env] = f"no {'reference' if not r else 'current'} tasks of {env}"
+        out["task_drift_per_env"] = PerEnvironment(reports, skipped)
+    return out
+
+
+def _calibration(cfg: DriftConfig, level_mix: dict, options, ref_tasks, cur_tasks, ref_world):
+    """The task check's alarms at level alpha on fresh drift-free samples against the reference tasks (each a
+    subsample of a draw as large as the reference split: see make_reference_sample's `drawn_as`)."""
+    from pipeline.check_drift.checks import false_alarm_rate, make_reference_sample, task_drift
+
+    n = min(cfg.false_alarm_sample_size, len(cur_tasks))
+    base = 1_000_000 + 1000 * cfg.seed
+    pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix, options=options,
+                                               drawn_as=len(ref_tasks)).tasks)
+             for k in range(cfg.false_alarm_repeats))
+    try:
+        fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg), nominal=cfg.alpha)
+    except ValueError as exc:  # the generator cannot draw a split of this size (e.g. too few distinct tasks)
+        raise AgentRLError(f"the calibration cannot draw {len(ref_tasks)} fresh tasks as the reference split "
+                           f"{cfg.reference_tasks} was drawn ({exc}); set check_drift.false_alarm_repeats: 0 to skip "
+                           f"it") from None
+    return fa, {"sample_size": n, "drawn_as": len(ref_tasks),
+                "what": "task check at level alpha on the reference tasks against fresh samples of the reference "
+                        "generator; p_value: binomial test of the alarms against alpha"}
+
+
+def _state_check(cfg: DriftConfig, env_cfg: EnvConfig, policy: Policy, ref_tasks, cur_tasks, eps: Episodes, sigs):
+    """The MMD test on hidden states: one observation per episode (a random step) when both sides have episodes,
+    else each task's reset observation."""
+    from pipeline.check_drift.checks import state_drift
+    from pipeline.check_drift.features import observation_contexts
+
+    both = bool(eps.reference and eps.current)
+    rng = np.random.default_rng([cfg.seed, 11])
+    ref_ctx = observation_contexts(ref_tasks, eps.reference if both else None, env_cfg.history_window, sigs, rng)
+    cur_ctx = observation_contexts(cur_tasks, eps.current if both else None, env_cfg.history_window, sigs, rng)
+    result = state_drift(policy.model, policy.tokenizer, ref_ctx, cur_ctx, cfg)
+    return result, {"observations": "one random step per episode" if both else "reset contexts of the tasks"}
+
+
+def _trajectory_suite(made: dict[str, list[dict]], ref_world, env_cfg: EnvConfig) -> dict:
+    """The rollouts this phase made must satisfy the trajectories suite."""
+    if not made:
+        return _skipped("no rollouts made by this phase (episodes given as files are checked on load)")
+    reports = [r for r in (ref_world.check_episodes(v, "trajectories", f"{k} rollouts", env_cfg, require_tokens=True)
+                           for k, v in made.items()) if r is not None]
+    if not reports:
+        return _skipped(f"environment {ref_world.name!r} has no trajectory check")
+    return {"status": "pass" if all(r.success for r in reports) else "fail",
+            "message": "\n".join(r.describe() for r in reports)}
+
+
+CHECK_ORDER = ("consistency", "task_drift", "task_drift_per_env", "calibration", "trajectory_drift", "state_drift",
+               "trajectory_suite")
+
+
+def _judge(statistical: dict[str, object], extras: dict[str, dict], other: dict[str, dict], alpha: float) -> dict:
+    """Every check's entry of the verdict: the statistical ones judged together by the family rule
+    (:mod:`pipeline.check_drift.verdict`), the skipped and exact ones as they are, in :data:`CHECK_ORDER`."""
+    from pipeline.check_drift.verdict import combine
+
+    tested = {k: v for k, v in statistical.items() if getattr(v, "status", "pass") != "skipped"}
+    entries = dict(other)
+    entries.update({k: _skipped("no feature could be tested") for k in statistical if k not in tested})
+    for name, (judged, decision) in combine(tested, alpha).items():
+        entries[name] = {**judged.to_dict(), **extras.get(name, {}), "status": "fail" if decision.rejected else "pass",
+                         "family": decision.to_dict()}
+    return {k: entries[k] for k in CHECK_ORDER if k in entries}
+
+
 def run_checks(cfg: DriftConfig, env_cfg: EnvConfig, level_mix: dict, options, ref_tasks: list[dict],
                cur_tasks: list[dict],
                ref_world, cur_world, policy: Policy | None = None, rollout_cfg=None,
                ref_episodes: list[dict] | None = None, ref_episodes_source: str = "none",
                cur_episodes: list[dict] | None = None, cur_episodes_source: str = "none") -> dict:
     """Every check on loaded inputs; returns the verdict (without file I/O). Rollouts are made here when a policy
-    is given and the corresponding episodes are not."""
-    from pipeline.check_drift.checks import false_alarm_rate, make_reference_sample, state_drift, task_drift, trajectory_drift
-    from pipeline.check_drift.consistency import check_consistency, probes_from_episodes, resolve_callable
-    from pipeline.check_drift.features import observation_contexts, unknown_entities
-    from pipeline.check_drift.features import tool_signatures
+    is given and the corresponding episodes are not. The statistical checks are judged together at the family
+    level ``cfg.alpha`` (:mod:`pipeline.check_drift.verdict`)."""
+    from pipeline.check_drift.checks import trajectory_drift
+    from pipeline.check_drift.features import tool_signatures, unknown_entities
+    from pipeline.check_drift.verdict import overall
 
     sigs = tool_signatures(ref_world)
     seconds: dict[str, float] = {}
-    checks: dict[str, dict] = {}
-    rng = np.random.default_rng([cfg.seed, 10])
-    t0 = time.perf_counter()
+    statistical: dict[str, object] = {}
+    extras: dict[str, dict] = {}
+    other: dict[str, dict] = {}
+    t0 = last = time.perf_counter()
 
-    # rollouts where the policy must provide the episodes
-    made: dict[str, list[dict]] = {}
-    if policy is not None:
-        if ref_episodes is None:
-            ref_episodes = made["reference"] = rollouts(policy, _sample(ref_tasks, cfg.max_rollout_episodes, rng),
-                                                        ref_world, env_cfg, rollout_cfg, cfg.seed * 1_000_000)
-            ref_episodes_source = f"policy rollouts ({policy.path})"
-        if cur_episodes is None:
-            cur_episodes = made["current"] = rollouts(policy, _sample(cur_tasks, cfg.max_rollout_episodes, rng),
-                                                      cur_world, env_cfg, rollout_cfg, cfg.seed * 1_000_000 + 500_000)
-            cur_episodes_source = f"policy rollouts ({policy.path})"
-    seconds["rollouts"] = time.perf_counter() - t0
+    def lap(name: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        seconds[name], last = now - last, now
 
-    # train/serve consistency
-    t = time.perf_counter()
-    probes = probes_from_episodes(ref_tasks, ref_episodes or [], env_cfg.history_window, cfg.consistency_probes,
-                                  cfg.seed, signatures=sigs)
-    serve = resolve_callable(cfg.serving_preprocess)
-    report = check_consistency(probes, None, serve, None, policy.tokenizer if policy else None)
-    checks["consistency"] = {**report.to_dict(), "serving_preprocess": cfg.serving_preprocess,
-                             "served_model": "checked by the deploy phase (metrics/deploy.json served_consistency)"}
-    if policy is None:
-        checks["consistency"]["skipped"].append(f"no policy at {cfg.policy}")
-    seconds["consistency"] = time.perf_counter() - t
-
-    # task drift and its calibration
-    t = time.perf_counter()
-    task_report = task_drift(ref_tasks, cur_tasks, ref_world, cur_world, cfg)
-    checks["task_drift"] = task_report.to_dict()
-    envs = sorted({t.get("env", "") for t in ref_tasks} | {t.get("env", "") for t in cur_tasks})
-    if len(envs) > 1:  # a mixed run: each environment's tasks on their own as well
-        per_env = {}
-        for env in envs:
-            r, c = [t for t in ref_tasks if t.get("env") == env], [t for t in cur_tasks if t.get("env") == env]
-            per_env[env] = (task_drift(r, c, ref_world, cur_world, cfg).to_dict() if r and c else
-                            _skipped(f"no {'reference' if not r else 'current'} tasks of {env}"))
-        failed_envs = [e for e, v in per_env.items() if v["status"] == "fail"]
-        checks["task_drift_per_env"] = {"status": "fail" if failed_envs else "pass", "drifted": failed_envs,
-                                        "environments": per_env}
-    seconds["task_drift"] = time.perf_counter() - t
-    t = time.perf_counter()
+    eps = _roll_out_missing(cfg, env_cfg, policy, rollout_cfg, ref_tasks, cur_tasks, ref_world, cur_world,
+                            Episodes(ref_episodes, ref_episodes_source, cur_episodes, cur_episodes_source))
+    lap("rollouts")
+    other["consistency"] = _consistency(cfg, env_cfg, ref_tasks, eps, sigs, policy)
+    lap("consistency")
+    statistical.update(_task_checks(cfg, ref_tasks, cur_tasks, ref_world, cur_world))
+    lap("task_drift")
     if cfg.false_alarm_repeats:
-        n = min(cfg.false_alarm_sample_size, len(cur_tasks))
-        base = 1_000_000 + 1000 * cfg.seed
-        pairs = ((ref_tasks, make_reference_sample(ref_world, n, base + k, level_mix, options=options).tasks)
-                 for k in range(cfg.false_alarm_repeats))
-        fa = false_alarm_rate(pairs, lambda a, b: task_drift(a, b, ref_world, ref_world, cfg))
-        checks["calibration"] = {
-            "status": "pass" if fa.rate <= cfg.max_false_alarm_rate else "fail", **fa.to_dict(),
-            "sample_size": n, "max_false_alarm_rate": cfg.max_false_alarm_rate,
-            "what": "task check run on the reference tasks against fresh samples of the reference generator",
-        }
+        statistical["calibration"], extras["calibration"] = _calibration(cfg, level_mix, options, ref_tasks,
+                                                                         cur_tasks, ref_world)
     else:
-        checks["calibration"] = _skipped("false_alarm_repeats is 0")
-    seconds["calibration"] = time.perf_counter() - t
-
-    # behaviour drift
-    t = time.perf_counter()
-    if ref_episodes and cur_episodes:
-        checks["trajectory_drift"] = {**trajectory_drift(ref_episodes, cur_episodes, cfg).to_dict(),
-                                      "reference": ref_episodes_source, "current": cur_episodes_source}
+        other["calibration"] = _skipped("false_alarm_repeats is 0")
+    lap("calibration")
+    if eps.reference and eps.current:
+        statistical["trajectory_drift"] = trajectory_drift(eps.reference, eps.current, cfg)
+        extras["trajectory_drift"] = {"reference": eps.reference_source, "current": eps.current_source}
     else:
-        missing = "reference" if not ref_episodes else "current"
-        checks["trajectory_drift"] = _skipped(f"no {missing} episodes (set check_drift.current_trajectories, or "
-                                              f"train a policy at {cfg.policy})")
-    seconds["trajectory_drift"] = time.perf_counter() - t
-
-    # hidden-state drift
-    t = time.perf_counter()
+        missing = "reference" if not eps.reference else "current"
+        other["trajectory_drift"] = _skipped(f"no {missing} episodes (set check_drift.current_trajectories, or "
+                                             f"train a policy at {cfg.policy})")
+    lap("trajectory_drift")
     if policy is None:
-        checks["state_drift"] = _skipped(f"no policy at {cfg.policy}")
+        other["state_drift"] = _skipped(f"no policy at {cfg.policy}")
     else:
-        both = bool(ref_episodes and cur_episodes)
-        ref_ctx = observation_contexts(ref_tasks, ref_episodes if both else None, env_cfg.history_window, sigs)
-        cur_ctx = observation_contexts(cur_tasks, cur_episodes if both else None, env_cfg.history_window, sigs)
-        result = state_drift(policy.model, policy.tokenizer, ref_ctx, cur_ctx, cfg)
-        observed = "every step of the episodes" if both else "reset contexts of the tasks"
-        checks["state_drift"] = {**result.to_dict(), "observations": observed}
-    seconds["state_drift"] = time.perf_counter() - t
-
-    # the rollouts this phase made must satisfy the trajectories suite
-    if made:
-        reports = [r for r in (ref_world.check_episodes(v, "trajectories", f"{k} rollouts", env_cfg, require_tokens=True)
-                               for k, v in made.items()) if r is not None]
-        checks["trajectory_suite"] = ({"status": "pass" if all(r.success for r in reports) else "fail",
-                                       "message": "\n".join(r.describe() for r in reports)} if reports else
-                                      _skipped(f"environment {ref_world.name!r} has no trajectory check"))
-    else:
-        checks["trajectory_suite"] = _skipped("no rollouts made by this phase (episodes given as files are checked "
-                                              "on load)")
-
+        statistical["state_drift"], extras["state_drift"] = _state_check(cfg, env_cfg, policy, ref_tasks, cur_tasks,
+                                                                         eps, sigs)
+    lap("state_drift")
+    other["trajectory_suite"] = _trajectory_suite(eps.made, ref_world, env_cfg)
+    checks = _judge(statistical, extras, other, cfg.alpha)
+    passed, failed = overall(checks)
     unknown = unknown_entities(cur_tasks, cur_world)
-    failed = sorted(k for k, v in checks.items() if v["status"] == "fail")
     seconds["total"] = time.perf_counter() - t0
     return {
-        "passed": not failed, "verdict": "fail" if failed else "pass", "failed_checks": failed,
+        "passed": passed, "verdict": "pass" if passed else "fail", "failed_checks": failed,
+        "family_rule": {"alpha": cfg.alpha, "rule": "holm", "checks": sorted(statistical)},
         "checks": checks,
         "inputs": {"n_reference_tasks": len(ref_tasks), "n_current_tasks": len(cur_tasks),
-                   "reference_episodes": ref_episodes_source, "n_reference_episodes": len(ref_episodes or []),
-                   "current_episodes": cur_episodes_source, "n_current_episodes": len(cur_episodes or []),
+                   "reference_episodes": eps.reference_source, "n_reference_episodes": len(eps.reference or []),
+                   "current_episodes": eps.current_source, "n_current_episodes": len(eps.current or []),
                    "policy": policy.path if policy else None,
                    "unknown_current_entities": len(unknown), "unknown_current_entity_examples": unknown[:10]},
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
@@ -268,6 +344,10 @@ def verdict_metrics(verdict: dict) -> dict[str, float]:
     out = {"drift/passed": float(verdict["passed"])}
     for name, check in c.items():
         out[f"drift/{name}/status"] = {"pass": 1.0, "fail": 0.0}.get(check["status"], -1.0)  # -1: skipped
+        if "family" in check:  # the statistical checks: their p-value, Holm-adjusted p-value and level
+            out[f"drift/{name}/p_value"] = check["family"]["p_value"]
+            out[f"drift/{name}/p_holm"] = check["family"]["p_holm"]
+            out[f"drift/{name}/level"] = check["family"]["level"]
     for name in ("task_drift", "trajectory_drift"):
         for feat, r in c[name].get("features", {}).items():
             if r["test"] != "skipped":
@@ -275,8 +355,7 @@ def verdict_metrics(verdict: dict) -> dict[str, float]:
                 out[f"drift/{name}/{feat}/effect"] = r["effect"]
     if "rate" in c["calibration"]:
         out["drift/calibration/false_alarm_rate"] = c["calibration"]["rate"]
-    if "p_value" in c["state_drift"]:
-        out["drift/state_drift/p_value"] = c["state_drift"]["p_value"]
+    if "statistic" in c["state_drift"]:
         out["drift/state_drift/mmd2"] = c["state_drift"]["statistic"]
     out.update({f"sys/check_drift_{k}_seconds": v for k, v in verdict["seconds"].items()})
     return out
@@ -351,7 +430,9 @@ def main(params_path: str = "params.yaml", metrics_path: str = "metrics/drift.js
     c = verdict["checks"]
     summary = ", ".join(f"{k} {v['status']}" for k, v in c.items())
     fa = c["calibration"].get("rate")
-    print(f"check_drift: {verdict['verdict'].upper()} ({summary})"
+    family = verdict["family_rule"]
+    print(f"check_drift: {verdict['verdict'].upper()} ({summary}; Holm over {len(family['checks'])} statistical "
+          f"checks at alpha {family['alpha']})"
           + (f"; false-alarm rate {fa:.2f} over {c['calibration']['repeats']} fresh samples" if fa is not None else "")
           + f"; {verdict['seconds']['total']:.1f}s -> {metrics_path}")
     if cfg.fail_on_drift and not verdict["passed"]:

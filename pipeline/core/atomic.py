@@ -10,7 +10,7 @@ skip). Files are flushed and fsynced before the rename, so the rename never publ
 A write that fails because the disk (or the process's file-size limit, or a quota) is full raises
 :class:`DiskFullError`, an :class:`~pipeline.core.errors.AgentRLError` naming the path, after removing its temporary
 file: the CLI prints one ``error:`` line and the previous output stays as it was. :func:`disk_errors` gives the same
-treatment to a block that writes through libraries (SQLite, safetensors) into a staging folder.
+treatment to a block that writes through libraries (SQLite, safetensors, ``torch.save``) into a staging folder.
 
 Deliberately left out: fsync of the containing folder after the rename (it makes the rename itself survive a power
 cut, which no test here can produce, at the cost of a sync per file); file locking (DVC and the flow run one writer
@@ -37,8 +37,14 @@ from pipeline.core.errors import AgentRLError
 # (RLIMIT_FSIZE, as `ulimit -f` sets it), an exhausted quota.
 DISK_ERRNOS = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large", errno.EDQUOT: "disk quota exceeded"}
 # Libraries that are not Python report the same conditions in their own words: Rust's io::Error (safetensors,
-# tokenizers) as "(os error N)", SQLite by its result codes SQLITE_FULL and SQLITE_IOERR_WRITE.
+# tokenizers) as "(os error N)", SQLite by its result codes SQLITE_FULL and SQLITE_IOERR_WRITE, and torch's zip
+# writer (``torch.save``, which DeepSpeed's checkpoints go through) as a RuntimeError without an errno: the C++ stream
+# that failed ("basic_ios::clear: iostream error"), then the archive that came out shorter than written ("unexpected
+# pos N vs M"), or "PytorchStreamWriter failed writing file ...: file write failed".
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
+_TORCH_WRITE = re.compile(r"unexpected pos \d+ vs \d+|basic_ios::clear: iostream error|PytorchStreamWriter failed "
+                          r"writing|file write failed")
+WRITE_FAILED = "write failed (disk full, file too large or a failing disk)"  # a writer that does not say which
 
 
 class DiskFullError(AgentRLError):
@@ -47,8 +53,21 @@ class DiskFullError(AgentRLError):
 
 
 def disk_problem(exc: BaseException) -> str | None:
-    """What `exc` says about the disk ("disk full", "file too large", ...) when it is a failed write for lack of
-    room, else None."""
+    """What `exc` (or an exception it was raised from or while handling) says about the disk ("disk full", "file too
+    large", ...) when it is a failed write for lack of room, else None. Call it on a write's failure only: torch's
+    failed writes carry no errno, so any of them counts (:data:`WRITE_FAILED`)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:  # torch.save into a Python file: the OSError is context
+        seen.add(id(current))
+        problem = _own_disk_problem(current)
+        if problem is not None:
+            return problem
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _own_disk_problem(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
         return DISK_ERRNOS[exc.errno]
     if isinstance(exc, sqlite3.OperationalError):  # SQLite keeps the errno to itself; its result code tells
@@ -56,7 +75,9 @@ def disk_problem(exc: BaseException) -> str | None:
         if code == sqlite3.SQLITE_FULL:
             return DISK_ERRNOS[errno.ENOSPC]
         if code == sqlite3.SQLITE_IOERR_WRITE:  # what a write past the file-size limit (EFBIG) becomes
-            return "write failed (disk full, file too large or a failing disk)"
+            return WRITE_FAILED
+    if isinstance(exc, RuntimeError) and _TORCH_WRITE.search(str(exc)):
+        return WRITE_FAILED
     m = _OS_ERROR.search(str(exc))
     if m and int(m.group(1)) in DISK_ERRNOS:
         return DISK_ERRNOS[int(m.group(1))]
@@ -174,5 +195,5 @@ def replace_dir(path: str | Path, write: Callable[[Path], Any]) -> Path:
     return path
 
 
-__all__ = ["DISK_ERRNOS", "DiskFullError", "atomic_open", "check_target", "disk_errors", "disk_problem",
+__all__ = ["DISK_ERRNOS", "WRITE_FAILED", "DiskFullError", "atomic_open", "check_target", "disk_errors", "disk_problem",
            "replace_dir", "write_bytes", "write_json", "write_jsonl", "write_text"]

@@ -19,7 +19,8 @@ a refused command reads, and only while the lock is held). The descriptor is not
 (Python's default), so a child that outlives its parent does not hold the lock on.
 
 Scope: one repository (the folder of the params.yaml a command reads) on one host's file system. Two repositories
-sharing one MLflow registry are not serialised by it, nor are flock-less network file systems.
+sharing one MLflow registry are not serialised by it (their alias moves are, by the registry lease kept in the
+registry itself: pipeline.deploy.lease), nor are flock-less network file systems.
 """
 
 from __future__ import annotations

@@ -33,6 +33,16 @@ out, and a server that is gone fails a request after about 30 s (plus the timeou
 fails is one ``error:`` line (:func:`store_failure` recognises it), never a half-registered model version
 (:mod:`pipeline.deploy.registry`). SQLite stores make no HTTP requests and are not affected.
 
+Where that happens in a phase's run (:meth:`Tracker.run`): a store that does not answer when the run opens stops the
+phase there, before it does anything, with one ``error:`` line. One that stops answering in the body raises out of
+the run as it is (the run is not marked, which would cost another round of retries): a caller that knows what it
+leaves says so (`deploy`), and the command line turns the rest into one ``error:`` line (`flows/cli.py`; a phase's
+outputs are published whole or not at all, :mod:`pipeline.core.atomic`). A tracker made with
+``on_outage="continue"`` rides it out instead: the first logging call that fails prints one ``warning:`` line
+naming the run, and the run goes on untracked; later logging calls do nothing, and the run is not marked finished
+(it stays RUNNING in the store, with what it logged before). `train` does that, so an hour of training is not thrown
+away for its curves; its metrics files hold everything the run would have logged.
+
 Deliberately left out: MLflow's fluent API (``mlflow.start_run``) keeps the active run in module-level state, which
 breaks when Prefect calls phases repeatedly in one process; every call here goes through an explicit ``MlflowClient``
 and a run id. MLflow itself is imported inside the methods, because importing it costs about a second.
@@ -45,6 +55,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -132,10 +143,10 @@ def configure_http_retries() -> dict[str, str]:
     return {key: os.environ[key] for key in HTTP_RETRY_DEFAULTS}
 
 
-def store_failure(exc: BaseException) -> str | None:
-    """One line saying that the tracking store did not answer, when `exc` (or an exception it was raised from) is
-    that: a connection refused, reset or timed out, or retries used up on 429/5xx answers; None for anything else (a
-    bad request is a bug or bad input, not the store's absence)."""
+def store_failure(exc: BaseException, uri: str | None = None) -> str | None:
+    """One line saying that the tracking store (at `uri`, else ``$MLFLOW_TRACKING_URI``) did not answer, when `exc`
+    (or an exception it was raised from) is that: a connection refused, reset or timed out, or retries used up on
+    429/5xx answers; None for anything else (a bad request is a bug or bad input, not the store's absence)."""
     markers = ("Max retries exceeded", "failed with exception", "failed with error code 5",
                "failed with error code 429", "Connection refused", "Connection aborted", "Read timed out")
     seen: set[int] = set()
@@ -146,7 +157,7 @@ def store_failure(exc: BaseException) -> str | None:
         text = str(current)
         if name in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "MaxRetryError",
                     "NewConnectionError", "ProtocolError") or any(m in text for m in markers):
-            uri = os.environ.get("MLFLOW_TRACKING_URI", "the tracking store")
+            uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "the tracking store")
             detail = text.splitlines()[0] if text else name
             return f"the MLflow tracking server at {uri} did not answer (retried per MLFLOW_HTTP_REQUEST_*: " \
                    f"{detail[:300]})"
@@ -155,7 +166,7 @@ def store_failure(exc: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def store_errors(what: str, left: str = "") -> Iterator[None]:
+def store_errors(what: str, left: str = "", uri: str | None = None) -> Iterator[None]:
     """Turn a tracking store that did not answer (:func:`store_failure`) into one AgentRLError line, ``what: why``
     followed by `left` (what the caller knows about the state it leaves); anything else passes unchanged."""
     try:
@@ -163,7 +174,7 @@ def store_errors(what: str, left: str = "") -> Iterator[None]:
     except AgentRLError:
         raise
     except Exception as exc:
-        why = store_failure(exc)
+        why = store_failure(exc, uri)
         if why is None:
             raise
         raise AgentRLError(f"{what}: {why}{'; ' + left if left else ''}") from exc
@@ -203,13 +214,39 @@ def _git_commit(root: Path) -> str | None:
     return proc.stdout.strip() or None
 
 
+ON_OUTAGE = ("fail", "continue")  # what a run does when its store stops answering (see the module docstring)
+
+
 class RunHandle:
     """The run a phase logs into; obtained from :meth:`Tracker.run`, never built by hand."""
 
-    def __init__(self, client: Any, run_id: str, phase: str) -> None:
+    def __init__(self, client: Any, run_id: str, phase: str, on_outage: str = "fail",
+                 tracking_uri: str | None = None) -> None:
         self._client = client
+        self._uri = tracking_uri
         self.run_id = run_id
         self.phase = phase
+        self._on_outage = on_outage
+        self.lost: str | None = None  # why the store stopped answering, once it did (on_outage="continue")
+
+    def _send(self, call: Any, *args: Any, **kwargs: Any) -> None:
+        """One request to the store; with on_outage="continue", a store that does not answer (after its retries)
+        turns this and every later call of the run into nothing, said once."""
+        if self.lost is not None:
+            return
+        if self._on_outage == "fail":
+            call(*args, **kwargs)
+            return
+        try:
+            call(*args, **kwargs)
+        except Exception as exc:
+            why = store_failure(exc, self._uri)
+            if why is None:
+                raise
+            self.lost = why
+            print(f"warning: {self.phase}: {why}; the run {self.run_id} keeps what it logged so far and is not "
+                  f"tracked from here on (it stays RUNNING in the store); the {self.phase} phase goes on and writes "
+                  f"its outputs and metrics files as always", file=sys.stderr, flush=True)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log params; nested mappings are flattened with dots (``env.reward.safety``)."""
@@ -217,7 +254,7 @@ class RunHandle:
 
         flat = [Param(k, str(v)) for k, v in flatten(params).items()]
         for i in range(0, len(flat), _BATCH):
-            self._client.log_batch(self.run_id, params=flat[i : i + _BATCH])
+            self._send(self._client.log_batch, self.run_id, params=flat[i : i + _BATCH])
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log numeric metrics at `step` (0 when omitted); see :func:`namespaced` for the key rules. NaN is logged as is."""
@@ -226,28 +263,28 @@ class RunHandle:
         now = int(time.time() * 1000)
         entries = [Metric(k, v, now, step or 0) for k, v in namespaced(metrics, self.phase).items()]
         for i in range(0, len(entries), 1000):
-            self._client.log_batch(self.run_id, metrics=entries[i : i + 1000])
+            self._send(self._client.log_batch, self.run_id, metrics=entries[i : i + 1000])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a file or a whole directory into the run's artefacts (under `artifact_path` when given)."""
         path = Path(path)
         if path.is_dir():
-            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+            self._send(self._client.log_artifacts, self.run_id, str(path), artifact_path)
         elif path.is_file():
-            self._client.log_artifact(self.run_id, str(path), artifact_path)
+            self._send(self._client.log_artifact, self.run_id, str(path), artifact_path)
         else:
             raise FileNotFoundError(f"cannot log artifact {path}: no such file or directory")
 
     def log_dict(self, obj: Any, name: str) -> None:
         """Store a JSON- or YAML-serialisable object as the artefact `name` (``.json``/``.yaml`` picks the format)."""
-        self._client.log_dict(self.run_id, obj, name)
+        self._send(self._client.log_dict, self.run_id, obj, name)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
         entries = [RunTag(k, str(v)) for k, v in flatten(tags).items()]
         for i in range(0, len(entries), _BATCH):
-            self._client.log_batch(self.run_id, tags=entries[i : i + _BATCH])
+            self._send(self._client.log_batch, self.run_id, tags=entries[i : i + _BATCH])
 
 
 class Tracker:
@@ -258,10 +295,14 @@ class Tracker:
         tracking_uri: str | None = None,
         experiment: str = EXPERIMENT,
         root: str | Path | None = None,
+        on_outage: str = "fail",
     ) -> None:
+        if on_outage not in ON_OUTAGE:
+            raise ValueError(f"on_outage must be one of {ON_OUTAGE}, not {on_outage!r}")
         self.root = Path(root).resolve() if root is not None else repo_root()
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.root / 'mlflow.db'}"
         self.experiment = experiment
+        self.on_outage = on_outage  # "continue": a store lost in a run's body is said once and the run goes on
 
     @property
     def artifact_location(self) -> str | None:
@@ -322,18 +363,21 @@ class Tracker:
             _say_off(phase)
             yield NullRun(phase)
             return
-        client = self.client()
-        exp_id = self.experiment_id(client)
-        parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
-        run_tags = {PHASE_TAG: phase, "mlflow.runName": phase, "mlflow.source.type": "LOCAL"}
-        commit = _git_commit(self.root)
-        if commit:
-            run_tags["mlflow.source.git.commit"] = commit
-        if parent:
-            run_tags["mlflow.parentRunId"] = parent
-        run = client.create_run(exp_id, run_name=phase, tags=run_tags)
-        handle = RunHandle(client, run.info.run_id, phase)
-        status = "FAILED"
+        # a store that does not answer here stops the phase before it has done anything
+        with store_errors(f"{phase}: cannot open its MLflow run", f"nothing was run; start the tracking server (or "
+                          f"set {TRACKING_ENV}=off for a phase that can run untracked)", self.tracking_uri):
+            client = self.client()
+            exp_id = self.experiment_id(client)
+            parent = parent_run_id or os.environ.get(PARENT_RUN_ENV) or None
+            run_tags = {PHASE_TAG: phase, "mlflow.runName": phase, "mlflow.source.type": "LOCAL"}
+            commit = _git_commit(self.root)
+            if commit:
+                run_tags["mlflow.source.git.commit"] = commit
+            if parent:
+                run_tags["mlflow.parentRunId"] = parent
+            run = client.create_run(exp_id, run_name=phase, tags=run_tags)
+            handle = RunHandle(client, run.info.run_id, phase, self.on_outage, self.tracking_uri)
+        status, lost = "FAILED", None
         try:
             if params:
                 handle.log_params(params)
@@ -344,13 +388,17 @@ class Tracker:
         except KeyboardInterrupt:
             status = "KILLED"
             raise
+        except Exception as exc:  # the store gone in the body: raised as it is, the caller says what it leaves
+            lost = None if isinstance(exc, AgentRLError) else store_failure(exc, self.tracking_uri)
+            raise
         finally:
-            try:
-                client.set_terminated(handle.run_id, status)
-            except Exception as exc:  # a store gone in the body fails here too: its first error is the one to show
-                if status == "FINISHED":
-                    raise
-                logger.warning("could not mark the %s run %s: %s", phase, status, str(exc).splitlines()[0][:200])
+            if handle.lost is None and lost is None:  # a store that is gone is not asked again (another 30 s)
+                try:
+                    client.set_terminated(handle.run_id, status)
+                except Exception as exc:  # a store gone in the body fails here too: its first error is the one
+                    if status == "FINISHED":
+                        raise
+                    logger.warning("could not mark the %s run %s: %s", phase, status, str(exc).splitlines()[0][:200])
 
 
 class NullRun:
@@ -396,6 +444,6 @@ def make_tracker(enabled: bool = True, **kwargs: Any) -> Tracker | NullTracker:
     return Tracker(**kwargs) if enabled else NullTracker()
 
 
-__all__ = ["EXPERIMENT", "HTTP_RETRY_DEFAULTS", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker", "RunHandle",
-           "Tracker", "configure_http_retries", "flatten", "make_tracker", "mlflow_client", "namespaced",
+__all__ = ["EXPERIMENT", "HTTP_RETRY_DEFAULTS", "ON_OUTAGE", "PARENT_RUN_ENV", "TRACKING_ENV", "NullRun", "NullTracker",
+           "RunHandle", "Tracker", "configure_http_retries", "flatten", "make_tracker", "mlflow_client", "namespaced",
            "require_tracking", "store_errors", "store_failure", "tracking_enabled"]

@@ -33,11 +33,15 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.core.config import load_section
 from pipeline.deploy.config import DeployConfig
 from pipeline.envs.config import EnvConfig
 from pipeline.core.errors import AgentRLError
+
+if TYPE_CHECKING:
+    from pipeline.deploy.registry import ChampionEvaluator
 
 REQUIRED_METRICS = {"train": "train.json", "adapt": "adapt.json", "drift": "drift.json"}
 EVALUATE_METRICS = "evaluate.json"
@@ -170,7 +174,7 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
 
     from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
-    from pipeline.deploy.registry import WEIGHTS_TAG, champion_evaluator, decision_tags, judge
+    from pipeline.deploy.registry import WEIGHTS_TAG, ChampionMoved, decision_tags, judge, promote
     from pipeline.deploy.served_check import served_consistency
 
     measured = measure_variants(model, tokenizer, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg)
@@ -194,17 +198,20 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
         served = served_consistency(cfg, env_cfg, rollout_cfg, registry.tracking_uri, logged, run, inputs["tasks"],
                                     model, tokenizer, runtime)  # pipeline.deploy.served_check; a gate input
         gate_inputs = dataclasses.replace(gate_inputs, served_consistency=served)
-        decision, tags = None, {WEIGHTS_TAG: digest}
+        decision, evaluator, tags = None, None, {WEIGHTS_TAG: digest}
         if cfg.promote:  # decided from reads alone, before the version exists: its tags go in with it
             evaluator = champion_evaluator(registry, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg.seed)
             decision = judge(registry, cfg.gate, "new", gate_inputs, evaluate_champion=evaluator)
             tags.update(decision_tags(decision))
         same = registry.versions_with_weights(digest)
-        before = registry.aliases()
         version = registry.create_version(run.run_id, tags=tags)
         if decision is not None:
             decision = dataclasses.replace(decision, version=version)
-        registry.publish(version, decision, before)
+        try:
+            registry.publish(version, decision)  # the champion moves only if it is still the one judged against
+        except ChampionMoved as moved:  # another pipeline promoted since: judge once more against its champion
+            print(f"deploy: {cfg.model_name}: {moved.judge_again_line()}")
+            decision = promote(registry, cfg.gate, version=version, evaluate_champion=evaluator, attempts=1)
         if decision is not None:
             run.log_dict(decision.to_dict(), "gate_decision.json")
             run.log_metrics({"gate/passed": decision.passed})
@@ -221,6 +228,40 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
         "unchanged": None, "finished": None, "decision": decision,
     }
     return out
+
+
+def champion_evaluator(registry, tasks: list, runtime, env_cfg, rollout_cfg,
+                       seed: int) -> ChampionEvaluator:
+    """An evaluator for :func:`pipeline.deploy.registry.promote`: downloads the champion's policy folder and plays,
+    greedily, the challenger's tasks (found by task_id in `tasks`) with the challenger's seeds (``seed + position in
+    tasks`` where none is recorded). Tasks the challenger has that `tasks` lacks are left out (the pairing then shows
+    how many remain)."""
+
+    def evaluate(version: str, challenger_results: list[dict]) -> list[dict]:
+        from pipeline.deploy.registry import MODEL_DIR
+        from pipeline.deploy.gate import task_result
+        from pipeline.deploy.quantize import make_variant
+        from pipeline.policy.model import load_policy
+        from pipeline.policy.rollout import RolloutEngine
+
+        index = {t.task_id: (i, t) for i, t in enumerate(tasks)}
+        chosen = [(index[r["task_id"]][1], r["seed"] if r.get("seed") is not None else seed + index[r["task_id"]][0])
+                  for r in challenger_results if r["task_id"] in index]
+        if not chosen:
+            return []
+        mv = registry.client.get_model_version(registry.name, version)
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                local = Path(registry.client.download_artifacts(mv.run_id, f"{MODEL_DIR}/artifacts/policy", tmp))
+            except Exception as exc:  # noqa: BLE001 - any failure means the champion cannot be re-evaluated
+                raise AgentRLError(f"champion v{version}: cannot download its policy ({exc})") from None
+            model, tokenizer, _ = load_policy(local)
+        model = make_variant(model, "fp32")
+        engine = RolloutEngine(model, tokenizer, runtime, env_cfg, rollout_cfg.model_copy(update={"dtype": "fp32"}))
+        records = engine.run([t for t, _ in chosen], [s for _, s in chosen], greedy=True)
+        return [task_result(r) for r in records]
+
+    return evaluate
 
 
 def flat_metrics(variants: dict, parity: dict) -> dict:
@@ -278,7 +319,7 @@ def main(params_path: str = "params.yaml") -> dict:
 def promote_main(params_path: str = "params.yaml", version: int | None = None, alias: str | None = None,
                  dry_run: bool = False) -> bool:
     """`agentrl promote`: the gate on a version (default: the challenger); returns whether it passed."""
-    from pipeline.deploy.registry import ModelRegistry, champion_evaluator, promote
+    from pipeline.deploy.registry import ModelRegistry, promote
     from pipeline.envs.registry import open_environment
     from pipeline.envs.taskfile import load_task_file
     from pipeline.policy.config import RolloutConfig
@@ -295,10 +336,11 @@ def promote_main(params_path: str = "params.yaml", version: int | None = None, a
         tasks = load_task_file(cfg.test_tasks, runtime)
         evaluator = champion_evaluator(registry, tasks, runtime, env_cfg, rollout_cfg, cfg.seed)
     try:
-        with store_errors("promote", "the gate's tags of the version may be partly written; the champion alias moves "
+        with store_errors("promote", "the gate's tags of the version may be partly written (gate.decision judging "
+                                     "until the last; `agentrl registry check` lists them); the champion alias moves "
                                      "only after all of them"):
             decision = promote(registry, cfg.gate, version=version, alias=alias, dry_run=dry_run,
-                               evaluate_champion=evaluator)
+                               evaluate_champion=evaluator, notify=lambda line: print(f"promote: {line}"))
     finally:
         if runtime is not None:
             runtime.close()

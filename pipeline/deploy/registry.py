@@ -7,7 +7,10 @@ Conventions (one registered model, ``deploy.model_name``):
   ``agentrl promote --version N`` judges version N on its own evidence, not on whatever ``metrics/`` holds today;
 - a new version gets the alias ``challenger``; the gate moves ``champion`` to it when every check passes;
 - each check's outcome is a version tag ``gate.<check>`` (``pass``/``fail``) with ``gate.<check>.detail``, plus
-  ``gate.decision`` (``promoted``/``rejected``), ``gate.champion_at_decision`` and ``gate.decided_at``;
+  ``gate.decision``, ``gate.champion_at_decision`` and ``gate.decided_at``. ``gate.decision`` is ``passed`` or
+  ``rejected`` when the version is created; ``promoted`` only after ``champion`` moved to it; ``superseded`` when
+  another pipeline moved the champion first; ``judging`` while a hand `agentrl promote` writes the tags one by one;
+  ``abandoned`` when `agentrl registry check --repair` found the command that wrote it stopped part-way;
 - every version is tagged ``weights.sha256``, :func:`weights_digest` of the policy folder it packages. A deploy
   whose weights are those of the current ``champion`` or ``challenger`` registers nothing and moves no alias
   (:meth:`ModelRegistry.unchanged`; ``metrics/deploy.json`` then says ``unchanged``): the same weights judged again on
@@ -24,7 +27,10 @@ as it was. ``dry_run`` writes nothing at all.
 Registration order (a tracking server can stop between any two requests): the deploy run's artefacts first; then the
 gate's decision, from reads only (:func:`judge`); then the version, created with every tag (weights digest and
 ``gate.*``) in one request, so no version exists without its tags; the aliases last (``challenger``, then
-``champion``, then the history tag: a champion missing from the history still rolls back to the one before it). When
+``champion``, then the history tag, then ``gate.decision=promoted``: a champion missing from the history still rolls
+back to the one before it). Every alias move happens under the registry lease (:mod:`pipeline.deploy.lease`, shared by
+every pipeline that writes this model, on any host), and ``champion`` moves only while it still points at the
+version the decision was judged against (compare-and-set; :class:`ChampionMoved` otherwise). When
 a step after the version's creation fails, :meth:`ModelRegistry.publish` points the aliases it moved back and deletes
 the version; what it cannot undo (the server stays down) the error names. MLflow's client retries transient HTTP
 failures first (:func:`pipeline.core.tracking.configure_http_retries`).
@@ -45,11 +51,18 @@ from pathlib import Path
 
 from pipeline.deploy.config import DeployGateConfig
 from pipeline.deploy.gate import GateDecision, GateInputs, decide, pair_results
+from pipeline.deploy.lease import ChampionMoved
 from pipeline.core.errors import AgentRLError
 
 CHALLENGER, CHAMPION = "challenger", "champion"
 HISTORY_TAG = "agentrl.champion_history"
 WEIGHTS_TAG = "weights.sha256"
+# gate.decision, in the order a version can go through them: judging (a hand promote is writing the check tags),
+# passed or rejected (the decision), promoted (written after champion moved to it), superseded (passed, but another
+# pipeline moved the champion first), abandoned (`agentrl registry check --repair`: its command stopped part-way)
+DECISION_TAG = "gate.decision"
+JUDGING, PASSED, REJECTED, PROMOTED, SUPERSEDED, ABANDONED = ("judging", "passed", "rejected", "promoted",
+                                                              "superseded", "abandoned")
 GATE_DIR = "gate_inputs"
 MODEL_DIR = "model"
 
@@ -204,25 +217,35 @@ class ModelRegistry:
                 return alias, str(mv.version)
         return None
 
+    def lease(self, command: str):
+        """The lease on this model's aliases (:mod:`pipeline.deploy.lease`): every alias move is made under it."""
+        from pipeline.deploy.lease import RegistryLease
+
+        return RegistryLease(self.client, self.name, command)
+
     def finish_publish(self, version: str) -> str | None:
         """Complete the alias moves of a deploy that was killed inside :meth:`publish` (or whose store went away there
-        for good): `version` carries ``gate.decision=promoted`` decided against the champion that is still in place,
-        but ``champion`` does not point to it, or it does and the history does not end with it. Returns what was
-        completed, or None when nothing was left to do. Called by a deploy rerun whose weights are `version`'s."""
-        tags = self.tags(version)
-        if tags.get("gate.decision") != "promoted":
+        for good): `version` carries a passing ``gate.decision`` decided against the champion that is still in place,
+        but ``champion`` does not point to it, or it does and the history or the ``promoted`` tag is missing. Returns
+        what was completed, or None when nothing was left to do. Called by a deploy rerun whose weights are
+        `version`'s; under the lease, so the comparison with the champion holds when the alias moves."""
+        with self.lease("deploy (finishing)") as lease:
+            tags = self.tags(version)
+            if tags.get(DECISION_TAG) not in (PASSED, PROMOTED):
+                return None
+            champion, history = self.alias_version(CHAMPION), self.history()
+            if champion != version:
+                if tags.get("gate.champion_at_decision", "none") != (champion or "none"):
+                    return None  # the champion moved since the decision: it no longer holds, promote by hand
+                lease.check()
+                self.client.set_registered_model_alias(self.name, CHALLENGER, version)
+                self._move_champion(version, champion, history, [], lease)
+                return f"promoted v{version} to champion, which its recorded gate decision had passed"
+            if not history or history[-1] != version or tags.get(DECISION_TAG) != PROMOTED:
+                self._move_champion(version, champion, history[:-1] if history[-1:] == [version] else history, [],
+                                    lease)
+                return f"added v{version} to the champion history"
             return None
-        champion, history = self.alias_version(CHAMPION), self.history()
-        if champion != version:
-            if tags.get("gate.champion_at_decision", "none") != (champion or "none"):
-                return None  # the champion moved since the decision: it no longer holds, promote by hand
-            self.client.set_registered_model_alias(self.name, CHALLENGER, version)
-            self._move_champion(version, champion, history, [])
-            return f"promoted v{version} to champion, which its recorded gate decision had passed"
-        if not history or history[-1] != version:
-            self._set_history(history + [version])
-            return f"added v{version} to the champion history"
-        return None
 
     def register(self, run_id: str, model_dir: str | Path, inputs: GateInputs, tags: dict | None = None) -> str:
         """:meth:`log_candidate` then :meth:`create_version`: log the pyfunc and the gate inputs into `run_id` and
@@ -266,16 +289,45 @@ class ModelRegistry:
         return {CHALLENGER: self.alias_version(CHALLENGER), CHAMPION: self.alias_version(CHAMPION),
                 "history": self.history()}
 
-    def publish(self, version: str, decision: GateDecision | None, before: dict) -> None:
-        """The last writes of a deploy: ``challenger`` to `version`, and with a promoting `decision` ``champion`` and
-        the history. `before` is :meth:`aliases` read before `version` was created. On any failure the aliases moved
-        are pointed back and `version` is deleted (see :meth:`_withdrawn_on_failure`)."""
-        moved: list[str] = []
-        with self._withdrawn_on_failure(version, before, moved):
-            self.client.set_registered_model_alias(self.name, CHALLENGER, version)
-            moved.append(CHALLENGER)
-            if decision is not None and decision.passed:
-                self._move_champion(version, decision.champion, before["history"], moved)
+    def publish(self, version: str, decision: GateDecision | None, command: str = "deploy") -> None:
+        """The last writes of a deploy, under the lease: ``challenger`` to `version`, and with a passing `decision`
+        ``champion`` (only while it is still the version the decision was judged against: a compare-and-set), the
+        history, and ``gate.decision=promoted``. When another pipeline moved the champion since the decision,
+        `version` stays challenger, is tagged ``gate.decision=superseded`` and :class:`ChampionMoved` is raised. On
+        any other failure the aliases moved are pointed back and `version` is deleted (:meth:`_withdrawn_on_failure`)."""
+        lease = self.lease(command)
+        with self._withdrawn_on_failure(version, {}, []):  # no lease (busy, or no store): the version goes again
+            lease.acquire()
+        try:
+            before = self.aliases()  # read under the lease: what an undo restores, what the champion is now
+            moved: list[str] = []
+            with self._withdrawn_on_failure(version, before, moved):
+                lease.check()
+                self.client.set_registered_model_alias(self.name, CHALLENGER, version)
+                moved.append(CHALLENGER)
+                if decision is None or not decision.passed:
+                    return
+                if before[CHAMPION] == decision.champion:
+                    self._move_champion(version, before[CHAMPION], before["history"], moved, lease)
+                    return
+            self._supersede(version, decision.champion, before[CHAMPION], lease)
+        finally:
+            lease.release()
+
+    def promote_version(self, version: str, judged_against: str | None, command: str = "promote") -> None:
+        """Under the lease: ``champion`` to `version` if it still points where the gate judged `version` against
+        (`judged_against`), then the history and ``gate.decision=promoted``; else :class:`ChampionMoved`."""
+        with self.lease(command) as lease:
+            champion = self.alias_version(CHAMPION)
+            if champion != judged_against:
+                self._supersede(version, judged_against, champion, lease)
+            self._move_champion(version, champion, self.history(), [], lease)
+
+    def _supersede(self, version: str, judged: str | None, current: str | None, lease) -> None:
+        lease.check()
+        self.client.set_model_version_tag(self.name, version, DECISION_TAG, SUPERSEDED)
+        self.client.set_model_version_tag(self.name, version, "gate.superseded_by", current or "none")
+        raise ChampionMoved(self.name, version, judged, current)
 
     @contextlib.contextmanager
     def _withdrawn_on_failure(self, version: str, before: dict, moved: list[str]):
@@ -314,33 +366,47 @@ class ModelRegistry:
     def _set_history(self, history: list[str]) -> None:
         self.client.set_registered_model_tag(self.name, HISTORY_TAG, json.dumps(history))
 
-    def _move_champion(self, version: str, champion: str | None, history: list[str], moved: list[str]) -> None:
-        """``champion`` to `version`, then the history: a champion set by hand joins the history it was missing from.
-        In this order a failure between the two leaves a champion that :func:`rollback` still rolls back correctly."""
+    def _move_champion(self, version: str, champion: str | None, history: list[str], moved: list[str],
+                       lease=None) -> None:
+        """``champion`` to `version`, then the history, then ``gate.decision=promoted`` on `version`: a champion set by
+        hand joins the history it was missing from. In this order a failure between two writes leaves a champion that
+        :func:`rollback` still rolls back correctly, and no version says ``promoted`` before the alias moved to it
+        (`agentrl registry check` finds and finishes a champion whose history or tag is missing)."""
         history = list(history)
-        if champion is not None and (not history or history[-1] != champion):
+        if champion is not None and champion != version and (not history or history[-1] != champion):
             history.append(champion)
+        if lease is not None:
+            lease.check()
         self.client.set_registered_model_alias(self.name, CHAMPION, version)
         moved.append(CHAMPION)
         self._set_history(history + [version])
+        self.client.set_model_version_tag(self.name, version, DECISION_TAG, PROMOTED)
 
     def record(self, decision: GateDecision, promote: bool) -> None:
-        """Write the checks as version tags; with `promote` and a pass, move `champion` and extend the history."""
+        """Write the checks as version tags, one request each: ``gate.decision=judging`` first and the decision
+        (``passed``/``rejected``) last, so that tags left half-written by a stopped command say so; then, with
+        `promote` and a pass, :meth:`promote_version` (compare-and-set against ``decision.champion``)."""
         v = decision.version
-        for key, value in decision_tags(decision, promote).items():
-            self.client.set_model_version_tag(self.name, v, key, value)
+        tags = decision_tags(decision)
+        self.client.set_model_version_tag(self.name, v, DECISION_TAG, JUDGING)
+        self.client.set_model_version_tag(self.name, v, "gate.decided_at", tags["gate.decided_at"])  # since when
+        for key, value in tags.items():
+            if key not in (DECISION_TAG, "gate.decided_at"):
+                self.client.set_model_version_tag(self.name, v, key, value)
+        self.client.set_model_version_tag(self.name, v, DECISION_TAG, tags[DECISION_TAG])
         if promote and decision.passed:
-            self._move_champion(v, decision.champion, self.history(), [])
+            self.promote_version(v, decision.champion)
 
 
-def decision_tags(decision: GateDecision, promote: bool = True) -> dict[str, str]:
+def decision_tags(decision: GateDecision) -> dict[str, str]:
     """The version tags that record a gate decision: ``gate.<check>`` and its detail per check, ``gate.decision``
-    (``promoted`` only with `promote` and a pass), ``gate.champion_at_decision`` and ``gate.decided_at``."""
+    (``passed`` or ``rejected``: ``promoted`` is written only after ``champion`` moved, by :meth:`ModelRegistry.
+    _move_champion`), ``gate.champion_at_decision`` and ``gate.decided_at``."""
     tags: dict[str, str] = {}
     for c in decision.checks:
         tags[f"gate.{c.name}"] = "pass" if c.passed else "fail"
         tags[f"gate.{c.name}.detail"] = c.detail[:4000]
-    tags["gate.decision"] = "promoted" if promote and decision.passed else "rejected"
+    tags[DECISION_TAG] = PASSED if decision.passed else REJECTED
     tags["gate.champion_at_decision"] = decision.champion or "none"
     tags["gate.decided_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return tags
@@ -352,18 +418,32 @@ ChampionEvaluator = Callable[[str, list[dict]], list[dict]]
 
 def promote(registry: ModelRegistry, cfg: DeployGateConfig, version: str | int | None = None,
             alias: str | None = None, dry_run: bool = False,
-            evaluate_champion: ChampionEvaluator | None = None) -> GateDecision:
+            evaluate_champion: ChampionEvaluator | None = None, attempts: int = 2,
+            notify: Callable[[str], None] | None = None) -> GateDecision:
     """Run the gate on a version (default: the challenger) and, unless `dry_run`, record it and promote on a pass.
 
     When the challenger's and the champion's stored results share fewer than ``min_paired_tasks`` tasks and
     `evaluate_champion` is given, it is called with (champion version, the challenger's results) and must return the
-    champion's results on exactly those tasks and seeds: the paired test then compares the same episodes."""
+    champion's results on exactly those tasks and seeds: the paired test then compares the same episodes.
+
+    The champion moves only if it is still the one the decision was judged against (:meth:`ModelRegistry.
+    promote_version`). When another pipeline moved it in between, the version is judged again against the new one,
+    up to `attempts` decisions in all (`notify` hears one line each time); after the last, :class:`ChampionMoved`."""
     v = registry.resolve(version, alias)
     inputs = registry.gate_inputs(v)  # raises before any write when metrics are missing
-    decision = judge(registry, cfg, v, inputs, evaluate_champion)
-    if not dry_run:
-        registry.record(decision, promote=True)
-    return decision
+    for attempt in range(1, attempts + 1):
+        decision = judge(registry, cfg, v, inputs, evaluate_champion)
+        if dry_run:
+            return decision
+        try:
+            registry.record(decision, promote=True)
+            return decision
+        except ChampionMoved as moved:
+            if attempt == attempts:
+                raise
+            if notify is not None:
+                notify(f"{registry.name}: {moved.judge_again_line()}")
+    raise AssertionError("unreachable")
 
 
 def judge(registry: ModelRegistry, cfg: DeployGateConfig, version: str, inputs: GateInputs,
@@ -386,57 +466,28 @@ def judge(registry: ModelRegistry, cfg: DeployGateConfig, version: str, inputs: 
 
 
 def rollback(registry: ModelRegistry) -> tuple[str, str]:
-    """Point `champion` back at the previous champion; returns (from version, to version)."""
+    """Point `champion` back at the previous champion; returns (from version, to version). Read and written under
+    the lease, so a deploy elsewhere cannot promote between the read and the move."""
     registry._require_model()
-    current = registry.alias_version(CHAMPION)
-    if current is None:
-        raise AgentRLError(f"model {registry.name!r} has no champion to roll back")
-    history = registry.history()
-    if history and history[-1] == current:
-        history = history[:-1]
-    if not history:
-        raise AgentRLError(f"model {registry.name!r} has no previous champion (history: champion v{current} only)")
-    previous = history[-1]
-    # the history first: when the alias move then fails, a second rollback finds the champion off the history's
-    # end and moves it to the same previous version (alias first would roll a second step back)
-    registry._set_history(history)
-    registry.client.set_registered_model_alias(registry.name, CHAMPION, previous)
-    registry.client.set_model_version_tag(registry.name, current, "rolled_back_at",
-                                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    with registry.lease("rollback") as lease:
+        current = registry.alias_version(CHAMPION)
+        if current is None:
+            raise AgentRLError(f"model {registry.name!r} has no champion to roll back")
+        history = registry.history()
+        if history and history[-1] == current:
+            history = history[:-1]
+        if not history:
+            raise AgentRLError(f"model {registry.name!r} has no previous champion (history: champion v{current} only)")
+        previous = history[-1]
+        # the history first: when the alias move then fails, a second rollback finds the champion off the history's
+        # end and moves it to the same previous version (alias first would roll a second step back)
+        lease.check()
+        registry._set_history(history)
+        registry.client.set_registered_model_alias(registry.name, CHAMPION, previous)
+        registry.client.set_model_version_tag(registry.name, current, "rolled_back_at",
+                                              time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     return current, previous
 
 
-def champion_evaluator(registry: ModelRegistry, tasks: list, runtime, env_cfg, rollout_cfg,
-                       seed: int) -> ChampionEvaluator:
-    """An evaluator for :func:`promote`: downloads the champion's policy folder and plays, greedily, the challenger's
-    tasks (found by task_id in `tasks`) with the challenger's seeds (``seed + position in tasks`` where none is
-    recorded). Tasks the challenger has that `tasks` lacks are left out (the pairing then shows how many remain)."""
-
-    def evaluate(version: str, challenger_results: list[dict]) -> list[dict]:
-        from pipeline.deploy.gate import task_result
-        from pipeline.deploy.quantize import make_variant
-        from pipeline.policy.model import load_policy
-        from pipeline.policy.rollout import RolloutEngine
-
-        index = {t.task_id: (i, t) for i, t in enumerate(tasks)}
-        chosen = [(index[r["task_id"]][1], r["seed"] if r.get("seed") is not None else seed + index[r["task_id"]][0])
-                  for r in challenger_results if r["task_id"] in index]
-        if not chosen:
-            return []
-        mv = registry.client.get_model_version(registry.name, version)
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                local = Path(registry.client.download_artifacts(mv.run_id, f"{MODEL_DIR}/artifacts/policy", tmp))
-            except Exception as exc:  # noqa: BLE001 - any failure means the champion cannot be re-evaluated
-                raise AgentRLError(f"champion v{version}: cannot download its policy ({exc})") from None
-            model, tokenizer, _ = load_policy(local)
-        model = make_variant(model, "fp32")
-        engine = RolloutEngine(model, tokenizer, runtime, env_cfg, rollout_cfg.model_copy(update={"dtype": "fp32"}))
-        records = engine.run([t for t, _ in chosen], [s for _, s in chosen], greedy=True)
-        return [task_result(r) for r in records]
-
-    return evaluate
-
-
-__all__ = ["CHALLENGER", "CHAMPION", "HISTORY_TAG", "ModelRegistry", "champion_evaluator", "decision_tags", "judge",
-           "promote", "rollback"]
+__all__ = ["CHALLENGER", "CHAMPION", "DECISION_TAG", "HISTORY_TAG", "ChampionMoved", "ModelRegistry",
+           "decision_tags", "judge", "promote", "rollback"]

@@ -50,6 +50,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations in this namespace
 from fastapi.responses import JSONResponse
@@ -195,93 +196,119 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
     cfg = cfg or ServeConfig()
     stats = Stats()
     batcher = Batcher(solver.solve_tasks, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats)
-    cache = LRUCache(cfg.cache_size)
-    pending: dict[str, asyncio.Future] = {}
-    bucket = TokenBucket(cfg.rate_limit_per_s, cfg.rate_burst)
+    service = Service(solver, cfg, model_uri, api_key, stats, batcher, LRUCache(cfg.cache_size),
+                      TokenBucket(cfg.rate_limit_per_s, cfg.rate_burst))
 
     @asynccontextmanager
     async def lifespan(app):
         batcher.start()
-        prod.start()
+        service.prod.start()
         yield
         await batcher.stop()
-        prod.close()
+        service.prod.close()
 
     app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.stats, app.state.batcher = stats, batcher
+    service.prod = add_production(app, cfg, model_uri, service.locked, stats)  # capture, /feedback, /metrics
+    app.get("/health")(service.health)
+    app.get("/ready")(service.ready)
+    app.get("/stats")(service.get_stats)
+    app.post("/solve")(service.solve)
+    return app
 
-    def refuse(status: int, reason: str, kind: str, headers: dict | None = None) -> JSONResponse:
-        stats.rejected[kind] = stats.rejected.get(kind, 0) + 1
+
+@dataclass
+class Service:
+    """The endpoints of :func:`create_app` and what they share: the solver, the settings, the statistics, the
+    batcher, the response cache, the rate limiter and the requests in flight (an identical request shares its
+    future)."""
+
+    solver: object
+    cfg: ServeConfig
+    model_uri: str
+    api_key: bytes | None
+    stats: Stats
+    batcher: Batcher
+    cache: LRUCache
+    bucket: TokenBucket
+    pending: dict[str, asyncio.Future] = field(default_factory=dict)
+    prod: Any = None  # capture, feedback and monitoring (pipeline.deploy.production), set by create_app
+
+    def refuse(self, status: int, reason: str, kind: str, headers: dict | None = None) -> JSONResponse:
+        self.stats.rejected[kind] = self.stats.rejected.get(kind, 0) + 1
         return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
-    def locked(request: Request) -> JSONResponse | None:
-        if authorized(request.headers, api_key):
+    def locked(self, request: Request) -> JSONResponse | None:
+        """None when the request may pass (no key set, or the right one sent); else the 401 answer."""
+        if authorized(request.headers, self.api_key):
             return None
-        return refuse(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "unauthorized",
-                      {"WWW-Authenticate": "Bearer"})
+        return self.refuse(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "unauthorized",
+                           {"WWW-Authenticate": "Bearer"})
 
-    prod = add_production(app, cfg, model_uri, locked, stats)  # capture, POST /feedback, GET /metrics
-
-    @app.get("/health")
-    async def health():
+    async def health(self):
         return {"status": "ok"}
 
-    @app.get("/ready")
-    async def ready(request: Request):
-        if (denied := locked(request)) is not None:
+    async def ready(self, request: Request):
+        if (denied := self.locked(request)) is not None:
             return denied
-        if batcher.running:
-            return {"status": "ready", "model_uri": model_uri, "precision": getattr(solver, "precision", None)}
+        if self.batcher.running:
+            return {"status": "ready", "model_uri": self.model_uri,
+                    "precision": getattr(self.solver, "precision", None)}
         return JSONResponse({"status": "not ready"}, status_code=503)
 
-    @app.get("/stats")
-    async def get_stats(request: Request):
-        if (denied := locked(request)) is not None:
+    async def get_stats(self, request: Request):
+        if (denied := self.locked(request)) is not None:
             return denied
-        return {**stats.to_dict(), "cache_entries": len(cache.data), "queued": batcher.queue.qsize()
-                if batcher.queue else 0}
+        return {**self.stats.to_dict(), "cache_entries": len(self.cache.data), "queued": self.batcher.queue.qsize()
+                if self.batcher.queue else 0}
 
-    @app.post("/solve")
-    async def solve(request: Request):
+    async def solve(self, request: Request):
+        """Steps 1-4 of the module docstring (rate limit, key, body, task), then :meth:`answer`."""
         started = time.perf_counter()
-        stats.requests += 1
+        cfg = self.cfg
+        self.stats.requests += 1
         client = request.client.host if request.client else "unknown"
-        if not bucket.take(client):
-            return refuse(429, f"rate limit: at most {cfg.rate_limit_per_s:g} requests/s (burst {cfg.rate_burst}) "
-                               f"per client", "rate_limit", {"Retry-After": str(math.ceil(1 / cfg.rate_limit_per_s))})
-        if (denied := locked(request)) is not None:
+        if not self.bucket.take(client):
+            return self.refuse(429, f"rate limit: at most {cfg.rate_limit_per_s:g} requests/s (burst "
+                                    f"{cfg.rate_burst}) per client", "rate_limit",
+                               {"Retry-After": str(math.ceil(1 / cfg.rate_limit_per_s))})
+        if (denied := self.locked(request)) is not None:
             return denied
         try:
             obj = parse_json(await read_body(request, cfg))
-            task, seed, truth = validate_request(obj, cfg.max_question_chars, solver.runtime, solver.seed)
+            task, seed, truth = validate_request(obj, cfg.max_question_chars, self.solver.runtime, self.solver.seed)
         except Refusal as r:
-            return refuse(r.status, r.message, r.kind)
+            return self.refuse(r.status, r.message, r.kind)
+        return await self.answer(task, seed, truth, obj, started)
+
+    async def answer(self, task, seed, truth, obj, started: float):
+        """Steps 5-7: from the cache, from an identical request in flight, or from a new batch slot (503 when the
+        queue is full)."""
         key = json.dumps([task.to_dict(), seed, truth], sort_keys=True)
-        hit = cache.get(key)
+        hit = self.cache.get(key)
         if hit is not None:
-            stats.cache_hits += 1
-            return prod.answered(obj, seed, hit, started, cached=True)
-        fut = pending.get(key)
+            self.stats.cache_hits += 1
+            return self.prod.answered(obj, seed, hit, started, cached=True)
+        fut = self.pending.get(key)
         if fut is not None:
-            stats.coalesced += 1
+            self.stats.coalesced += 1
         else:
-            if batcher.full():
-                return refuse(503, f"server busy: {cfg.max_queue} requests already waiting (deploy.serve.max_queue)",
-                              "busy", {"Retry-After": str(cfg.retry_after_s)})
-            fut = batcher.submit(task, int(seed), truth)
-            pending[key] = fut
+            if self.batcher.full():
+                return self.refuse(503, f"server busy: {self.cfg.max_queue} requests already waiting "
+                                        "(deploy.serve.max_queue)", "busy",
+                                   {"Retry-After": str(self.cfg.retry_after_s)})
+            fut = self.batcher.submit(task, int(seed), truth)
+            self.pending[key] = fut
         try:
             result = await asyncio.shield(fut)
         except Exception as exc:  # noqa: BLE001
             error = f"model failure: {type(exc).__name__}: {exc}"
-            return JSONResponse(prod.failed(obj, seed, error, started), status_code=500)
+            return JSONResponse(self.prod.failed(obj, seed, error, started), status_code=500)
         finally:
-            if pending.get(key) is fut and fut.done():
-                del pending[key]
-        cache.put(key, result)
-        return prod.answered(obj, seed, result, started, cached=False)
-
-    return app
+            if self.pending.get(key) is fut and fut.done():
+                del self.pending[key]
+        self.cache.put(key, result)
+        return self.prod.answered(obj, seed, result, started, cached=False)
 
 
 def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int | None = None,

@@ -50,6 +50,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -288,7 +289,6 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
     """Steps 2-6 of the module docstring on the served responses (`served`, one per task, and the seconds each took,
     `http_s`) and the in-process pyfunc `solver` loaded from the same URI; the result dict of :func:`check_served`."""
     from pipeline.deploy.quantize import make_variant
-    from pipeline.envs.protocol import sanitize
     from pipeline.policy.rollout import RolloutEngine
 
     base, seconds, t0 = base or {}, seconds if seconds is not None else {}, t0 or time.perf_counter()
@@ -302,60 +302,117 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
     train_eps = RolloutEngine(quant, tokenizer, runtime, env_cfg, roll1).run(tasks, seeds, greedy=True)
     in_process_s = time.perf_counter() - t
 
-    # replay every served episode in the training environment and in the served pyfunc's own
     t = time.perf_counter()
-    train_engine = RolloutEngine(model, tokenizer, runtime, env_cfg, roll1)
-    ctx_train, ctx_serve, ids_train, ids_serve, actions, where = [], [], [], [], [], []
-    replay_ok = prompts_ok = tokens_ok = True
+    states = _replay_served(served, tasks, seeds, solver, RolloutEngine(model, tokenizer, runtime, env_cfg, roll1),
+                            runtime, env_cfg, reasons)
+    seconds["replay"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    hidden_mse = _hidden_mse(model, solver.model, quant, states, sc.hidden_mse_bound, reasons)
+    seconds["hidden_states"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    agreement = _action_agreement(model, quant, tokenizer, states, cfg, env_cfg, rollout_cfg, roll1, reasons)
+    seconds["actions"] = time.perf_counter() - t
+
+    same = sum([s["action"] for s in r["trajectory"]] == [s["action"] for s in e["steps"]]
+               and r["answer"] == e["answer"] for r, e in zip(served, train_eps))
+    latency = _latency(served, http_s, train_eps, in_process_s)
+    seconds["total"] = time.perf_counter() - t0
+    return {
+        **base, "status": "fail" if reasons else "pass", "passed": not reasons, "reasons": reasons,
+        "states": len(states.actions), "prompts_identical": states.prompts_ok, "tokens_identical": states.tokens_ok,
+        "replay_identical": states.replay_ok, "hidden_mse": hidden_mse, "action_agreement": agreement,
+        "episodes_identical": same, "served_success": sum(bool(r["success"]) for r in served) / max(len(served), 1),
+        "latency": latency,
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+    }
+
+
+@dataclass
+class ReplayedStates:
+    """Every state of the served episodes replayed on both sides, in order: the training side's and the serving
+    side's context text and token ids, the served action, (task index, step) of each; and whether the replays, the
+    prompts and the token ids all agreed."""
+
+    ctx_train: list[str] = field(default_factory=list)
+    ctx_serve: list[str] = field(default_factory=list)
+    ids_train: list[list[int]] = field(default_factory=list)
+    ids_serve: list[list[int]] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    where: list[tuple[int, int]] = field(default_factory=list)
+    replay_ok: bool = True
+    prompts_ok: bool = True
+    tokens_ok: bool = True
+
+
+def _replay_served(served: list[dict], tasks: list, seeds: list[int], solver, train_engine, runtime, env_cfg,
+                   reasons: list[str]) -> ReplayedStates:
+    """Steps 2 and 3: replay every served episode in the training environment and in the served pyfunc's own, and
+    compare each state's prompt and token ids (each engine's own encoding); the first difference of each kind is
+    appended to `reasons`."""
+    out = ReplayedStates()
     for i, (task, seed, resp) in enumerate(zip(tasks, seeds, served)):
         acts = [s["action"] for s in resp["trajectory"]]
         tr = replay(runtime, env_cfg, task, seed, acts)
         sv = replay(solver.runtime, solver.env_cfg, task, seed, acts)
         bad = _compare_episode(i, task.task_id, resp, tr, sv)
-        if bad and replay_ok:
+        if bad and out.replay_ok:
             reasons += bad
-        replay_ok = replay_ok and not bad
+        out.replay_ok = out.replay_ok and not bad
         for k, (a, b) in enumerate(zip(tr["contexts"], sv["contexts"])):
             ia, ib = train_engine._prompt_ids(a), solver.engine._prompt_ids(b)  # each engine's own encoding
-            if a != b and prompts_ok:
+            if a != b and out.prompts_ok:
                 pos = _first_difference(a, b)
                 reasons.append(f"task {i} ({task.task_id}) step {k}: prompts differ at character {pos}: training "
                                f"{_around(a, pos)}, serving {_around(b, pos)}")
-                prompts_ok = False
-            if ia != ib and tokens_ok:
+                out.prompts_ok = False
+            if ia != ib and out.tokens_ok:
                 pos = _first_difference(ia, ib)
                 reasons.append(f"task {i} ({task.task_id}) step {k}: token ids differ at token {pos}: training "
                                f"{ia[max(0, pos - 4):pos + 4]}, serving {ib[max(0, pos - 4):pos + 4]}")
-                tokens_ok = False
-            ctx_train.append(a)
-            ctx_serve.append(b)
-            ids_train.append(ia)
-            ids_serve.append(ib)
-            actions.append(acts[k])
-            where.append((i, k))
-    seconds["replay"] = time.perf_counter() - t
+                out.tokens_ok = False
+            out.ctx_train.append(a)
+            out.ctx_serve.append(b)
+            out.ids_train.append(ia)
+            out.ids_serve.append(ib)
+            out.actions.append(acts[k])
+            out.where.append((i, k))
+    return out
 
-    # hidden states of the served weights against the fp32 training model (and the training path's own copy)
-    t = time.perf_counter()
+
+def _hidden_mse(model, served_model, quant, states: ReplayedStates, bound: float, reasons: list[str]) -> dict:
+    """Step 4: hidden states of the served weights against the fp32 training model (and the training path's own
+    copy); a largest per-state MSE over `bound` is appended to `reasons`."""
     mse = mse_own = None
-    if ids_train:
-        h_train, h_served, h_own = (pooled_hidden(model, ids_train), pooled_hidden(solver.model, ids_serve),
-                                    pooled_hidden(quant, ids_train))
+    if states.ids_train:
+        h_train, h_served, h_own = (pooled_hidden(model, states.ids_train),
+                                    pooled_hidden(served_model, states.ids_serve),
+                                    pooled_hidden(quant, states.ids_train))
         mse = ((h_served - h_train) ** 2).mean(axis=1)
         mse_own = ((h_served - h_own) ** 2).mean(axis=1)
-        if not mse.max() <= sc.hidden_mse_bound:
-            j = int(np.argmax(mse))
+        if not mse.max() <= bound:
+            i, k = states.where[int(np.argmax(mse))]
             reasons.append(f"hidden-state MSE of the served model vs the fp32 training model {mse.max():.3e} > bound "
-                           f"{sc.hidden_mse_bound:g} (task {where[j][0]} step {where[j][1]}; "
-                           f"{int((mse > sc.hidden_mse_bound).sum())} of {len(mse)} states over it)")
-    seconds["hidden_states"] = time.perf_counter() - t
+                           f"{bound:g} (task {i} step {k}; {int((mse > bound).sum())} of {len(mse)} states over it)")
+    return {"max": None if mse is None else float(mse.max()), "mean": None if mse is None else float(mse.mean()),
+            "bound": bound, "vs_training_path_max": None if mse_own is None else float(mse_own.max())}
 
-    # the training code path's greedy action at every replayed state
-    t = time.perf_counter()
+
+def _action_agreement(model, quant, tokenizer, states: ReplayedStates, cfg, env_cfg, rollout_cfg, roll1,
+                      reasons: list[str]) -> dict:
+    """Step 5: the training code path's greedy action at every replayed state, with the served precision's weights
+    (gated: below `min_action_agreement` is appended to `reasons`) and with the fp32 ones (reported)."""
+    from pipeline.envs.protocol import sanitize
+    from pipeline.policy.rollout import RolloutEngine
+
+    sc, actions = cfg.served_check, states.actions
     norm = lambda text: sanitize(text.strip())[: env_cfg.max_action_chars]  # noqa: E731 - as the environment echoes it
-    picks_q = [norm(r["text"]) for r in RolloutEngine(quant, tokenizer, cfg=roll1).complete(ctx_train, greedy=True)]
+    picks_q = [norm(r["text"]) for r in RolloutEngine(quant, tokenizer, cfg=roll1).complete(states.ctx_train,
+                                                                                            greedy=True)]
     roll = rollout_cfg.model_copy(update={"dtype": "fp32"})  # fp32 does not depend on its batch: batched
-    picks_f = [norm(r["text"]) for r in RolloutEngine(model, tokenizer, cfg=roll).complete(ctx_train, greedy=True)]
+    picks_f = [norm(r["text"]) for r in RolloutEngine(model, tokenizer, cfg=roll).complete(states.ctx_train,
+                                                                                           greedy=True)]
     n = len(actions)
     agree = sum(a == b for a, b in zip(picks_q, actions)) / n if n else None
     agree_fq = sum(a == b for a, b in zip(picks_f, picks_q)) / n if n else None
@@ -364,34 +421,24 @@ def compare_paths(served: list[dict], http_s: list[float], solver, tasks: list, 
         reasons.append("the served episodes hold no actions to compare")
     elif agree < sc.min_action_agreement:
         j = next(j for j, (a, b) in enumerate(zip(picks_q, actions)) if a != b)
+        i, k = states.where[j]
         reasons.append(f"action agreement of the training path ({cfg.serve_precision}) with the served actions "
-                       f"{agree:.3f} < {sc.min_action_agreement} (first at task {where[j][0]} step {where[j][1]}: "
+                       f"{agree:.3f} < {sc.min_action_agreement} (first at task {i} step {k}: "
                        f"served {actions[j]!r}, training path {picks_q[j]!r})")
-    seconds["actions"] = time.perf_counter() - t
+    return {"served_vs_training_path": agree, "min": sc.min_action_agreement,
+            "fp32_vs_" + cfg.serve_precision: agree_fq, "fp32_vs_served": agree_fs}
 
+
+def _latency(served: list[dict], http_s: list[float], train_eps: list[dict], in_process_s: float) -> dict:
+    """Step 6: milliseconds per action and per episode, served over HTTP and in-process."""
     served_actions = sum(len(r["trajectory"]) for r in served)
     train_actions = sum(r["n_calls"] for r in train_eps)
-    same = sum([s["action"] for s in r["trajectory"]] == [s["action"] for s in e["steps"]]
-               and r["answer"] == e["answer"] for r, e in zip(served, train_eps))
     lat_http = 1000.0 * sum(http_s) / max(served_actions, 1)
     lat_local = 1000.0 * in_process_s / max(train_actions, 1)
-    seconds["total"] = time.perf_counter() - t0
-    return {
-        **base, "status": "fail" if reasons else "pass", "passed": not reasons, "reasons": reasons,
-        "states": n, "prompts_identical": prompts_ok, "tokens_identical": tokens_ok, "replay_identical": replay_ok,
-        "hidden_mse": {"max": None if mse is None else float(mse.max()),
-                       "mean": None if mse is None else float(mse.mean()), "bound": sc.hidden_mse_bound,
-                       "vs_training_path_max": None if mse_own is None else float(mse_own.max())},
-        "action_agreement": {"served_vs_training_path": agree, "min": sc.min_action_agreement,
-                             "fp32_vs_" + cfg.serve_precision: agree_fq, "fp32_vs_served": agree_fs},
-        "episodes_identical": same, "served_success": sum(bool(r["success"]) for r in served) / max(len(served), 1),
-        "latency": {"served_http_ms_per_action": lat_http, "in_process_ms_per_action": lat_local,
-                    "difference_ms_per_action": lat_http - lat_local,
-                    "ratio": lat_http / lat_local if lat_local else None,
-                    "served_http_ms_per_episode": 1000.0 * sum(http_s) / max(len(served), 1),
-                    "in_process_ms_per_episode": 1000.0 * in_process_s / max(len(train_eps), 1)},
-        "seconds": {k: round(v, 3) for k, v in seconds.items()},
-    }
+    return {"served_http_ms_per_action": lat_http, "in_process_ms_per_action": lat_local,
+            "difference_ms_per_action": lat_http - lat_local, "ratio": lat_http / lat_local if lat_local else None,
+            "served_http_ms_per_episode": 1000.0 * sum(http_s) / max(len(served), 1),
+            "in_process_ms_per_episode": 1000.0 * in_process_s / max(len(train_eps), 1)}
 
 
 # ----------------------------------------------------------------------------------------- the deploy phase's call

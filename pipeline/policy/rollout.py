@@ -1,6 +1,6 @@
 """The multi-turn rollout engine: many episodes at once, batched decoding with a KV cache kept across turns.
 
-How it works (``RolloutEngine._loop``):
+How it works (``RolloutEngine._loop``, its steps in :class:`pipeline.policy.decode_run.DecodeRun`):
 
 - **Decode steps sample; known text is appended in chunks.** Each main forward feeds every live row the token it
   sampled last and samples the next one (``</call>`` is detected by token id, never by decoding). When a row's
@@ -81,8 +81,6 @@ and episodes do not depend on which call returned first.
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -93,14 +91,12 @@ from pipeline.core.recipe import require_resolved
 from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
 from pipeline.policy.config import RolloutConfig
+from pipeline.policy.decode_run import DecodeRun
 from pipeline.policy.episode_drivers import EnvEpisode, OneAction, TokenStream
 from pipeline.policy.kv_cache import SharedPrefix, SlotCache, attention_impl, finish_mask, n_cache_layers
 from pipeline.policy.model import autocast_context, release_free_memory
-from pipeline.policy.sampling import sample_tokens
 from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_action, encode_context, encode_observation, marker_ids
 
-DROP_IDLE_FRACTION = 0.25  # drop finished rows once this share of slots is idle (and no task waits)
-CHUNK_ATTENTION_BUDGET = 1 << 22  # query-key pairs per row-batch of a chunk prefill (bounds its peak memory)
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix (<bos> alone, unrelated prompts) is not worth a forward
 
 
@@ -133,7 +129,10 @@ class RolloutEngine:
             raise AgentRLError(f"the model's max_position_embeddings ({self.max_positions}) leaves no room for a "
                                f"prompt and rollout.max_new_tokens={self.cfg.max_new_tokens}")
         self.stats: dict = {}
-        self.tool_noise = None  # pipeline.policy.sampling.ToolChoiceNoise (train.exploration), sampled rows only
+        # the sampling hook: None samples softmax(logits / T) (pipeline.policy.sampling.sample_tokens); an object with
+        # `sample(logits, u, temperature, top_p, streams, episodes) -> (tokens, logprobs)` samples the non-greedy rows
+        # instead, recording the log-probabilities of the distribution it drew from (a training extension's noise)
+        self.sampling_hook = None
 
     # ------------------------------------------------------------------------------------------------------ public
     def run(self, tasks: list, seeds: list[int], greedy: bool | None = None,
@@ -311,155 +310,14 @@ class RolloutEngine:
 
     def _loop(self, makers: list, seeds: list[int], greedy: bool, max_turns: int,
               pool: ThreadPoolExecutor | None = None) -> list[dict]:
-        cfg, tok = self.cfg, self.tokenizer
-        n = len(makers)
-        out: list[dict | None] = [None] * n
-        if n == 0:
+        """Play the episodes `makers` build, `cfg.batch_size` rows at a time (:class:`DecodeRun`); the run's counters
+        become :attr:`stats`."""
+        if not makers:
             return []
-        B = min(cfg.batch_size, n)
-        device = self.model.device
-        n_uniforms = max_turns * cfg.max_new_tokens
-        waiting = deque(range(n))
-        cache = SlotCache(self.n_layers, B, dtype=next(self.model.parameters()).dtype)
-        lens = [0] * B                     # tokens of each row's current segment (its last `lens` cache columns)
-        slot_ep = [-1] * B                 # episode in each slot, -1 when idle
-        next_tok = [self.pad_id] * B       # the token each row feeds at the next main forward
-        act: list[list[int]] = [[] for _ in range(B)]
-        pending: dict[int, tuple[bool, list[int]]] = {}  # row -> (new segment?, known tokens to append)
-        episodes: dict[int, object] = {}
-        streams: dict[int, TokenStream] = {}
-        uniforms: dict[int, list[float]] = {}
-        generators: dict[int, torch.Generator] = {}
-        n_sampled: dict[int, int] = {}
-        st = {"forwards": 0, "chunk_forwards": 0, "sampled_tokens": 0, "chunk_tokens": 0, "row_drops": 0,
-              "rebases": 0, "cache_columns": 0, "live_columns": 0, "prefix_tokens": 0, "prefix_reused_tokens": 0}
-        prefix: SharedPrefix | None = None
-
-        def start(b: int) -> None:
-            e = waiting.popleft()
-            ep = makers[e]()
-            episodes[e], streams[e], n_sampled[e] = ep, TokenStream(), 0
-            generators[e] = torch.Generator().manual_seed(seeds[e])
-            uniforms[e] = torch.rand(n_uniforms, generator=generators[e], dtype=torch.float64).tolist()
-            ids = self._prompt_ids(ep.context)
-            streams[e].segments.append(0)
-            streams[e].known(ids)
-            slot_ep[b] = e
-            pending[b] = (True, ids)
-
-        def finish(b: int) -> None:
-            e = slot_ep[b]
-            rec = episodes.pop(e).record()
-            s = streams.pop(e)
-            rec.update(token_ids=s.token_ids, logprobs=s.logprobs, action_mask=s.action_mask, segments=s.segments)
-            out[e] = rec
-            del uniforms[e], generators[e], n_sampled[e]
-            slot_ep[b], next_tok[b], lens[b] = -1, self.pad_id, 0
-            if waiting:
-                start(b)
-
-        def sample(rows: list[int], logits: torch.Tensor) -> None:
-            eps = [slot_ep[b] for b in rows]
-            for e in eps:
-                if n_sampled[e] >= len(uniforms[e]):  # more samples than the turn budget foresaw: draw more
-                    uniforms[e] += torch.rand(n_uniforms, generator=generators[e], dtype=torch.float64).tolist()
-            u = torch.tensor([uniforms[e][n_sampled[e]] for e in eps], dtype=torch.float64)
-            toks, lps = (sample_tokens(logits.cpu(), u, cfg.temperature, cfg.top_p, greedy)
-                         if self.tool_noise is None or greedy else self.tool_noise.sample(
-                             logits.cpu(), u, cfg.temperature, cfg.top_p, [streams[e] for e in eps],
-                             [episodes[e] for e in eps]))
-            st["sampled_tokens"] += len(rows)
-            ended: list[tuple[int, int, str]] = []  # (row, episode, action text) of the actions this forward ended
-            for b, e, t, lp in zip(rows, eps, toks.tolist(), lps.tolist()):
-                n_sampled[e] += 1
-                s = streams[e]
-                s.token_ids.append(t)
-                s.logprobs.append(lp)
-                s.action_mask.append(1)
-                act[b].append(t)
-                next_tok[b] = t
-                if t not in self.stop_ids and len(act[b]) < cfg.max_new_tokens:
-                    continue
-                text = tok.decode(act[b], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                ended.append((b, e, text, t not in self.stop_ids))  # last: cut at rollout.max_new_tokens
-                act[b] = []
-            # the environment steps of every action that ended in this forward run together (tool calls are I/O:
-            # `env.tool_latency_s`, a remote API), then are handled in row order, so episodes do not depend on timing
-            steps, texts = [episodes[e].step for _, e, _, _ in ended], [(text, cut) for _, _, text, cut in ended]
-            results = (list(pool.map(lambda step, tc: step(*tc), steps, texts))
-                       if pool is not None and len(ended) > 1 else [step(*tc) for step, tc in zip(steps, texts)])
-            for (b, e, _, _), (done, obs_text, folded, context) in zip(ended, results):
-                s = streams[e]
-                if done:
-                    finish(b)
-                    continue
-                obs_ids = encode_observation(tok, obs_text)
-                if folded or self._outgrows(lens[b] + 1, len(obs_ids)):  # + 1: the stop token, not yet fed
-                    ids = self._prompt_ids(context)  # a new segment from the environment's own context
-                    s.segments.append(len(s.token_ids))
-                    s.known(ids)
-                    pending[b] = (True, ids)
-                    st["rebases"] += 1
-                else:
-                    s.known(obs_ids)
-                    pending[b] = (False, [next_tok[b]] + obs_ids)  # the stop token has not been fed yet
-
-        def flush() -> None:
-            while pending:
-                # new segments (no history, long) and continuations (history, short) go in separate forwards:
-                # together, every row would be padded to the longest chunk and the longest history
-                reset = [b for b, (r, _) in pending.items() if r]
-                group = sorted(reset or pending, key=lambda b: (len(pending[b][1]), b))
-                rows, pairs = [], 0
-                for b in group:  # similar lengths together, and a bounded attention matrix (peak memory)
-                    c = len(pending[b][1])
-                    h = 0 if pending[b][0] else max([lens[r] for r in rows + [b]])
-                    if rows and (len(rows) + 1) * c * (h + c) > CHUNK_ATTENTION_BUDGET:
-                        break
-                    rows.append(b)
-                chunks = [pending.pop(b) for b in rows]
-                logits, reused = self._extend(cache, rows, chunks, lens, prefix)
-                st["chunk_forwards"] += 1
-                st["chunk_tokens"] += sum(len(ids) for _, ids in chunks) - reused
-                st["prefix_reused_tokens"] += reused
-                sample(rows, logits)
-
-        for b in range(B):
-            start(b)
-        if cfg.prefix_cache:
-            prefix = self._shared_prefix([pending[b][1] for b in range(B)])
-            st["prefix_tokens"] = len(prefix.ids) if prefix else 0
-        flush()
-        while True:
-            live = [b for b in range(len(slot_ep)) if slot_ep[b] >= 0]
-            if not live:
-                break
-            # ---- main forward: every row feeds its last sampled token (idle rows a pad that sees only itself)
-            L = cache.length
-            lens_t = torch.tensor(lens, dtype=torch.long)
-            allowed = (torch.arange(L + 1)[None, :] >= (L - lens_t)[:, None])[:, None, None, :]
-            logits = self._forward(torch.tensor(next_tok, dtype=torch.long)[:, None].to(device),
-                                   finish_mask(allowed, self.impl).to(device), lens_t[:, None].to(device), cache)
-            st["forwards"] += 1
-            st["cache_columns"] += (L + 1) * len(slot_ep)
-            for b in live:
-                lens[b] += 1
-            st["live_columns"] += sum(lens[b] for b in live)
-            sample(live, logits[live] if len(live) < len(slot_ep) else logits)
-            flush()
-            # ---- housekeeping: release columns no row needs; drop idle rows once enough are idle and none can refill
-            cache.release_left(cache.length - max(lens))
-            idle = [b for b in range(len(slot_ep)) if slot_ep[b] < 0]
-            if idle and not waiting and len(idle) >= max(1, math.ceil(DROP_IDLE_FRACTION * len(slot_ep))):
-                keep = [b for b in range(len(slot_ep)) if slot_ep[b] >= 0]
-                if keep:
-                    cache.batch_select_indices(torch.tensor(keep, device=device))
-                    lens, slot_ep = [lens[b] for b in keep], [slot_ep[b] for b in keep]
-                    next_tok, act = [next_tok[b] for b in keep], [act[b] for b in keep]
-                    st["row_drops"] += 1
-        self.stats = st
-        return out  # type: ignore[return-value]
-
+        run = DecodeRun(self, makers, seeds, greedy, max_turns, pool)
+        out = run.run()
+        self.stats = run.st
+        return out
 
 
 class ModelPolicy:

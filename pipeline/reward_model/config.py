@@ -3,6 +3,8 @@ training (`train.learned_reward`, :class:`LearnedRewardConfig`, nested in the tr
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from pipeline.core.config import PhaseConfig
@@ -11,6 +13,7 @@ from pipeline.core.config import PhaseConfig
 class RewardModelConfig(PhaseConfig):
     """The learned verifier: what it trains on, its size and its held-out evaluation (docs/design.md §3.1.2, §3.6.2)."""
 
+    when: Literal["used", "always"] = Field("used", description="'used': the stage trains the verifier only when training reads it (train.learned_reward.coef > 0) and otherwise writes a marker in seconds, so a default run trains none and its `train` stage does not rerun for it; 'always': train it regardless (to study the verifier on its own).")
     seed: int = Field(0, description="Seed of the rollouts' task draw and seeds, the held-out split and the fit.")
     policy: str = Field("models/adapted", description="Policy whose sampled rollouts on training tasks join the demonstrations as training data.")
     rollout_tasks: int = Field(192, ge=0, le=100_000, description="Training tasks the policy plays (drawn at random); 0: demonstrations only.")

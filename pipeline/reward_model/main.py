@@ -188,11 +188,38 @@ def train_reward_model(cfg: RewardModelConfig, env_cfg: EnvConfig, rollout_cfg, 
     return result
 
 
+def write_unused(reason: str, out_dir: Path = OUT_DIR, metrics_path: Path = METRICS_PATH) -> dict:
+    """The stage's outputs when no run reads the verifier: a marker in `out_dir` and the same record as metrics. Their
+    bytes depend on nothing else, so the `train` stage, which lists `out_dir` among its deps, stays up to date."""
+    out_dir, metrics_path = Path(out_dir), Path(metrics_path)
+    result = {"trained": False, "reason": reason}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / M.UNUSED_FILE, result)
+    write_json(metrics_path, result)
+    return result
+
+
 def main(params_path: str = "params.yaml") -> dict:
+    """The stage: train the verifier, or (``reward_model.when: used`` while ``train.learned_reward.coef`` is 0) only
+    write the marker of :func:`write_unused`."""
+    from pipeline.core.config import parse_section, read_params
     from pipeline.core.tracking import Tracker
     from pipeline.policy.config import RolloutConfig
+    from pipeline.reward_model.config import LearnedRewardConfig
 
     cfg = load_section(RewardModelConfig, "reward_model", params_path)
+    learned = parse_section(LearnedRewardConfig, (read_params(params_path).get("train") or {}).get("learned_reward"),
+                            f"{params_path}:train.learned_reward")
+    if cfg.when == "used" and learned.coef == 0:
+        # a phase run all the same, so the flow's lineage finds every stage (tagged: nothing trained)
+        with Tracker().run("reward_model", params={"reward_model": cfg.model_dump(),
+                                                   "learned_reward": learned.model_dump()}) as run:
+            result = write_unused("train.learned_reward.coef is 0: no training run reads a learned verifier "
+                                  "(reward_model.when: always trains one anyway)")
+            run.set_tags({"reward_model.trained": "false"})
+            run.log_artifact(METRICS_PATH)
+        print(f"reward_model: not trained ({result['reason']})")
+        return result
     env_cfg = load_section(EnvConfig, "env", params_path)
     rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
     result = train_reward_model(cfg, env_cfg, rollout_cfg, tracker=Tracker())

@@ -23,6 +23,7 @@ from pipeline.reward_model.features import featurize, ragged
 
 HEADS = ("success", "sound")
 WEIGHTS_FILE, META_FILE = "reward_model.safetensors", "reward_model.json"
+UNUSED_FILE = "unused.json"  # what the stage writes instead of a model when no run reads one
 
 
 class RewardModel(torch.nn.Module):
@@ -154,6 +155,10 @@ def load(path: str | Path) -> tuple[RewardModel, dict]:
     from safetensors.torch import load_file
 
     path = Path(path)
+    if (path / UNUSED_FILE).is_file() and not (path / WEIGHTS_FILE).is_file():
+        raise AgentRLError(f"{path} holds no trained verifier: the `reward_model` stage ran while no run read one "
+                           f"(train.learned_reward.coef was 0); run it again now that coef is set (`agentrl "
+                           f"reward-model`)")
     if not (path / WEIGHTS_FILE).is_file() or not (path / META_FILE).is_file():
         raise AgentRLError(f"reward model not found in {path} (expected {WEIGHTS_FILE} and {META_FILE}); run the "
                            f"`reward_model` stage first (`agentrl reward-model`)")

@@ -87,16 +87,12 @@ class LearnedReward:
                 + ("; stopping training (the best validated policy is kept)" if self.cfg.guard_stop else ""))
         return fired and self.cfg.guard_stop
 
-    def halt(self, stopper, update: int) -> None:
-        """Stop the run the way early stopping does (:class:`pipeline.train.early_stopping.EarlyStopping`'s state),
-        so the loop ends, checkpoints and keeps its best policy, and metrics/train.json records the reason."""
-        if stopper.stopped:
-            return
+    def stop_reason(self, update: int) -> str:
+        """Why the guard stops training at `update` (metrics/train.json's early-stopping reason)."""
         _, s_learned, s_rule = self.last or (update, float("nan"), float("nan"))
-        stopper.stopped, stopper.stop_step = True, update
-        stopper.reason = (f"stopped at update {update} by the reward-hacking guard: over the last "
-                          f"{self.cfg.guard_window} updates the learned score rose {s_learned:+.4f}/update while the "
-                          f"rule reward fell {s_rule:+.4f}/update")
+        return (f"stopped at update {update} by the reward-hacking guard: over the last {self.cfg.guard_window} "
+                f"updates the learned score rose {s_learned:+.4f}/update while the rule reward fell "
+                f"{s_rule:+.4f}/update")
 
 
 def make_learned_reward(cfg: LearnedRewardConfig, env_name: str, dist) -> LearnedReward | None:

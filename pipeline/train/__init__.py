@@ -16,4 +16,8 @@ learn, watch, evaluate and keep, checkpoint) and calls:
 - :mod:`~pipeline.train.checkpoint`: save and resume;
 - :mod:`~pipeline.train.distributed`: ranks, DeepSpeed config and engine; :mod:`~pipeline.train.incoming`: incoming
   production tasks for the RL pool; :mod:`~pipeline.train.config`: the `train` section of params.yaml.
+
+Every optional capability (tool-choice noise, adversarial sampling, generated tasks, the learned reward, the reward
+weighting, event credit, replay, slicing; a population of runs) lives in :mod:`~pipeline.train.extensions`, one
+module each, and joins the loop through the hooks of :class:`pipeline.train.extensions.base.Extension`.
 """

@@ -1,9 +1,9 @@
-"""From episode records to advantages: each episode's score (its return, recomputed from the reward components when
-`train.reward.weighting` is dynamic, normalised over recent episodes when `train.reward_norm_window` is on), the group
-baselines of GRPO/RLOO at episode or, with per-turn credit (`train.reward.credit: turn|event`, or `train.turn_credit`),
-turn level (:func:`score_episodes`), and the per-token advantages the policy loss reads, through GAE over action
-tokens for PPO (:func:`token_advantages`). What the weighting and event credit do and why:
-:mod:`pipeline.train.reward_weights`.
+"""From episode records to advantages: each episode's score (its return, normalised over recent episodes when
+`train.reward_norm_window` is on), the group baselines of GRPO/RLOO at episode or, with per-turn credit
+(`train.reward.credit: turn|event`, or `train.turn_credit`), turn level (:func:`score_episodes`), and the per-token
+advantages the policy loss reads, through GAE over action tokens for PPO (:func:`token_advantages`). An extension may
+recompute the returns and set the per-turn discounts; see
+:mod:`pipeline.train.extensions.base`.
 
 The maths itself is in :mod:`pipeline.train.core_algos`; this module only arranges records into its inputs. It does
 no forward pass: PPO's values come from the learner (:mod:`pipeline.train.learner`).
@@ -21,8 +21,7 @@ from pipeline.core.errors import AgentRLError
 from pipeline.train import core_algos as A
 from pipeline.train.batch import Batch, group_ids_of
 from pipeline.train.config import TrainConfig
-from pipeline.train.reward_weights import credit_mode, policy_components
-from pipeline.train.sampling import SamplerState
+from pipeline.train.sampling import LearnerState
 
 
 def turn_rewards(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +44,7 @@ def turn_rewards(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mask
 
 
-def episode_scores(records: list[dict], state: SamplerState) -> torch.Tensor:
+def episode_scores(records: list[dict], state: LearnerState) -> torch.Tensor:
     """(episodes,) the score each episode's advantage starts from: its return R, normalised when reward
     normalisation is on (which then takes these returns into its window)."""
     returns = np.array([r["return"] for r in records], dtype=np.float64)
@@ -55,36 +54,6 @@ def episode_scores(records: list[dict], state: SamplerState) -> torch.Tensor:
     else:
         scores = returns
     return torch.tensor(scores, dtype=torch.float32)
-
-
-def turn_events(records: list[dict], names: list[str], write_tools: frozenset[str],
-                width: int) -> tuple[torch.Tensor, dict]:
-    """(episodes, width) bool: whether each turn carries a key event of `names` (event credit): ``write``, the turn
-    called a tool of `write_tools` (from the record's ``actions``); any other name, the record's ``step_events`` of
-    that step hold it. Also the events per episode, as metrics. Records whose actions or step events do not align
-    with their step rewards are refused."""
-    out = torch.zeros(len(records), width, dtype=torch.bool)
-    counts = dict.fromkeys(names, 0)
-    for i, r in enumerate(records):
-        n = len(r["step_rewards"])
-        actions, step_events = r.get("actions") or [], r.get("step_events")
-        if "write" in names and len(actions) != n:
-            raise AgentRLError(f"train.reward.credit event: episode of task {r.get('task_id')!r} has {len(actions)} "
-                               f"actions for {n} step rewards (rollout records carry one action per step)")
-        if step_events is not None and len(step_events) != n:
-            raise AgentRLError(f"train.reward.credit event: episode of task {r.get('task_id')!r} has "
-                               f"{len(step_events)} step_events entries for {n} step rewards (one list per step)")
-        for t in range(n):
-            hits = {e for e in (step_events[t] if step_events is not None else []) if e in counts and e != "write"}
-            if "write" in names and (actions[t] or {}).get("tool") in write_tools:
-                hits.add("write")
-            for e in hits:
-                counts[e] += 1
-            out[i, t] = bool(hits)
-    n_ep = max(1, len(records))
-    mets = {"credit/event_turns_per_episode": float(out.sum()) / n_ep,
-            **{f"credit/events_{e}_per_episode": c / n_ep for e, c in counts.items()}}
-    return out, mets
 
 
 @dataclass
@@ -97,51 +66,49 @@ class Scores:
     turn_adv: torch.Tensor | None = None  # (episodes, turns) group baseline per turn (grpo/rloo with turn credit)
     turn_rewards: torch.Tensor | None = None  # (episodes, turns) environment rewards (ppo with turn credit)
     turn_mask: torch.Tensor | None = None  # (episodes, turns) 1 on real turns
-    turn_gammas: torch.Tensor | None = None  # (episodes, turns) discount after each turn (event credit)
+    turn_gammas: torch.Tensor | None = None  # (episodes, turns) discount after each turn (an extension's)
     shift: float = 0.0  # the reward normaliser's affine map before this batch: r' = (r − shift) / scale
     scale: float = 1.0
     metrics: dict = field(default_factory=dict)  # turn_credit/*, credit/* and reward/* figures
 
 
-def reweight_returns(records: list[dict], cfg: TrainConfig, state: SamplerState,
-                     gather=None) -> tuple[list[dict], np.ndarray | None, dict]:
-    """`train.reward.weighting`: copies of `records` whose ``return`` is recomputed from their reward components
-    with the weighting's current state, which then takes the policy episodes of every rank (`gather`, e.g.
-    ``Dist.all_gather``; None: this process only); also R' − R per episode and the metrics. 'fixed' returns the
-    records themselves, None and no metric."""
-    if cfg.reward.weighting == "fixed":
-        return records, None, {}
-    rw = getattr(state, "reward_weights", None)
-    if rw is None:
-        raise AgentRLError(f"train.reward.weighting {cfg.reward.weighting!r} needs its state in the sampler state "
-                           f"(pipeline.train.reward_weights.make_reward_weighting with the env.reward weights)")
-    returns, mets = rw.returns(records)
-    mets.update(rw.update((gather or (lambda x: [x]))(policy_components(records, rw.shaping))))
-    delta = returns - np.array([float(r["return"]) for r in records], dtype=np.float64)
-    return [{**r, "return": float(x)} for r, x in zip(records, returns)], delta, mets
+def reweight(records: list[dict], extensions, gather=None) -> tuple[list[dict], np.ndarray | None, dict]:
+    """The records with the returns the extensions recompute (:meth:`~pipeline.train.extensions.base.Extension.reweight`,
+    in order), the summed R' − R per episode (None when none changed them) and their metrics."""
+    delta, metrics = None, {}
+    for ext in extensions:
+        records, d, m = ext.reweight(records, gather)
+        metrics.update(m)
+        if d is not None:
+            delta = d if delta is None else delta + d
+    return records, delta, metrics
 
 
-def score_episodes(records: list[dict], cfg: TrainConfig, state: SamplerState, gather=None,
-                   write_tools: frozenset[str] = frozenset()) -> Scores:
+def turn_discounts(records: list[dict], t_mask: torch.Tensor, extensions) -> tuple[torch.Tensor | None, dict]:
+    """The per-turn discounts the first extension that gives any gives (None: `train.gamma` after every turn)."""
+    for ext in extensions:
+        gammas, metrics = ext.turn_discounts(records, t_mask)
+        if gammas is not None:
+            return gammas, metrics
+    return None, {}
+
+
+def score_episodes(records: list[dict], cfg: TrainConfig, state: LearnerState, gather=None, extensions=()) -> Scores:
     """Scores and, for group baselines, episode- or turn-level advantages of one update's records (with ``group``).
-    `gather` collects the reward weighting's statistics over ranks; `write_tools` are the tools whose calls are
-    ``write`` events of event credit."""
-    credit = credit_mode(cfg)
-    records, delta, metrics = reweight_returns(records, cfg, state, gather)
+    `extensions` may recompute the returns and set per-turn discounts; `gather` collects their statistics over
+    ranks."""
+    credit = cfg.credit
+    records, delta, metrics = reweight(records, extensions, gather)
     if credit != "episode":  # before episode_scores, which updates the normaliser after using it
         t_rewards, t_mask = turn_rewards(records)
-        if delta is not None:  # the reweighting's difference on each episode's last turn (see reward_weights)
+        if delta is not None:  # the recomputed return's difference goes on each episode's last turn
             last = t_mask.sum(1).long() - 1
             t_rewards[torch.arange(len(records)), last] += torch.tensor(delta, dtype=t_rewards.dtype)
         shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
-        t_gammas = None
-        if credit == "event":
-            events, ev_mets = turn_events(records, cfg.reward.events, write_tools, t_mask.shape[1])
-            t_gammas = A.event_discounts(events, cfg.gamma, cfg.reward.event_gamma)
-            t_returns = A.stepwise_discounted_returns(t_rewards, t_gammas)
-            metrics.update(ev_mets)
-        else:
-            t_returns = A.discounted_returns(t_rewards, cfg.gamma)
+        t_gammas, credit_metrics = turn_discounts(records, t_mask, extensions)
+        metrics.update(credit_metrics)
+        t_returns = (A.stepwise_discounted_returns(t_rewards, t_gammas) if t_gammas is not None
+                     else A.discounted_returns(t_rewards, cfg.gamma))
     out = Scores(scores=episode_scores(records, state), zero_var=torch.zeros(len(records), dtype=torch.bool))
     groups = group_ids_of(records)
     if credit != "episode":
@@ -176,7 +143,7 @@ def token_advantages(cfg: TrainConfig, sc: Scores, batch: Batch,
         last = (t_mask.cumsum(1) == t_mask.sum(1, keepdim=True)) & (t_mask > 0)
         rewards = A.turn_token_rewards((sc.turn_rewards - sc.shift * last.float()) / sc.scale, batch.episode,
                                        batch.turn, batch.mask)
-        if sc.turn_gammas is not None:  # event credit: each turn's discount on its last action token
+        if sc.turn_gammas is not None:  # per-turn discounts: each turn's on its last action token
             gamma = A.turn_end_discounts(sc.turn_gammas, batch.episode, batch.turn, batch.mask, cfg.gamma)
     else:
         # on the episode's last action token only: an episode folded into several rows (segments) is paid once

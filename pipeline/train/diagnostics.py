@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pipeline.envs.runner import FAULT_COUNTS
-from pipeline.train.sampling import SamplerState
+from pipeline.train.sampling import TaskSampler
 
 # collapse alarms: a diagnostic below its floor logs a warning (the entropy floor is `train.entropy_alarm`)
 COLLAPSE = {"reward_spread": 1e-6, "advantage_var": 1e-8}
@@ -40,7 +40,7 @@ def params_without_grad(module: torch.nn.Module) -> int:
     return sum(1 for p in module.parameters() if p.requires_grad and (p.grad is None or not torch.any(p.grad != 0)))
 
 
-def rollout_metrics(records: list[dict], outcomes: list[tuple[int, bool]], state: SamplerState) -> dict:
+def rollout_metrics(records: list[dict], outcomes: list[tuple[int, bool]], state: TaskSampler) -> dict:
     """This rank's episode figures, the success rate over every rank's `outcomes` ((level, success) pairs), the
     curriculum's state and tool usage."""
     return {

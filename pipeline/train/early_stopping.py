@@ -96,6 +96,12 @@ class EarlyStopping:
         self.reason = ""
         self.history: list[dict] = []
 
+    def halt(self, step: int, reason: str) -> None:
+        """Stop at `step` for another `reason` than the validation metric (an extension's, e.g. the reward-hacking
+        guard): the run ends as an early-stopped one, its best validated policy the output. No-op once stopped."""
+        if not self.stopped:
+            self.stopped, self.stop_step, self.reason = True, step, reason
+
     def update(self, value: float, step: int) -> Decision:
         """Record the evaluation at `step` (the update count); returns the decision. Refused once stopped."""
         if self.stopped:

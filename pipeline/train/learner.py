@@ -16,8 +16,8 @@ Two savings that change no gradient:
   minibatch): π_old is then the learner's own π_θ before its only step, so π_old = π_θ.detach() from the training
   forward itself (the ratio is exactly 1, as it would be after a separate no-grad forward) and that forward is
   skipped. PPO needs V_old and π_old before its first step, so it keeps the separate forward. Rows sampled from
-  another distribution than π_θ (a stale snapshot, tool-choice noise: :mod:`pipeline.train.exploration`) are still
-  corrected: in both paths the behaviour is the rollout's recorded log-probabilities, through w = min(c, π_old/μ).
+  another distribution than π_θ (a stale snapshot, or an extension's change of the sampling distribution) are
+  still corrected: in both paths the behaviour is the rollout's recorded log-probabilities, through w = min(c, π_old/μ).
 - **Only rows that carry signal are forwarded**: rows whose loss mask is empty (zero-variance groups left out of the
   loss) contribute no policy gradient, so they are dropped before the learner's forwards unless the KL term is on
   (behaviour cloning reads demonstrations, not these rows); the entropy bonus is then estimated on the rows that are
@@ -32,7 +32,7 @@ Rollouts, sampling and evaluation are the loop's (:mod:`pipeline.train.loop`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -40,12 +40,11 @@ import torch
 
 from pipeline.train import core_algos as A
 from pipeline.train.actor import bc_loss, no_grad_logp, step_engine
-from pipeline.train.advantages import token_advantages
+from pipeline.train.advantages import score_episodes, token_advantages
 from pipeline.train.batch import Batch, collate_records, length_chunks
 from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import params_without_grad
-from pipeline.train.replay import remember, replay_scores, weigh_rows
-from pipeline.train.sampling import SamplerState
+from pipeline.train.sampling import LearnerState
 
 
 @dataclass
@@ -61,7 +60,7 @@ class Learner:
     autocast_context: Callable  # (dtype, device) -> context manager, pipeline.policy.model.autocast_context
     demo_examples: list | None = None  # behaviour-cloning demonstrations (pipeline.policy.demos.Example)
     bc_rng: np.random.Generator | None = None  # which demonstrations behaviour cloning draws (one per rank)
-    write_tools: frozenset = frozenset()  # tools that write: the `write` events of train.reward.credit event
+    extensions: list = field(default_factory=list)  # the run's extensions (pipeline.train.extensions), in order
 
 
 @dataclass
@@ -85,17 +84,18 @@ def one_forward(cfg: TrainConfig) -> bool:
     return cfg.algorithm != "ppo" and cfg.epochs == 1 and cfg.minibatches == 1
 
 
-def learn(lr: Learner, records: list[dict], state: SamplerState, u: int) -> dict:
+def learn(lr: Learner, records: list[dict], state: LearnerState, u: int) -> dict:
     """Advantages and the optimisation steps of update `u` (0-based) on `records` (each with its ``group``)."""
     cfg, engine = lr.cfg, lr.engine
     device = engine.device
-    batch = collate_records(records, lr.pad_id, cfg.sampling.slice_turns)
-    sc = replay_scores(records, cfg, state, lr.dist.all_gather, lr.write_tools)  # score_episodes (+ replayed)
+    batch = collate_records(records, lr.pad_id, max((e.slice_turns for e in lr.extensions), default=0))
+    sc = scorer(lr, state)(records)
     loss_mask = batch.mask.clone()
     if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
         loss_mask = loss_mask * (~sc.zero_var[batch.episode]).float()[:, None]
     loss_mask = A.loss_weights(loss_mask, batch.episode, len(records), cfg.loss_agg)  # weights: see train.loss_agg
-    loss_mask = weigh_rows(loss_mask, records, batch)  # replayed rows × their priority importance weight
+    for ext in lr.extensions:
+        loss_mask = ext.row_weights(loss_mask, records, batch)
     if cfg.algorithm != "ppo" and lr.ref is None:  # behaviour cloning reads demonstrations, not these rows
         keep = torch.nonzero(loss_mask.sum(1) > 0).flatten()
         if keep.numel() == 0:
@@ -116,7 +116,9 @@ def learn(lr: Learner, records: list[dict], state: SamplerState, u: int) -> dict
         ref_logp, _ = no_grad_logp(lambda i, a: (lr.ref(input_ids=i, attention_mask=a).logits, None), batch,
                                    length_chunks(lengths, all_rows, k), lr.temperature, device, lr.autocast_context)
     adv, returns = token_advantages(cfg, sc, batch, old_values)
-    replay_out = remember(state, records, sc, batch, adv, u, lr.dist)  # train.sampling: store new episodes; metrics
+    ext_out = {}
+    for ext in lr.extensions:
+        ext_out.update(ext.after_advantages(u, records, sc, batch, adv, lr.dist))
     is_w = is_stats = None
     if old_logp is not None:
         sample_logp = torch.where(demo_rows[:, None], old_logp * batch.mask, batch.sample_logp)
@@ -139,11 +141,23 @@ def learn(lr: Learner, records: list[dict], state: SamplerState, u: int) -> dict
         "train/rows_forwarded": int(batch.n_rows),
         **(is_stats or {}),
         **sc.metrics,
-        **replay_out,
+        **ext_out,
     })
     if returns is not None and old_values is not None:
         out["losses/explained_variance"] = A.explained_variance(old_values * batch.mask, returns, batch.mask)
     return out
+
+
+def scorer(lr: Learner, state: LearnerState) -> Callable[[list[dict]], Any]:
+    """records -> :class:`pipeline.train.advantages.Scores`: the kernel's scoring, wrapped by each extension's
+    :meth:`~pipeline.train.extensions.base.Extension.score` in order (the last one outermost)."""
+    def kernel(records: list[dict]):
+        return score_episodes(records, lr.cfg, state, lr.dist.all_gather, lr.extensions)
+
+    score = kernel
+    for ext in lr.extensions:
+        score = (lambda e, inner: lambda records: e.score(records, inner))(ext, score)
+    return score
 
 
 def _optimize(lr: Learner, t: Targets, ent_coef: float, is_stats: dict | None,

@@ -14,13 +14,10 @@
 6. **Checkpoint** (:func:`checkpoint`, :mod:`pipeline.train.checkpoint`): every `checkpoint_every` updates, so a
    killed run resumes and continues as if it had not stopped.
 
-Optional capabilities (``docs/rl-options.md``; each off by default) join these steps through one call each: the
-tool-choice noise's ε_t is set before collecting (:mod:`pipeline.train.exploration`); generated tasks are mixed into
-the plan and a generation round follows learning (:mod:`pipeline.train.task_generator`); before learning, the learned
-verifier adds its reward (:mod:`pipeline.reward_model.reward`) and replayed episodes join the batch
-(:mod:`pipeline.train.replay`); the reward weighting and credit act inside the learner's scoring
-(:mod:`pipeline.train.reward_weights`); after logging, the reward-hacking guard may stop the run as early stopping
-does.
+Optional capabilities (``docs/rl-options.md``; each off by default) are extensions
+(:mod:`pipeline.train.extensions`): the loop calls every hook of every extension of the run, in order, at the points
+:mod:`pipeline.train.extensions.base` lists, and knows none of them by name. Without extensions an update is the
+steps above and nothing else.
 
 The best policy lives in ``<checkpoint folder>/best`` while the run goes and is copied to the output folder when the
 run completes. Reading params, data and writing the phase's metrics is :mod:`pipeline.train.worker`'s job.
@@ -43,20 +40,16 @@ from pipeline.envs.config import EnvConfig
 from pipeline.envs.context_actions import context_metrics
 from pipeline.envs.contract import Environment as WorldRuntime
 from pipeline.envs.contract import TaskFields as Task
-from pipeline.reward_model.reward import make_learned_reward
 from pipeline.train.actor import ActorCritic
 from pipeline.train.async_pool import AsyncRollouts
 from pipeline.train.checkpoint import BEST, fingerprint, load_checkpoint, save_checkpoint
 from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import collapse_alarms, fault_metrics, rollout_metrics
 from pipeline.train.early_stopping import EarlyStopping
-from pipeline.train.exploration import attach_tool_noise, begin_update, exploration_metrics
+from pipeline.train.extensions import Extension, make_extensions
 from pipeline.train.guidance import guidance_metrics, guide_failed_groups
 from pipeline.train.learner import Learner, learn
-from pipeline.train.replay import mix_replay
-from pipeline.train.reward_weights import make_reward_weighting, write_tool_names
-from pipeline.train.sampling import SamplerState, make_sampler_state, observe_tasks, plan_update
-from pipeline.train.task_generator import TaskGenerator
+from pipeline.train.sampling import LearnerState, TaskSampler, make_learner_state, make_task_sampler, plan_update
 from pipeline.train.validation import Validation, WeightEnsemble, evaluate_greedy
 
 
@@ -85,7 +78,8 @@ class Loop:
     policy: torch.nn.Module  # θ, what RL trains
     rollout: Any  # RolloutEngine of θ
     new_engine: Callable  # model -> RolloutEngine
-    sampler: SamplerState
+    sampler: TaskSampler  # which tasks each update plays
+    learner_state: LearnerState  # the normaliser's window and the entropy coefficient
     validation: Validation
     ensemble: WeightEnsemble | None  # `merge_alpha` < 1: what is validated and kept
     tasks_by_level: dict[int, list[Task]]
@@ -96,8 +90,7 @@ class Loop:
     start: int = 0
     history: list = field(default_factory=list)
     worker: AsyncRollouts | None = None
-    task_gen: TaskGenerator | None = None  # train.task_generation.enabled: adds generated tasks to the pool
-    learned_reward: Any = None  # train.learned_reward.coef > 0: pipeline.reward_model.reward.LearnedReward
+    extensions: list[Extension] = field(default_factory=list)  # in the order their hooks run
 
 
 def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path, train_tasks: list[Task],
@@ -112,8 +105,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     hooks = hooks or Hooks()
     loop = setup(cfg, env_cfg, rollout_cfg, policy_dir=policy_dir, train_tasks=train_tasks, val_tasks=val_tasks,
                  runtime=runtime, ckpt_dir=ckpt_dir, dist=dist, run=run, demo_examples=demo_examples, hooks=hooks)
-    loop.task_gen = TaskGenerator(cfg.task_generation, cfg.seed, runtime) if cfg.task_generation.enabled else None
-    loop.learned_reward = make_learned_reward(cfg.learned_reward, env_cfg.name, dist)  # None when coef is 0
+    for ext in loop.extensions:
+        ext.attach(loop)
     resume(loop)
     loop.worker = (AsyncRollouts(loop.new_engine, loop.policy, cfg.rollout_workers, version=loop.start)
                    if cfg.async_rollouts else None)
@@ -125,7 +118,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             if (hooks.stop_after is not None and done_here >= hooks.stop_after) or loop.validation.stopper.stopped:
                 break
             t0 = time.perf_counter()
-            begin_update(loop.rollout, cfg, u)  # ε_t of the tool-choice noise (train.exploration)
+            for ext in loop.extensions:
+                ext.begin_update(loop, u)
             records, t_rollout, idle = collect(loop, u, t0)
             if hooks.before_learn is not None:
                 hooks.before_learn(u + 1)
@@ -133,8 +127,8 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             t1 = time.perf_counter()
             metrics = learn_or_drop(loop, records, u, staleness)
             t_learn = time.perf_counter() - t1
-            if loop.task_gen is not None:  # weakness statistics; every few updates new tasks join the pool
-                metrics.update(loop.task_gen.step(loop, records, u))
+            for ext in loop.extensions:
+                metrics.update(ext.after_learn(loop, u, records))
             n_tokens = sum(sum(r["action_mask"]) for r in records)
             metrics.update({
                 "sys/rollout_s": t_rollout, "sys/learn_s": t_learn, "sys/idle_s": idle,
@@ -144,18 +138,16 @@ def train(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
                 "offpolicy/staleness": staleness,
                 **rollout_metrics(records, outcomes, loop.sampler),
                 **context_metrics(records),  # env.context_actions: {} when off
-                **exploration_metrics(loop.rollout, dist),
             })
             for warning in collapse_alarms(metrics, cfg.entropy_alarm):
                 if dist.is_main:
                     hooks.log(f"warning: update {u + 1}: {warning}")
             loop.history.append({"update": u + 1, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
-            hacked = loop.learned_reward is not None and loop.learned_reward.watch(  # the reward-hacking guard
-                loop.history, metrics, u + 1, hooks.log if dist.is_main else None)
-            if loop.validation.due(u + 1) or (hacked and loop.validation.best["update"] is None):
+            stops = [r for r in (ext.should_stop(loop, u, metrics) for ext in loop.extensions) if r]
+            if loop.validation.due(u + 1) or (stops and loop.validation.best["update"] is None):
                 metrics.update(evaluate_and_keep(loop, u))
-            if hacked:  # stops like early stopping: the best validated policy is the output
-                loop.learned_reward.halt(loop.validation.stopper, u + 1)
+            if stops:  # stops like early stopping: the best validated policy is the output
+                loop.validation.stopper.halt(u + 1, stops[0])
             if dist.is_main:
                 log_update(loop, u, metrics, t_rollout, t_learn)
             done_here += 1
@@ -204,17 +196,17 @@ def setup(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     policy = engine.module.policy
     new_engine = lambda m: RolloutEngine(m, tokenizer, runtime, env_cfg, rollout_cfg)  # noqa: E731
     rollout = new_engine(policy)
-    attach_tool_noise(rollout, cfg)  # train.exploration (None when off)
     ensemble = WeightEnsemble(start_weights, policy, new_engine, cfg.merge_alpha) if start_weights is not None else None
-    sampler = make_sampler_state(cfg, sorted({t.level for t in train_tasks}))
-    sampler.reward_weights = make_reward_weighting(cfg.reward, env_cfg.reward)  # train.reward.weighting (None: fixed)
+    sampler = make_task_sampler(cfg, sorted({t.level for t in train_tasks}))
+    learner_state = make_learner_state(cfg)
+    extensions = make_extensions(cfg, env_cfg, runtime)
     fp = fingerprint(engine.module, meta)
     tasks_by_level: dict[int, list[Task]] = {}
     for t in train_tasks:
         tasks_by_level.setdefault(t.level, []).append(t)
     stopper = EarlyStopping(cfg.early_stopping_metric, cfg.early_stopping_patience, cfg.early_stopping_min_delta)
     learner = Learner(cfg, engine, ref, pad_id, rollout_cfg.temperature, dist, autocast_context, demo_examples,
-                      bc_rng=np.random.default_rng([cfg.seed, 11, dist.rank]), write_tools=write_tool_names(runtime))
+                      bc_rng=np.random.default_rng([cfg.seed, 11, dist.rank]), extensions=extensions)
 
     def save_best(kept: torch.nn.Module, info: dict) -> None:
         save_policy(kept, tokenizer, ckpt_dir / BEST, {
@@ -222,10 +214,10 @@ def setup(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
             "train_config": cfg.model_dump(), "parent": {"phase": meta.get("phase"), "step": meta.get("step")}})
 
     return Loop(cfg=cfg, dist=dist, tracker_run=run, hooks=hooks, learner=learner, policy=policy, rollout=rollout,
-                new_engine=new_engine, sampler=sampler,
+                new_engine=new_engine, sampler=sampler, learner_state=learner_state,
                 validation=Validation(cfg, val_tasks, hooks.evaluate or evaluate_greedy, stopper),
                 ensemble=ensemble, tasks_by_level=tasks_by_level, tasks_by_id={t.task_id: t for t in train_tasks},
-                save_best=save_best, fingerprint=fp, ckpt_dir=ckpt_dir)
+                save_best=save_best, fingerprint=fp, ckpt_dir=ckpt_dir, extensions=extensions)
 
 
 def resume(loop: Loop) -> None:
@@ -235,10 +227,13 @@ def resume(loop: Loop) -> None:
         return
     path, client = loaded
     loop.sampler.load_state_dict(client["sampler"])
+    loop.learner_state.load_state_dict(client["learner_state"])
     if client.get("bc_rng") is not None:  # which demonstrations behaviour cloning draws next (one per rank)
         loop.learner.bc_rng.bit_generator.state = client["bc_rng"][loop.dist.rank]
-    if loop.task_gen is not None:  # its state, and its generated tasks back into the pool
-        loop.task_gen.load_state_dict(client["sampler"].get("task_generation"), loop)
+    states = client.get("extensions") or {}
+    for ext in loop.extensions:
+        if states.get(ext.name) is not None:
+            ext.load_state_dict(states[ext.name], loop)
     torch.set_rng_state(torch.tensor(client["torch_rng"], dtype=torch.uint8))
     loop.start, loop.history = client["update"], client["history"]
     loop.validation.evals, loop.validation.best = client["evals"], client["best"]
@@ -250,13 +245,26 @@ def plan(loop: Loop, u: int) -> tuple[list[Task], list[int]]:
     """This rank's episodes of update `u`: its share of the update's tasks, each `group_size` times, with seeds."""
     cfg, rank = loop.cfg, loop.dist.rank
     per_rank_tasks = cfg.tasks_per_update // loop.dist.world_size
-    tasks = plan_update(loop.sampler, loop.tasks_by_level, cfg)
-    if loop.task_gen is not None:  # a share of the update goes to the generated tasks
-        tasks = loop.task_gen.mix_in(tasks, loop.sampler.curriculum.open_levels, loop.tasks_by_id)
+    tasks = plan_update(loop.sampler, loop.tasks_by_level, cfg, task_weights(loop))
+    for ext in loop.extensions:
+        tasks = ext.plan(loop, tasks)
     mine = tasks[rank * per_rank_tasks:(rank + 1) * per_rank_tasks]
     ep_tasks = [t for t in mine for _ in range(cfg.group_size)]
     base = (cfg.seed * 1_000_003 + u * 7919) * 64 + rank * per_rank_tasks * cfg.group_size
     return ep_tasks, [base + i for i in range(len(ep_tasks))]
+
+
+def task_weights(loop: Loop) -> Callable[[list[str]], np.ndarray | None] | None:
+    """The extensions' weights of a level's tasks, multiplied together (None when no extension weighs them)."""
+    def weights(ids: list[str]) -> np.ndarray | None:
+        w = None
+        for ext in loop.extensions:
+            x = ext.task_weights(loop, ids)
+            if x is not None:
+                w = x if w is None else w * x
+        return w
+
+    return weights if loop.extensions else None
 
 
 def collect(loop: Loop, u: int, t0: float) -> tuple[list[dict], float, float]:
@@ -293,22 +301,26 @@ def learn_or_drop(loop: Loop, records: list[dict], u: int, staleness: int) -> di
     from pipeline.policy.model import release_free_memory
 
     cfg, dist = loop.cfg, loop.dist
-    sampling_metrics = observe_tasks(loop.sampler, records, dist)  # train.sampling.adversarial ({} when off)
+    observed = {}
+    for ext in loop.extensions:
+        observed.update(ext.observe(loop, u, records))
     if any(dist.all_gather(staleness > cfg.max_staleness)):  # too old to correct reliably: drop it, count it
         if dist.is_main:
             loop.hooks.log(f"update {u + 1}: dropped a batch {staleness} versions old "
                            f"(max_staleness={cfg.max_staleness})")
-        return {"offpolicy/dropped_stale_batch": 1.0, **fault_metrics(records, dist)}
+        return {"offpolicy/dropped_stale_batch": 1.0, **observed, **fault_metrics(records, dist)}
     learn_records, guided = records, None
     if cfg.guide_failed_groups:  # after the curriculum saw the policy's own outcomes
         learn_records, guided = guide_failed_groups(records, loop.tasks_by_id, loop.rollout, u)
     # the tool faults (env.tool_failure_rate, latency spikes, tools that raised) of every episode played for the
     # update: the policy's and the expert's demonstrations that joined the batch
     faults = fault_metrics(records + [r for r in learn_records if r.get("demonstrated")], dist)
-    extra = loop.learned_reward.apply(learn_records, records) if loop.learned_reward is not None else {}  # extra_reward
-    learn_records, replay_metrics = mix_replay(loop.sampler, learn_records, u, cfg, dist)  # train.sampling.replay
-    metrics = learn(loop.learner, learn_records, loop.sampler, u)
-    metrics.update({**extra, **sampling_metrics, **replay_metrics, **faults})
+    extra = {}
+    for ext in loop.extensions:  # they may change the records or add to them
+        learn_records, m = ext.before_learn(loop, u, learn_records, records)
+        extra.update(m)
+    metrics = learn(loop.learner, learn_records, loop.learner_state, u)
+    metrics.update({**extra, **observed, **faults})
     if guided is not None:
         metrics.update(guidance_metrics(guided, dist))
     release_free_memory()  # the learner's freed activations back to the OS (why: see the function)
@@ -339,10 +351,9 @@ def log_update(loop: Loop, u: int, metrics: dict, t_rollout: float, t_learn: flo
 
 def checkpoint(loop: Loop, update: int) -> None:
     v = loop.validation
-    sampler = loop.sampler.state_dict()
-    if loop.task_gen is not None:
-        sampler["task_generation"] = loop.task_gen.state_dict()
-    save_checkpoint(loop.learner.engine, loop.ckpt_dir, update, sampler=sampler,
+    extensions = {e.name: e.state_dict() for e in loop.extensions}
+    save_checkpoint(loop.learner.engine, loop.ckpt_dir, update, sampler=loop.sampler.state_dict(),
+                    learner_state=loop.learner_state.state_dict(), extensions=extensions,
                     fingerprint=loop.fingerprint, history=loop.history, evals=v.evals, best=v.best,
                     early_stopping=v.stopper.state_dict(), bc_rng=loop.learner.bc_rng, dist=loop.dist)
 

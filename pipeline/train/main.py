@@ -73,13 +73,18 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
     # stream the ranks' progress lines as they come (the launcher's own "[...]" log lines are dropped from the
     # display); keep the last lines of everything for the error message
     tail: collections.deque[str] = collections.deque(maxlen=25)
+    rank_errors: list[str] = []  # a rank's own `error:` line (what it was refused for), said once by this process
     with subprocess.Popen(cmd, env=child_env({"PYTHONUNBUFFERED": "1"}), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             tail.append(line.rstrip("\n"))
-            if not line.startswith("["):
+            if line.startswith("error: "):
+                rank_errors.append(line.rstrip("\n")[len("error: "):])
+            elif not line.startswith("["):
                 sys.stdout.write(line)
                 sys.stdout.flush()
     if proc.returncode != 0:
+        if rank_errors:  # every rank that failed said why; the same reason once
+            raise AgentRLError("; ".join(dict.fromkeys(rank_errors)))
         raise AgentRLError(f"train: the DeepSpeed launcher exited with {proc.returncode}; last lines:\n"
                            + "\n".join(tail))

@@ -1,13 +1,8 @@
 """What the RL phase samples and the state that drives it (docs/design.md §2.1, §2.2, §3.2, §3.4): reward
 normalisation, adaptive entropy coefficient, curriculum with success-following level weights, count-based goal
-sampling, adversarial task sampling (:class:`TaskFailures`, `train.sampling.adversarial`), the replay store
-(:class:`pipeline.train.replay.ReplayStore`, `train.sampling.replay`), and :func:`plan_update`, which draws an
-update's tasks from them (:class:`SamplerState` bundles them for checkpoints).
-
-Adversarial sampling (docs/design.md §2.2, §3.4: oversample the failure cases) works inside a level, after the
-curriculum chose it: task g gets weight max(floor, 1 − s_g)^k, s_g its success rate over its last `window` episodes
-(every rank's, so the state stays the same on all ranks); a task not tried yet counts as failed (weight 1). With goal
-sampling on, the weight multiplies p(g) ∝ 1/(count(g)+1), so rarely tried and often failed tasks both come first.
+sampling, and :func:`plan_update`, which draws an update's tasks from them. Two jobs, two holders of state for
+checkpoints: :class:`TaskSampler` (which tasks: curriculum, goals, their generator) and :class:`LearnerState` (how
+the learner scores: the normaliser's window, the entropy coefficient). An extension may weigh the tasks of a level (:meth:`pipeline.train.extensions.base.Extension.task_weights`).
 
 Each is a small class with explicit state, `state_dict()`/`load_state_dict()` so checkpoints restore it exactly,
 and no hidden randomness: callers pass a `numpy.random.Generator`. Playing the episodes is the rollout engine's job.
@@ -17,14 +12,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Callable
 
 import numpy as np
 
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.contract import TaskFields as Task
 from pipeline.train.config import TrainConfig
-from pipeline.train.replay import REFUSED_PPO_CREDIT, ReplayStore
 
 
 class RewardNormalizer:
@@ -146,7 +140,7 @@ class GoalSampler:
 
     def probabilities(self, task_ids: list[str], weights: np.ndarray | None = None) -> np.ndarray:
         inv = np.array([1.0 / (self.counts.get(t, 0) + 1) for t in task_ids])
-        if weights is not None:  # adversarial sampling's per-task weights
+        if weights is not None:  # per-task weights (an extension's)
             inv = inv * weights
         return inv / inv.sum()
 
@@ -166,129 +160,78 @@ class GoalSampler:
         self.counts = dict(state["counts"])
 
 
-def failure_weights(success, floor: float, power: float) -> np.ndarray:
-    """max(floor, 1 − s)^power per task; a task without outcomes (s = nan) counts as failed.
-
-    >>> failure_weights([1.0, 0.5, float("nan")], 0.1, 2.0).round(4).tolist()
-    [0.01, 0.25, 1.0]
-    """
-    s = np.nan_to_num(np.asarray(success, dtype=np.float64), nan=0.0)
-    return np.maximum(floor, 1.0 - s) ** power
-
-
-class TaskFailures:
-    """Recent success of each task (its last `window` episodes), for adversarial task sampling."""
-
-    def __init__(self, floor: float, power: float, window: int):
-        self.floor, self.power, self.window = floor, power, window
-        self.outcomes: dict[str, deque] = {}
-        self.planned: list[float] = []  # weights of the tasks the last plan drew (reported)
-
-    def update(self, task_ids, successes) -> None:
-        for t, s in zip(task_ids, successes):
-            self.outcomes.setdefault(t, deque(maxlen=self.window)).append(float(s))
-
-    def success(self, task_id: str) -> float:
-        o = self.outcomes.get(task_id)
-        return sum(o) / len(o) if o else float("nan")
-
-    def weights(self, task_ids: list[str]) -> np.ndarray:
-        return failure_weights([self.success(t) for t in task_ids], self.floor, self.power)
-
-    def state_dict(self) -> dict:
-        return {"outcomes": {t: list(o) for t, o in self.outcomes.items()}, "planned": list(self.planned)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.outcomes = {t: deque(o, maxlen=self.window) for t, o in state["outcomes"].items()}
-        self.planned = list(state["planned"])
-
-
-def observe_tasks(state: "SamplerState", records: list[dict], dist) -> dict:
-    """Every rank's (task, success) of an update's own episodes into the adversarial sampler; its metrics ({} when
-    it is off)."""
-    if state.tasks is None:
-        return {}
-    outcomes = [o for part in dist.all_gather([(r["task_id"], r["success"]) for r in records]) for o in part]
-    state.tasks.update([t for t, _ in outcomes], [s for _, s in outcomes])
-    known = [state.tasks.success(t) for t in state.tasks.outcomes]
-    return {"sampling/adversarial_tasks_seen": len(known), "sampling/adversarial_task_success": float(np.mean(known)),
-            "sampling/adversarial_planned_weight": float(np.mean(state.tasks.planned)) if state.tasks.planned else 0.0}
-
-
 @dataclass
-class SamplerState:
-    """Everything the task sampling depends on; checkpointed with the engine."""
+class TaskSampler:
+    """Which tasks an update plays, the same on every rank: the curriculum over levels, the goal sampler within a
+    level, and the generator both draw from (checkpointed with the engine)."""
 
     curriculum: Curriculum
     goals: GoalSampler
-    normalizer: RewardNormalizer | None
-    entropy: AdaptiveEntropyCoef
     rng: np.random.Generator
-    reward_weights: Any = None  # train.reward.weighting state (pipeline.train.reward_weights); None: fixed
-    tasks: TaskFailures | None = None  # adversarial task sampling (train.sampling.adversarial)
-    replay: ReplayStore | None = None  # the replay store (train.sampling.replay)
 
     def state_dict(self) -> dict:
         return {"curriculum": self.curriculum.state_dict(), "goals": self.goals.state_dict(),
-                "normalizer": self.normalizer.state_dict() if self.normalizer else None,
-                "entropy": self.entropy.state_dict(), "rng": self.rng.bit_generator.state,
-                **({"reward_weights": self.reward_weights.state_dict()} if self.reward_weights is not None else {}),
-                **{k: getattr(self, k).state_dict() for k in ("tasks", "replay") if getattr(self, k) is not None}}
+                "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, s: dict) -> None:
         self.curriculum.load_state_dict(s["curriculum"])
         self.goals.load_state_dict(s["goals"])
+        self.rng.bit_generator.state = s["rng"]
+
+
+@dataclass
+class LearnerState:
+    """What the learner adapts from one update to the next: the reward normaliser's window (None: off) and the
+    entropy coefficient (checkpointed with the engine)."""
+
+    normalizer: RewardNormalizer | None
+    entropy: AdaptiveEntropyCoef
+
+    def state_dict(self) -> dict:
+        return {"normalizer": self.normalizer.state_dict() if self.normalizer else None,
+                "entropy": self.entropy.state_dict()}
+
+    def load_state_dict(self, s: dict) -> None:
         if self.normalizer is not None and s["normalizer"] is not None:
             self.normalizer.load_state_dict(s["normalizer"])
         self.entropy.load_state_dict(s["entropy"])
-        self.rng.bit_generator.state = s["rng"]
-        if self.reward_weights is not None and s.get("reward_weights") is not None:
-            self.reward_weights.load_state_dict(s["reward_weights"])
-        for key in ("tasks", "replay"):
-            if getattr(self, key) is not None and s.get(key) is not None:
-                getattr(self, key).load_state_dict(s[key])
 
 
-def make_sampler_state(cfg: TrainConfig, levels: list[int] = (1, 2, 3, 4)) -> SamplerState:
-    """The sampling state for training tasks of `levels`; the curriculum opens at the highest of them not above
+def make_task_sampler(cfg: TrainConfig, levels: list[int] = (1, 2, 3, 4)) -> TaskSampler:
+    """The task sampler for training tasks of `levels`; the curriculum opens at the highest of them not above
     `curriculum_start_level` (the lowest level when all lie above it)."""
-    if cfg.sampling.replay and cfg.algorithm == "ppo" and (
-            cfg.turn_credit or getattr(getattr(cfg, "reward", None), "credit", "episode") != "episode"):
-        raise AgentRLError(REFUSED_PPO_CREDIT)
     levels = sorted(levels)
     start = max([lv for lv in levels if lv <= cfg.curriculum_start_level] or levels[:1])
-    return SamplerState(
-        curriculum=Curriculum(list(levels), start, cfg.curriculum_threshold,
-                              cfg.level_weight_floor, cfg.level_success_window),
-        goals=GoalSampler(),
+    return TaskSampler(curriculum=Curriculum(list(levels), start, cfg.curriculum_threshold, cfg.level_weight_floor,
+                                             cfg.level_success_window),
+                       goals=GoalSampler(), rng=np.random.default_rng([cfg.seed, 7]))
+
+
+def make_learner_state(cfg: TrainConfig) -> LearnerState:
+    """The reward normaliser (`reward_norm_window`) and the adaptive entropy coefficient of a run."""
+    return LearnerState(
         normalizer=RewardNormalizer(cfg.reward_norm_window) if cfg.reward_norm_window else None,
-        entropy=AdaptiveEntropyCoef(cfg.entropy_coef, cfg.entropy_target or 0.0, max_coef=cfg.entropy_coef_max),
-        rng=np.random.default_rng([cfg.seed, 7]),
-        tasks=(TaskFailures(cfg.sampling.adversarial_floor, cfg.sampling.adversarial_power,
-                            cfg.sampling.adversarial_window) if cfg.sampling.adversarial else None),
-        replay=ReplayStore(cfg.sampling.capacity, cfg.seed) if cfg.sampling.replay else None,
-    )
+        entropy=AdaptiveEntropyCoef(cfg.entropy_coef, cfg.entropy_target or 0.0, max_coef=cfg.entropy_coef_max))
 
 
-def plan_update(state: SamplerState, tasks_by_level: dict[int, list[Task]], cfg: TrainConfig) -> list[Task]:
-    """The update's tasks (same on every rank, since the state is): stratified levels, goal-sampled tasks."""
+def plan_update(state: TaskSampler, tasks_by_level: dict[int, list[Task]], cfg: TrainConfig,
+                weights: Callable[[list[str]], np.ndarray | None] | None = None) -> list[Task]:
+    """The update's tasks (same on every rank, since the state is): stratified levels, goal-sampled tasks.
+    `weights(task_ids)`, when given and not None, multiplies the sampling weights of a level's tasks (an extension's,
+    :meth:`pipeline.train.extensions.base.Extension.task_weights`)."""
     levels = state.curriculum.sample_levels(cfg.tasks_per_update, state.rng)
     chosen = []
-    if state.tasks is not None:
-        state.tasks.planned = []
     for lv in levels:
         pool = tasks_by_level.get(lv) or []
         if not pool:
             raise AgentRLError(f"no training task of level {lv}; the curriculum cannot sample it")
         ids = [t.task_id for t in pool]
-        w = state.tasks.weights(ids) if state.tasks is not None else None  # adversarial sampling
+        w = weights(ids) if weights is not None else None
         if cfg.goal_sampling:
             tid = state.goals.sample(ids, 1, state.rng, w)[0]
         elif w is not None:
             tid = ids[int(state.rng.choice(len(ids), p=w / w.sum()))]
         else:
             tid = ids[int(state.rng.integers(len(ids)))]
-        if w is not None:
-            state.tasks.planned.append(float(w[ids.index(tid)]))
         chosen.append(next(t for t in pool if t.task_id == tid))
     return chosen

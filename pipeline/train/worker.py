@@ -10,9 +10,9 @@ gain (:func:`seen_wording_headroom`), the early-stopping decision with its reaso
 tasks used and dropped, ``health``: tool faults, stale batches dropped, collapse alarms, and ``learnability``: the
 report of :mod:`pipeline.policy.learnability` on the RL policy's test episodes, also printed last) and
 ``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``; the ``explore/*`` columns when the tool-choice
-noise of :mod:`pipeline.train.exploration` is on, a health column when its figure is nonzero somewhere).
+noise of :mod:`pipeline.train.extensions.tool_noise` is on, a health column when its figure is nonzero somewhere).
 
-With ``train.population.size`` > 1 the members are trained one after the other (:mod:`pipeline.train.population`),
+With ``train.population.size`` > 1 the members are trained one after the other (:mod:`pipeline.train.extensions.population`),
 the best on validation becomes ``models/policy`` and ``metrics/train.json`` gets ``population``: every member's
 validation figures and the pairwise behaviour diversity between members.
 """
@@ -26,7 +26,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.core.atomic import atomic_open, write_json
 from pipeline.core.config import load_section
@@ -38,7 +40,7 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import run_health
 from pipeline.train.incoming import DROP_REASONS, load_incoming
 from pipeline.policy.learnability_render import flat_metrics, render
-from pipeline.train.reward_weights import REWARD_CURVE_KEYS
+from pipeline.train.extensions.reward_weighting import REWARD_CURVE_KEYS
 
 CURVE_KEYS = ("update", "rollout/success", "rollout/return", "policy/entropy", "losses/total", "losses/approx_kl",
               "rollout/zero_variance_group_share", "sys/rollout_s", "sys/learn_s", "sys/idle_s", "sys/update_s",
@@ -129,30 +131,28 @@ def seen_wording_headroom(sft: dict) -> dict | None:
     return out
 
 
-def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted", out: str = "models/policy",
-               ckpt: str = "checkpoints/train", metrics_path: str = "metrics/train.json",
-               curve_path: str = "metrics/train_curve.csv", data_dir: str = "data", stop_after: int | None = None,
-               before_learn=None) -> dict:
-    """Train one rank (see the module docstring); `stop_after` and `before_learn` are passed to
-    :func:`pipeline.train.loop.train` as :class:`pipeline.train.loop.Hooks` (tests stop or kill a run midway with
-    them). Returns the loop's result."""
-    from pipeline.policy.config import RolloutConfig
-    from pipeline.train.distributed import init_dist
-    from pipeline.train.loop import Hooks, train
-    from pipeline.core.tracking import NullTracker, Tracker
+@dataclass
+class Inputs:
+    """What a rank reads before it trains: the environment, the task splits, the incoming tasks and the
+    behaviour-cloning demonstrations."""
 
-    env_cfg = load_section(EnvConfig, "env", params_path)
-    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
-    cfg = load_section(TrainConfig, "train", params_path)
-    dist = init_dist()
-    data = Path(data_dir)
+    runtime: Any
+    train_tasks: list
+    val_tasks: list
+    test_tasks: list
+    incoming: Any  # pipeline.train.incoming.IncomingTasks
+    demos: list | None
+
+
+def read_inputs(cfg: TrainConfig, env_cfg: EnvConfig, data: Path, adapted: str, dist) -> Inputs:
+    """The environment, splits, incoming tasks (a schema-breaking incoming file stops the stage here, before the
+    tracker, checkpoints or model) and, with `bc_coef` > 0, the successful demonstrations as examples."""
     try:
         runtime = open_environment(env_cfg.name, data / "env")
         train_tasks, val_tasks, test_tasks = (load_task_file(data / "tasks" / f"{s}.jsonl", runtime, validate=False)
                                               for s in ("train", "validation", "test"))
     except (FileNotFoundError, ValueError) as exc:
         raise AgentRLError(f"train: {exc}") from None
-    # the boundary: a schema-breaking incoming file stops the stage here, before the tracker, checkpoints or model
     incoming = load_incoming([cfg.incoming_tasks, cfg.production_tasks], train_tasks=train_tasks,
                              test_tasks=test_tasks, runtime=runtime)
     if dist.is_main:
@@ -167,89 +167,140 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
         demos = demo_examples(tok, [d for d in load_demos(data / "demos" / "train.jsonl") if d["success"]],
                               questions, env_cfg.history_window,
                               signatures=prompt_signatures(runtime, train_tasks, env_cfg.context_actions))
-    ckpt_dir = Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, cfg, dist.world_size, incoming.digest)
-    tracker = Tracker() if dist.is_main else NullTracker()
+    return Inputs(runtime, train_tasks, val_tasks, test_tasks, incoming, demos)
+
+
+def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted", out: str = "models/policy",
+               ckpt: str = "checkpoints/train", metrics_path: str = "metrics/train.json",
+               curve_path: str = "metrics/train_curve.csv", data_dir: str = "data", stop_after: int | None = None,
+               before_learn=None) -> dict:
+    """Train one rank (see the module docstring); `stop_after` and `before_learn` are passed to
+    :func:`pipeline.train.loop.train` as :class:`pipeline.train.loop.Hooks` (tests stop or kill a run midway with
+    them). Returns the loop's result."""
+    from pipeline.policy.config import RolloutConfig
+    from pipeline.train.distributed import init_dist
+    from pipeline.train.loop import Hooks
+    from pipeline.core.tracking import NullTracker, Tracker
+
+    env_cfg = load_section(EnvConfig, "env", params_path)
+    rollout_cfg = load_section(RolloutConfig, "rollout", params_path)
+    cfg = load_section(TrainConfig, "train", params_path)
+    dist = init_dist()
+    data = Path(data_dir)
+    inputs = read_inputs(cfg, env_cfg, data, adapted, dist)
+    # a tracking server lost mid-run is said once and training goes on untracked (pipeline.core.tracking)
+    tracker = Tracker(on_outage="continue") if dist.is_main else NullTracker()
     t0 = time.perf_counter()
     params = {"env": env_cfg.model_dump(), "rollout": rollout_cfg.model_dump(), "train": cfg.model_dump(),
               "world_size": dist.world_size}
     with tracker.run("train", params=params) as run:
+        incoming = inputs.incoming
         run.log_metrics({f"incoming/{k}": incoming.summary[k] for k in ("files", "read", "tasks", *DROP_REASONS)})
         run.set_tags({"incoming.dir": incoming.summary["dir"] or "null"})
-        rl_rollout_cfg = (rollout_cfg if cfg.rollout_temperature is None
-                          else rollout_cfg.model_copy(update={"temperature": cfg.rollout_temperature}))
         hooks = Hooks(stop_after=stop_after, before_learn=before_learn)
-
-        def train_one(c: TrainConfig, out_dir: Path, ckpt_dir: Path, run) -> dict:
-            return train(c, env_cfg, rl_rollout_cfg, policy_dir=Path(adapted), train_tasks=train_tasks + incoming.tasks,
-                         val_tasks=val_tasks, runtime=runtime, out_dir=out_dir, ckpt_dir=ckpt_dir, dist=dist, run=run,
-                         demo_examples=demos, hooks=hooks)
-
-        if cfg.population.size > 1:  # members one after the other, each in its own checkpoint folder
-            from pipeline.train.population import member_features, train_population
-            from pipeline.train.validation import VAL_SEED
-
-            result = train_population(
-                cfg, train_one, lambda c: Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, c, dist.world_size,
-                                                              incoming.digest),
-                Path(out), run, dist, lambda d: member_features(d, val_tasks[:cfg.eval_tasks], runtime, env_cfg,
-                                                                rollout_cfg, dist, VAL_SEED))
-        else:
-            result = train_one(cfg, Path(out), ckpt_dir, run)
+        result = train_runs(cfg, env_cfg, rollout_cfg, inputs, adapted=adapted, out=out, ckpt=ckpt, dist=dist,
+                            run=run, hooks=hooks)
         result["incoming"] = incoming.summary
         if not result["completed"]:
             dist.close()
             return result
         test_records: dict[str, list] = {"rl": []}
-        comparison = compare({"sft": Path(adapted), "rl": Path(out)}, test_tasks[:cfg.test_tasks], runtime, env_cfg,
-                             rollout_cfg, dist, test_records)
+        tests = inputs.test_tasks[:cfg.test_tasks]
+        comparison = compare({"sft": Path(adapted), "rl": Path(out)}, tests, inputs.runtime, env_cfg, rollout_cfg,
+                             dist, test_records)
         if dist.is_main:
-            learn = learnability(runtime, test_records["rl"], test_tasks[:cfg.test_tasks], train_tasks, env_cfg,
-                                 rollout_cfg, data)
-            metrics = {
-                "algorithm": cfg.algorithm, "world_size": dist.world_size, "updates": cfg.updates,
-                "best_update": result["best"]["update"], "best_val_success": result["best"]["success"],
-                "test": comparison, "delta_rl_minus_sft": deltas(comparison["sft"], comparison["rl"]),
-                "seen_wording_headroom": seen_wording_headroom(comparison["sft"]),
-                "seconds": round(time.perf_counter() - t0, 1),
-                "mean_rollout_share": _share(result["history"]),
-                "evals": result["evals"],
-                "early_stopping": result["early_stopping"],
-                "incoming": incoming.summary,
-                "health": run_health(result["history"]),  # tool faults, stale batches dropped, collapse alarms
-                "learnability": learn,  # why the RL policy's test episodes fail (docs/environments.md)
-            }
-            if "population" in result:  # every member's validation figures and their pairwise diversity
-                metrics["population"] = result["population"]
+            learn = learnability(inputs.runtime, test_records["rl"], tests, inputs.train_tasks, env_cfg, rollout_cfg,
+                                 data)
+            metrics = train_summary(cfg, result, comparison, learn, dist.world_size, time.perf_counter() - t0)
             write_json(metrics_path, metrics)
-            with atomic_open(curve_path, newline="") as fh:
-                w = csv.writer(fh)
-                keys = CURVE_KEYS + tuple(k for k in OPTIONAL_CURVE_KEYS if any(k in h for h in result["history"]))
-                keys += tuple(k for k in HEALTH_CURVE_KEYS if any(h.get(k) for h in result["history"]))
-                w.writerow([k.replace("/", "_") for k in keys])
-                for h in result["history"]:
-                    w.writerow([h.get(k, "") for k in keys])
-            flat = {f"test/{name}_success": c["overall"]["success_rate"] for name, c in comparison.items()}
-            flat.update({f"test/delta_{k}": v for k, v in metrics["delta_rl_minus_sft"].items() if v is not None})
-            es = result["early_stopping"]
-            flat.update({"early_stopping/stopped": es["stopped"], "early_stopping/stop_update": es["stop_update"] or 0,
-                         "early_stopping/best_update": es["best_update"] or 0})
-            run.log_metrics({**flat, **flat_metrics(learn)})
-            run.log_dict(learn, "learnability.json")
-            run.set_tags({"early_stopping.stopped": es["stopped"], "early_stopping.reason": es["reason"],
-                          "early_stopping.best_update": es["best_update"]})
-            run.log_artifact(metrics_path)
-            d = metrics["delta_rl_minus_sft"]
-            print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "
-                  f"{comparison['rl']['overall']['success_rate']:.3f} ({d['overall_success']:+.3f}); per level "
-                  + ", ".join(f"L{lv} {d[f'level_{lv}_success']:+.3f}" for lv in comparison["sft"]["per_level"]))
-            head = metrics["seen_wording_headroom"]
-            if head is not None:
-                print("train: seen-wording headroom (the most RL adds without the held-out wording) overall "
-                      f"+{head['overall']:.3f}; per level "
-                      + ", ".join(f"L{lv} +{head[f'level_{lv}']:.3f}" for lv in comparison["sft"]["per_level"]))
-            print(render(learn, "train: learnability of the RL policy on the test split (greedy)"), flush=True)
+            write_curve(curve_path, result["history"])
+            report(metrics, comparison, learn, metrics_path, run)
     dist.close()
     return result
+
+
+def train_runs(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, inputs: Inputs, *, adapted: str, out: str,
+               ckpt: str, dist, run, hooks) -> dict:
+    """The run, or with ``train.population.size`` > 1 the members one after the other, each in its own checkpoint
+    folder (:mod:`pipeline.train.extensions.population`); the loop's result (the best member's, with `population`)."""
+    from pipeline.train.loop import train
+
+    rl_rollout_cfg = (rollout_cfg if cfg.rollout_temperature is None
+                      else rollout_cfg.model_copy(update={"temperature": cfg.rollout_temperature}))
+    runtime, val_tasks = inputs.runtime, inputs.val_tasks
+    ckpt_dir_of = lambda c: Path(ckpt) / run_key(adapted, env_cfg, rollout_cfg, c, dist.world_size,  # noqa: E731
+                                                 inputs.incoming.digest)
+
+    def train_one(c: TrainConfig, out_dir: Path, ckpt_dir: Path, run) -> dict:
+        return train(c, env_cfg, rl_rollout_cfg, policy_dir=Path(adapted),
+                     train_tasks=inputs.train_tasks + inputs.incoming.tasks, val_tasks=val_tasks, runtime=runtime,
+                     out_dir=out_dir, ckpt_dir=ckpt_dir, dist=dist, run=run, demo_examples=inputs.demos, hooks=hooks)
+
+    if cfg.population.size <= 1:
+        return train_one(cfg, Path(out), ckpt_dir_of(cfg), run)
+    from pipeline.train.extensions.population import member_features, train_population
+    from pipeline.train.validation import VAL_SEED
+
+    return train_population(cfg, train_one, ckpt_dir_of, Path(out), run, dist,
+                            lambda d: member_features(d, val_tasks[:cfg.eval_tasks], runtime, env_cfg, rollout_cfg,
+                                                      dist, VAL_SEED))
+
+
+def train_summary(cfg: TrainConfig, result: dict, comparison: dict, learn: dict, world_size: int,
+                  seconds: float) -> dict:
+    """What ``metrics/train.json`` holds (see the module docstring)."""
+    metrics = {
+        "algorithm": cfg.algorithm, "world_size": world_size, "updates": cfg.updates,
+        "best_update": result["best"]["update"], "best_val_success": result["best"]["success"],
+        "test": comparison, "delta_rl_minus_sft": deltas(comparison["sft"], comparison["rl"]),
+        "seen_wording_headroom": seen_wording_headroom(comparison["sft"]),
+        "seconds": round(seconds, 1),
+        "mean_rollout_share": _share(result["history"]),
+        "evals": result["evals"],
+        "early_stopping": result["early_stopping"],
+        "incoming": result["incoming"],
+        "health": run_health(result["history"]),  # tool faults, stale batches dropped, collapse alarms
+        "learnability": learn,  # why the RL policy's test episodes fail (docs/environments.md)
+    }
+    if "population" in result:  # every member's validation figures and their pairwise diversity
+        metrics["population"] = result["population"]
+    return metrics
+
+
+def write_curve(curve_path: str, history: list[dict]) -> None:
+    """``metrics/train_curve.csv``: the fixed columns, the optional ones some update reported, the health ones some
+    update has nonzero."""
+    with atomic_open(curve_path, newline="") as fh:
+        w = csv.writer(fh)
+        keys = CURVE_KEYS + tuple(k for k in OPTIONAL_CURVE_KEYS if any(k in h for h in history))
+        keys += tuple(k for k in HEALTH_CURVE_KEYS if any(h.get(k) for h in history))
+        w.writerow([k.replace("/", "_") for k in keys])
+        for h in history:
+            w.writerow([h.get(k, "") for k in keys])
+
+
+def report(metrics: dict, comparison: dict, learn: dict, metrics_path: str, run) -> None:
+    """Rank 0: the headline figures, tags and files to the tracker run, and the summary lines to stdout."""
+    flat = {f"test/{name}_success": c["overall"]["success_rate"] for name, c in comparison.items()}
+    flat.update({f"test/delta_{k}": v for k, v in metrics["delta_rl_minus_sft"].items() if v is not None})
+    es = metrics["early_stopping"]
+    flat.update({"early_stopping/stopped": es["stopped"], "early_stopping/stop_update": es["stop_update"] or 0,
+                 "early_stopping/best_update": es["best_update"] or 0})
+    run.log_metrics({**flat, **flat_metrics(learn)})
+    run.log_dict(learn, "learnability.json")
+    run.set_tags({"early_stopping.stopped": es["stopped"], "early_stopping.reason": es["reason"],
+                  "early_stopping.best_update": es["best_update"]})
+    run.log_artifact(metrics_path)
+    d = metrics["delta_rl_minus_sft"]
+    print(f"train: test success SFT {comparison['sft']['overall']['success_rate']:.3f} -> RL "
+          f"{comparison['rl']['overall']['success_rate']:.3f} ({d['overall_success']:+.3f}); per level "
+          + ", ".join(f"L{lv} {d[f'level_{lv}_success']:+.3f}" for lv in comparison["sft"]["per_level"]))
+    head = metrics["seen_wording_headroom"]
+    if head is not None:
+        print("train: seen-wording headroom (the most RL adds without the held-out wording) overall "
+              f"+{head['overall']:.3f}; per level "
+              + ", ".join(f"L{lv} +{head[f'level_{lv}']:.3f}" for lv in comparison["sft"]["per_level"]))
+    print(render(learn, "train: learnability of the RL policy on the test split (greedy)"), flush=True)
 
 
 def run_key(adapted: str, env_cfg, rollout_cfg, cfg, world_size: int, incoming_digest: str | None = None) -> str:

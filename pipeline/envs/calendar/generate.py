@@ -1,7 +1,7 @@
 """Fresh training tasks of a given slice (family, level, wording) for adversarial task generation during RL.
 
 :meth:`pipeline.envs.calendar.CalendarWorld.generate_tasks` calls :func:`weak_spot_tasks` when the `train` phase asks
-for more tasks where the policy is weak (:mod:`pipeline.train.task_generator`). The draw reuses the build's
+for more tasks where the policy is weak (:mod:`pipeline.train.extensions.task_generation`). The draw reuses the build's
 (:func:`pipeline.envs.calendar.tasks.draw` and :func:`~pipeline.envs.calendar.tasks.make_task`), so a generated task
 is a built one with another id.
 

@@ -158,82 +158,104 @@ def draw(family: str, s: Schedule, people: list[str], rng: np.random.Generator) 
         return (_book_after if family == "book_after" else _book_next_free)(s, p, rng, pick)
     if not owned:
         return None
-    b = pick(owned)
+    b = pick(owned)  # the requester's meeting the request starts from
+    from_booking = _FROM_A_BOOKING.get(family)
+    if from_booking is None:
+        raise ValueError(f"unknown family {family!r}; families are {list(FAMILY_NAMES)}")
+    return from_booking(s, p, b, people, pick)
+
+
+def _move_time(s: Schedule, p: str, b: int, people: list[str], pick) -> dict | None:
     room, day, h0, _, n = s.rows[b]
-    other_days = [d for d in s.days if d != day]
     i0 = HOURS.index(h0)
-    if family == "move_time":
-        if i0 == len(HOURS) - 1:
+    if i0 == len(HOURS) - 1:
+        return None
+    t = pick(HOURS[i0 + 1:])
+    free = [h for h in HOURS[HOURS.index(t):] if s.room_free(room, day, h)]
+    if not free or not s.person_free(p, day, free[0]):
+        return None
+    h = free[0]
+    plan = [["find_bookings", {"person": p, "date": day}], ["free_slots", {"room": room, "date": day}],
+            _move(b, room, day, h)]
+    return {"slots": {"p": p, "h0": h0, "d": day, "t": t}, "plan": plan, "goal": [_move_goal(b, room, day, h, n)],
+            "allowed": {"move": [b]}, "answer_ids": [b], "people": [p]}
+
+
+def _move_day(s: Schedule, p: str, b: int, people: list[str], pick) -> dict | None:
+    room, day, h0, _, n = s.rows[b]
+    d2 = pick([d for d in s.days if d != day])
+    rooms = s.free_rooms(d2, h0, n)
+    if not rooms or not s.person_free(p, d2, h0):
+        return None
+    keep = room in rooms
+    target = room if keep else rooms[0]
+    plan = [["find_bookings", {"person": p, "date": day}], ["free_rooms", {"date": d2, "start": h0, "attendees": n}],
+            _move(b, target, d2, h0)]
+    return {"slots": {"p": p, "h0": h0, "d": day, "d2": d2}, "plan": plan,
+            "goal": [_move_goal(b, room if keep else None, d2, h0, n)], "allowed": {"move": [b]},
+            "answer_ids": [b], "people": [p]}
+
+
+def _replace(s: Schedule, p: str, b: int, people: list[str], pick) -> dict | None:
+    _, day, h0, _, _ = s.rows[b]
+    d2, t, n2 = pick(s.days), pick(HOURS), pick(SIZES)
+    if (d2, t) == (day, h0) or not s.person_free(p, d2, t, ignore=(b,)):
+        return None
+    rooms = s.free_rooms(d2, t, n2, ignore=(b,))
+    if not rooms:
+        return None
+    plan = [["find_bookings", {"person": p, "date": day}], ["cancel_booking", {"booking_id": b}],
+            ["free_rooms", {"date": d2, "start": t, "attendees": n2}], _book(rooms[0], d2, t, p, n2)]
+    return {"slots": {"p": p, "h0": h0, "d": day, "d2": d2, "t": t, "n": n2}, "plan": plan,
+            "goal": [{"op": "cancel", "booking_id": b}, _book_goal(p, None, d2, t, n2)],
+            "allowed": {"cancel": [b], "book": True}, "answer_ids": [b, FIRST_NEW_ID], "people": [p]}
+
+
+def _move_both(s: Schedule, p: str, b: int, people: list[str], pick) -> dict | None:
+    day = s.rows[b][1]
+    mine = s.of.get((p, day), [])
+    if len(mine) != 2 or any(s.rows[x][0] == SMALLEST_ROOM for x in mine):
+        return None
+    d2 = pick([d for d in s.days if d != day])
+    plan, goal, moves = [["find_bookings", {"person": p, "date": day}]], [], []
+    for x in mine:
+        r, _, h, _, nx = s.rows[x]
+        rooms = s.free_rooms(d2, h, nx)
+        if not rooms or not s.person_free(p, d2, h):
             return None
-        t = pick(HOURS[i0 + 1:])
-        free = [h for h in HOURS[HOURS.index(t):] if s.room_free(room, day, h)]
-        if not free or not s.person_free(p, day, free[0]):
-            return None
-        h = free[0]
-        plan = [["find_bookings", {"person": p, "date": day}], ["free_slots", {"room": room, "date": day}],
-                _move(b, room, day, h)]
-        return {"slots": {"p": p, "h0": h0, "d": day, "t": t}, "plan": plan, "goal": [_move_goal(b, room, day, h, n)],
-                "allowed": {"move": [b]}, "answer_ids": [b], "people": [p]}
-    if family == "move_day":
-        d2 = pick(other_days)
-        rooms = s.free_rooms(d2, h0, n)
-        if not rooms or not s.person_free(p, d2, h0):
-            return None
-        keep = room in rooms
-        target = room if keep else rooms[0]
-        plan = [["find_bookings", {"person": p, "date": day}], ["free_rooms", {"date": d2, "start": h0, "attendees": n}],
-                _move(b, target, d2, h0)]
-        return {"slots": {"p": p, "h0": h0, "d": day, "d2": d2}, "plan": plan,
-                "goal": [_move_goal(b, room if keep else None, d2, h0, n)], "allowed": {"move": [b]},
-                "answer_ids": [b], "people": [p]}
-    if family == "replace":
-        d2, t, n2 = pick(s.days), pick(HOURS), pick(SIZES)
-        if (d2, t) == (day, h0) or not s.person_free(p, d2, t, ignore=(b,)):
-            return None
-        rooms = s.free_rooms(d2, t, n2, ignore=(b,))
-        if not rooms:
-            return None
-        plan = [["find_bookings", {"person": p, "date": day}], ["cancel_booking", {"booking_id": b}],
-                ["free_rooms", {"date": d2, "start": t, "attendees": n2}], _book(rooms[0], d2, t, p, n2)]
-        return {"slots": {"p": p, "h0": h0, "d": day, "d2": d2, "t": t, "n": n2}, "plan": plan,
-                "goal": [{"op": "cancel", "booking_id": b}, _book_goal(p, None, d2, t, n2)],
-                "allowed": {"cancel": [b], "book": True}, "answer_ids": [b, FIRST_NEW_ID], "people": [p]}
-    if family == "move_both":
-        mine = s.of.get((p, day), [])
-        if len(mine) != 2 or any(s.rows[x][0] == SMALLEST_ROOM for x in mine):
-            return None
-        d2 = pick(other_days)
-        plan, goal, moves = [["find_bookings", {"person": p, "date": day}]], [], []
-        for x in mine:
-            r, _, h, _, nx = s.rows[x]
-            rooms = s.free_rooms(d2, h, nx)
-            if not rooms or not s.person_free(p, d2, h):
-                return None
-            keep = r in rooms
-            plan.append(["free_rooms", {"date": d2, "start": h, "attendees": nx}])
-            moves.append(_move(x, r if keep else rooms[0], d2, h))
-            goal.append(_move_goal(x, r if keep else None, d2, h, nx))
-        return {"slots": {"p": p, "d": day, "d2": d2}, "plan": plan + moves, "goal": goal,
-                "allowed": {"move": sorted(mine)}, "answer_ids": sorted(mine), "people": [p]}
-    if family == "swap_times":
-        others = [s.slot[(room, day, h)] for h in HOURS if h != h0 and (room, day, h) in s.slot]
-        partners = [x for x in others if s.rows[x][3] != p and s.rows[x][3] in people]
-        if not partners:
-            return None
-        c = pick(partners)
-        q, hc = s.rows[c][3], s.rows[c][2]
-        if not (s.person_free(p, day, hc, ignore=(b,)) and s.person_free(q, day, h0, ignore=(c,))):
-            return None
-        temp = [h for h in HOURS if s.room_free(room, day, h) and s.person_free(p, day, h, ignore=(b,))]
-        if not temp:
-            return None
-        plan = [["find_bookings", {"person": p, "date": day}], ["find_bookings", {"person": q, "date": day}],
-                ["free_slots", {"room": room, "date": day}], _move(b, room, day, temp[0]), _move(c, room, day, h0),
-                _move(b, room, day, hc)]
-        return {"slots": {"p": p, "q": q, "h0": h0, "t": hc, "r": room, "d": day}, "plan": plan,
-                "goal": [_move_goal(b, room, day, hc, n), _move_goal(c, room, day, h0, s.rows[c][4])],
-                "allowed": {"move": sorted([b, c])}, "answer_ids": sorted([b, c]), "people": [p, q]}
-    raise ValueError(f"unknown family {family!r}; families are {list(FAMILY_NAMES)}")
+        keep = r in rooms
+        plan.append(["free_rooms", {"date": d2, "start": h, "attendees": nx}])
+        moves.append(_move(x, r if keep else rooms[0], d2, h))
+        goal.append(_move_goal(x, r if keep else None, d2, h, nx))
+    return {"slots": {"p": p, "d": day, "d2": d2}, "plan": plan + moves, "goal": goal,
+            "allowed": {"move": sorted(mine)}, "answer_ids": sorted(mine), "people": [p]}
+
+
+def _swap_times(s: Schedule, p: str, b: int, people: list[str], pick) -> dict | None:
+    room, day, h0, _, n = s.rows[b]
+    others = [s.slot[(room, day, h)] for h in HOURS if h != h0 and (room, day, h) in s.slot]
+    partners = [x for x in others if s.rows[x][3] != p and s.rows[x][3] in people]
+    if not partners:
+        return None
+    c = pick(partners)
+    q, hc = s.rows[c][3], s.rows[c][2]
+    if not (s.person_free(p, day, hc, ignore=(b,)) and s.person_free(q, day, h0, ignore=(c,))):
+        return None
+    temp = [h for h in HOURS if s.room_free(room, day, h) and s.person_free(p, day, h, ignore=(b,))]
+    if not temp:
+        return None
+    plan = [["find_bookings", {"person": p, "date": day}], ["find_bookings", {"person": q, "date": day}],
+            ["free_slots", {"room": room, "date": day}], _move(b, room, day, temp[0]), _move(c, room, day, h0),
+            _move(b, room, day, hc)]
+    return {"slots": {"p": p, "q": q, "h0": h0, "t": hc, "r": room, "d": day}, "plan": plan,
+            "goal": [_move_goal(b, room, day, hc, n), _move_goal(c, room, day, h0, s.rows[c][4])],
+            "allowed": {"move": sorted([b, c])}, "answer_ids": sorted([b, c]), "people": [p, q]}
+
+
+# The families that start from one of the requester's meetings (drawn by `draw`), each a function of
+# (schedule, requester, booking id, people, pick).
+_FROM_A_BOOKING = {"move_time": _move_time, "move_day": _move_day, "replace": _replace, "move_both": _move_both,
+                   "swap_times": _swap_times}
 
 
 def _book_after(s: Schedule, p: str, rng, pick) -> dict | None:

@@ -1,7 +1,7 @@
 """Fresh training tasks of a given slice (family, level, wording) for adversarial task generation during RL.
 
 :meth:`pipeline.envs.shop.ShopWorld.generate_tasks` calls :func:`weak_spot_tasks` when the `train` phase asks for more
-tasks where the policy is weak (:mod:`pipeline.train.task_generator`). The draw reuses the build's own pieces
+tasks where the policy is weak (:mod:`pipeline.train.extensions.task_generation`). The draw reuses the build's own pieces
 (:func:`pipeline.envs.shop.tasks._slots`, :func:`~pipeline.envs.shop.tasks._plan`, the wordings of
 :data:`~pipeline.envs.shop.tasks.TEMPLATES`), so a generated task is indistinguishable from a built one except for its
 id and the seed it came from.

@@ -71,6 +71,12 @@ def safe_calc(expr: str) -> float:
     """
     if len(expr) > MAX_EXPR_CHARS:
         raise ToolError(f"expression longer than {MAX_EXPR_CHARS} characters")
+    return _Arithmetic(_calc_tokens(expr)).value()
+
+
+def _calc_tokens(expr: str) -> list[tuple[str, str]]:
+    """("num", text) and ("op", character) tokens of `expr`, spaces dropped; ToolError for any other character or
+    for no token at all."""
     tokens: list[tuple[str, str]] = []
     for num, op in _TOKEN.findall(expr):
         if num:
@@ -81,71 +87,81 @@ def safe_calc(expr: str) -> float:
             tokens.append(("op", op))
     if not tokens:
         raise ToolError("empty expression")
-    pos = 0
+    return tokens
 
-    def peek() -> tuple[str, str] | None:
-        return tokens[pos] if pos < len(tokens) else None
 
-    def take() -> tuple[str, str]:
-        nonlocal pos
-        tok = tokens[pos]
-        pos += 1
-        return tok
+def _in_range(x: float) -> float:
+    if not math.isfinite(x) or abs(x) > MAX_MAGNITUDE:
+        raise ToolError("number out of range")
+    return x
 
-    def check(x: float) -> float:
-        if not math.isfinite(x) or abs(x) > MAX_MAGNITUDE:
-            raise ToolError("number out of range")
-        return x
 
-    def expr_(depth: int) -> float:
-        value = term(depth)
-        while (t := peek()) and t[1] in "+-" and t[0] == "op":
-            take()
-            rhs = term(depth)
-            value = check(value + rhs if t[1] == "+" else value - rhs)
+class _Arithmetic:
+    """A recursive-descent reading of one token list: expression = term {(+|-) term}, term = factor {(*|/) factor},
+    factor = (-|+) factor | "(" expression ")" | number; nesting deeper than MAX_DEPTH is refused."""
+
+    def __init__(self, tokens: list[tuple[str, str]]) -> None:
+        self.tokens, self.pos = tokens, 0
+
+    def value(self) -> float:
+        """The whole list's value; tokens left over are a ToolError."""
+        value = self.expression(0)
+        if self.pos != len(self.tokens):
+            raise ToolError(f"unexpected {self.tokens[self.pos][1]!r} in expression")
         return value
 
-    def term(depth: int) -> float:
-        value = factor(depth)
-        while (t := peek()) and t[0] == "op" and t[1] in "*/":
-            take()
-            rhs = factor(depth)
+    def peek(self) -> tuple[str, str] | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def take(self) -> tuple[str, str]:
+        tok = self.tokens[self.pos]
+        self.pos += 1
+        return tok
+
+    def expression(self, depth: int) -> float:
+        value = self.term(depth)
+        while (t := self.peek()) and t[1] in "+-" and t[0] == "op":
+            self.take()
+            rhs = self.term(depth)
+            value = _in_range(value + rhs if t[1] == "+" else value - rhs)
+        return value
+
+    def term(self, depth: int) -> float:
+        value = self.factor(depth)
+        while (t := self.peek()) and t[0] == "op" and t[1] in "*/":
+            self.take()
+            rhs = self.factor(depth)
             if t[1] == "/":
                 if rhs == 0:
                     raise ToolError("division by zero")
-                value = check(value / rhs)
+                value = _in_range(value / rhs)
             else:
-                value = check(value * rhs)
+                value = _in_range(value * rhs)
         return value
 
-    def factor(depth: int) -> float:
+    def factor(self, depth: int) -> float:
         if depth > MAX_DEPTH:
             raise ToolError("expression nested too deeply")
-        t = peek()
+        t = self.peek()
         if t is None:
             raise ToolError("expression ends early")
         if t == ("op", "-"):
-            take()
-            return -factor(depth + 1)
+            self.take()
+            return -self.factor(depth + 1)
         if t == ("op", "+"):
-            take()
-            return factor(depth + 1)
+            self.take()
+            return self.factor(depth + 1)
         if t == ("op", "("):
-            take()
-            value = expr_(depth + 1)
-            if peek() != ("op", ")"):
+            self.take()
+            value = self.expression(depth + 1)
+            if self.peek() != ("op", ")"):
                 raise ToolError("missing closing parenthesis")
-            take()
+            self.take()
             return value
         if t[0] == "num":
-            take()
-            return check(float(t[1]))
+            self.take()
+            return _in_range(float(t[1]))
         raise ToolError(f"unexpected {t[1]!r} in expression")
-
-    value = expr_(0)
-    if pos != len(tokens):
-        raise ToolError(f"unexpected {tokens[pos][1]!r} in expression")
-    return value
 
 
 # ------------------------------------------------------------------------------------------------------------ search

@@ -1,7 +1,7 @@
 """Fresh training tasks of a given slice (family, level, wording) for adversarial task generation during RL.
 
 :meth:`pipeline.envs.sql.SqlAnalyst.generate_tasks` calls :func:`weak_spot_tasks` when the `train` phase asks for
-more tasks where the policy is weak (:mod:`pipeline.train.task_generator`). The draw reuses the build's pieces
+more tasks where the policy is weak (:mod:`pipeline.train.extensions.task_generation`). The draw reuses the build's pieces
 (:func:`pipeline.envs.sql.tasks._draw` for the slots, :func:`~pipeline.envs.sql.tasks.ground_truth` for the answer
 and its rules: no empty, zero or NULL answers, no ties among the top k + 1), so a generated task is a built one with
 another id.

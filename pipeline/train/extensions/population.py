@@ -1,4 +1,4 @@
-"""Population training of the `train` phase (docs/design.md §2.1, §3.2): several policies trained side by side from
+"""Population training of the `train` phase (docs/design.md §2.1 and §3.2): several policies trained side by side from
 the same adapted policy, the best on validation kept, and how differently the members behave.
 
 **What it does.** With ``train.population.size`` = N > 1 the stage trains N members one after the other (on this
@@ -26,31 +26,8 @@ import math
 from collections import Counter
 from itertools import combinations
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
-from pydantic import Field, model_validator
-
-from pipeline.core.config import PhaseConfig
-
-
-class PopulationConfig(PhaseConfig):
-    """A population of RL runs selected on validation (docs/design.md §2.1: population training)."""
-
-    size: int = Field(1, ge=1, le=16, description="Members trained one after the other from the adapted policy, the best on validation kept as the stage's policy; 1 trains one policy (off).")
-    vary: Literal["seed", "entropy"] = Field("seed", description="What differs between members: 'seed' (member i uses train.seed + i) or 'entropy' (member i uses entropy_coefs[i] as its entropy bonus λ, same seed).")
-    entropy_coefs: list[float] = Field(default_factory=list, description="With vary: entropy, the entropy-bonus coefficient of each member (one per member, each in [0, 1]); empty otherwise.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "PopulationConfig":
-        if self.vary == "entropy":
-            if len(self.entropy_coefs) != self.size:
-                raise ValueError(f"vary: entropy needs one entropy coefficient per member: size is {self.size}, "
-                                 f"entropy_coefs has {len(self.entropy_coefs)}")
-            if any(not 0.0 <= c <= 1.0 for c in self.entropy_coefs):
-                raise ValueError(f"entropy_coefs must lie in [0, 1], got {self.entropy_coefs}")
-        elif self.entropy_coefs:
-            raise ValueError("entropy_coefs is only read with vary: entropy; leave it empty with vary: seed")
-        return self
 
 
 def member_configs(cfg) -> list:

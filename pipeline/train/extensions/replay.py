@@ -1,8 +1,9 @@
-"""Sample reuse for the RL phase (docs/design.md §3.4): a replay store of past episodes with prioritised
-sampling, the mixing ratio of new and replayed episodes, and the glue that puts replayed episodes into an update
-with their stored advantage, their recorded behaviour log-probabilities and a per-row importance weight.
-Trajectory slicing is :func:`pipeline.train.batch.slice_rows`; adversarial task sampling is
-:class:`pipeline.train.sampling.TaskFailures`. All keys live in ``train.sampling`` (:class:`SamplingConfig`).
+"""Extension `replay` (``train.sampling.replay``; docs/design.md §3.4): a replay store of past episodes with
+prioritised sampling, the mixing ratio of new and replayed episodes, and the glue that puts replayed episodes into an
+update with their stored advantage, their recorded behaviour log-probabilities and a per-row importance weight.
+Trajectory slicing is :mod:`pipeline.train.extensions.slicing`; adversarial task sampling is
+:mod:`pipeline.train.extensions.adversarial`. All keys live in ``train.sampling``
+(:class:`pipeline.train.config.SamplingConfig`).
 
 Decisions:
 
@@ -16,7 +17,7 @@ Decisions:
 - **Advantage of a replayed episode.** grpo/rloo: the advantage stored with it (its group is gone; its group-relative
   standing is what it was), per turn with `turn_credit`. PPO: recomputed by GAE with today's value head (its TD
   errors change as V does), from its return normalised with the normaliser's current window (replayed returns do
-  not enter the window again); PPO with per-turn or event credit is refused (AgentRLError).
+  not enter the window again); PPO with per-turn or event credit is refused (by :class:`pipeline.train.config.TrainConfig`).
 - **Importance weight of the priority sampling**, w_i = (N·p(i))^(−β_is) / max_j w_j over the episodes drawn this
   update (Schaul et al. 2016). It multiplies the replayed rows' loss weights (new rows weigh 1); the policy loss is a
   weighted mean, so w_i sets a replayed row's share relative to the other rows and the step size is not shrunk.
@@ -39,42 +40,11 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-from pydantic import Field, model_validator
 
-from pipeline.core.config import PhaseConfig
-from pipeline.core.errors import AgentRLError
-
-# torch is imported inside the functions that need it: the train config imports this module for SamplingConfig,
-# and reading a config stays light
+from pipeline.train.extensions.base import Extension
 
 
-class SamplingConfig(PhaseConfig):
-    """`train.sampling`: sample reuse (prioritised replay), trajectory slicing and adversarial task sampling."""
-
-    replay: bool = Field(False, description="Train each update on its new episodes plus prioritised replayed episodes of earlier updates (off by default).")
-    capacity: int = Field(256, ge=1, le=100_000, description="Episodes the replay store keeps (first in, first out).")
-    alpha: float = Field(0.6, ge=0, le=4, description="Priority exponent α of p(i) ∝ |δ_i|^α + ε (0: uniform).")
-    eps: float = Field(0.01, gt=0, description="ε of p(i) ∝ |δ_i|^α + ε: every stored episode keeps a chance.")
-    beta_is: float = Field(0.4, ge=0, le=1, description="Exponent of the priority importance weight w_i = (N·p(i))^(−β_is)/max w (0: no correction, 1: full).")
-    beta_min: float = Field(0.5, gt=0, le=1, description="Lower bound of the share β of new episodes in an update.")
-    beta_max: float = Field(1.0, gt=0, le=1, description="Upper bound of the share β of new episodes; β = clip(N_new/(N_new + N_store), β_min, β_max).")
-    max_age: int = Field(4, ge=1, le=1000, description="Replayed episodes are at most this many policy versions old; older ones are evicted.")
-    slice_turns: int = Field(0, ge=0, le=64, description="Trajectory slicing: a token segment with more than this many turns is trained as rows of at most this many turns each (context: the segment's prompt, then the window); 0 disables.")
-    adversarial: bool = Field(False, description="Within a level, sample tasks the policy recently failed more often: weight max(floor, 1 − success_task)^power (off by default).")
-    adversarial_floor: float = Field(0.1, gt=0, le=1, description="Lowest per-task weight of adversarial sampling, so solved tasks are still drawn.")
-    adversarial_power: float = Field(1.0, ge=0, le=8, description="Exponent k of max(floor, 1 − success_task)^k (0: uniform).")
-    adversarial_window: int = Field(8, ge=1, le=1000, description="Recent episodes per task in its success rate.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "SamplingConfig":
-        if self.beta_min > self.beta_max:
-            raise ValueError(f"train.sampling.beta_min ({self.beta_min}) must not exceed beta_max ({self.beta_max})")
-        return self
-
-
-REFUSED_PPO_CREDIT = ("train.sampling.replay with PPO works with episode credit only: per-turn or event credit "
-                      "would need each replayed episode's turn rewards and discounts re-derived; use grpo/rloo (their "
-                      "per-turn advantages are stored) or replay off")
+# torch is imported inside the functions that need it, so that reading the pure functions stays light
 
 
 # ------------------------------------------------------------------------------------------------- pure functions
@@ -172,12 +142,9 @@ class ReplayStore:
 
 
 # -------------------------------------------------------------------------------------------- loop and learner glue
-def mix_replay(state, records: list[dict], u: int, cfg, dist) -> tuple[list[dict], dict]:
+def mix_replay(store: ReplayStore, records: list[dict], u: int, cfg, dist) -> tuple[list[dict], dict]:
     """Update `u`'s records followed by this rank's share of the replayed episodes (marked ``replayed``, with
-    ``replay_weight``, ``replay_adv``, ``replay_turn_adv``), and the replay metrics. Unchanged when replay is off."""
-    store = getattr(state, "replay", None)
-    if store is None:
-        return records, {}
+    ``replay_weight``, ``replay_adv``, ``replay_turn_adv``), and the replay metrics."""
     sc = cfg.sampling
     dropped = store.evict_stale(u, sc.max_age)
     n_new = len(records) * dist.world_size
@@ -208,20 +175,19 @@ def _pad_cat(a, rows: list[list[float]]):
     return out
 
 
-def replay_scores(records: list[dict], cfg, state, *args):
-    """:func:`pipeline.train.advantages.score_episodes` (`args` passed on) of the new records (a prefix of
-    `records`), extended by the replayed ones: their stored advantage (grpo/rloo), or their return normalised with
-    the window before this batch (PPO, episode credit). Exactly `score_episodes` when nothing is replayed."""
+def replay_scores(records: list[dict], score, normalizer):
+    """`score` (the learner's scoring, :func:`pipeline.train.advantages.score_episodes`) of the new records (a prefix
+    of `records`), extended by the replayed ones: their stored advantage (grpo/rloo), or their return normalised with
+    the window of `normalizer` (None: off) before this batch (PPO, episode credit). Exactly `score(records)` when
+    nothing is replayed."""
     import torch
-
-    from pipeline.train.advantages import score_episodes
 
     n_new = next((i for i, r in enumerate(records) if r.get("replayed")), len(records))
     if n_new == len(records):
-        return score_episodes(records, cfg, state, *args)
+        return score(records)
     rep = records[n_new:]
-    shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
-    sc = score_episodes(records[:n_new], cfg, state, *args)
+    shift, scale = normalizer.affine() if normalizer is not None else (0.0, 1.0)
+    sc = score(records[:n_new])
     rep_scores = torch.tensor([(r["return"] - shift) / scale for r in rep], dtype=sc.scores.dtype)
     sc.scores = torch.cat([sc.scores, rep_scores])
     sc.zero_var = torch.cat([sc.zero_var, torch.zeros(len(rep), dtype=torch.bool)])
@@ -231,9 +197,7 @@ def replay_scores(records: list[dict], cfg, state, *args):
     if sc.turn_adv is not None:
         sc.turn_adv = _pad_cat(sc.turn_adv, [r["replay_turn_adv"] for r in rep])
         sc.turn_mask = _pad_cat(sc.turn_mask, [[1.0] * len(r["replay_turn_adv"]) for r in rep])
-    elif sc.turn_rewards is not None:
-        raise AgentRLError(REFUSED_PPO_CREDIT)
-    return sc
+    return sc  # PPO with per-turn credit and replay never gets here: TrainConfig refuses it
 
 
 def weigh_rows(loss_mask, records: list[dict], batch):
@@ -246,13 +210,9 @@ def weigh_rows(loss_mask, records: list[dict], batch):
     return loss_mask * w[batch.episode][:, None]
 
 
-def remember(state, records: list[dict], sc, batch, adv, u: int, dist) -> dict:
+def remember(store: ReplayStore, records: list[dict], sc, batch, adv, u: int, dist) -> dict:
     """After update `u`'s advantages: its new episodes with a signal go into the replay store (every rank's, in
-    rank order), and the update's replay and slicing metrics. {} when replay and slicing are off."""
-    store = getattr(state, "replay", None)
-    out = {"sampling/slice_rows": int(batch.sliced)} if getattr(batch, "sliced", 0) else {}
-    if store is None:
-        return out
+    rank order), and the update's replay metrics."""
     import torch
 
     from pipeline.train import core_algos as A
@@ -270,8 +230,42 @@ def remember(state, records: list[dict], sc, batch, adv, u: int, dist) -> dict:
     gathered = [it for part in dist.all_gather(items) for it in part]
     store.add(gathered)
     replayed_rows = torch.tensor([bool(r.get("replayed")) for r in records])[batch.episode]
-    out.update({"replay/stored": len(gathered), "replay/size_after": len(store),
-                "replay/delta_mean": float(np.mean([it["delta"] for it in gathered])) if gathered else 0.0,
-                "replay/rows_trained": int(replayed_rows.sum())})
-    return out
+    return {"replay/stored": len(gathered), "replay/size_after": len(store),
+            "replay/delta_mean": float(np.mean([it["delta"] for it in gathered])) if gathered else 0.0,
+            "replay/rows_trained": int(replayed_rows.sum())}
 
+
+class Replay(Extension):
+    """On when ``train.sampling.replay``; its state is the :class:`ReplayStore`."""
+
+    name = "replay"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.store = ReplayStore(cfg.sampling.capacity, cfg.seed)
+        self.normalizer = None
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return cls(cfg) if cfg.sampling.replay else None
+
+    def attach(self, loop) -> None:
+        self.normalizer = loop.learner_state.normalizer  # a replayed PPO episode's score uses its window
+
+    def before_learn(self, loop, u: int, records: list[dict], own: list[dict]) -> tuple[list[dict], dict]:
+        return mix_replay(self.store, records, u, self.cfg, loop.dist)
+
+    def score(self, records: list[dict], score):
+        return replay_scores(records, score, self.normalizer)
+
+    def row_weights(self, loss_mask, records: list[dict], batch):
+        return weigh_rows(loss_mask, records, batch)
+
+    def after_advantages(self, u: int, records: list[dict], scores, batch, adv, dist) -> dict:
+        return remember(self.store, records, scores, batch, adv, u, dist)
+
+    def state_dict(self) -> dict:
+        return self.store.state_dict()
+
+    def load_state_dict(self, state: dict, loop) -> None:
+        self.store.load_state_dict(state)

@@ -1,6 +1,7 @@
-"""Reward engineering in the learner (docs/design.md §3.6.1, §2.2): how an episode's reward components
-become the return RL maximises, and how that return is credited to turns. Config: `train.reward`
-(:class:`RewardConfig`).
+"""Extension `reward_weighting` (``train.reward.weighting`` other than 'fixed'; docs/design.md §3.6.1): how
+an episode's reward components become the return RL maximises. Config: `train.reward`
+(:class:`pipeline.train.config.RewardConfig`); the credit of that return to turns is the kernel's per-turn credit, with
+the discounts of :mod:`pipeline.train.extensions.event_credit` under ``credit: event``.
 
 The environment pays R = Σ_i α_i·x_i over the components x = (correctness, efficiency, safety, user_experience) with
 the fixed weights α of `env.reward` (efficiency and user experience only count in a correct episode under
@@ -32,70 +33,27 @@ rewards keep the environment's timing and amounts, and the difference R' − R b
 return is paid on the episode's last turn: the first turn's return (γ = 1) is R' exactly, and a violation is still
 charged when it happens.
 
-**Credit** (`train.reward.credit`): ``episode`` (the return on the last action), ``turn`` (the discounted return from
-each turn on, `train.gamma` per turn; `train.turn_credit: true` is the older spelling of it) and ``event``: the
-discount is applied at key events rather than at every turn. The per-turn discount is γ_t = γ·γ_e if turn t carries a
-key event else γ (with the default γ = 1: only at events), and G_t = r_t + γ_t·G_{t+1}
-(:func:`pipeline.train.core_algos.stepwise_discounted_returns`): turns before a key decision get discounted credit
-for what follows it. Events (`events`): ``write``, a call of a tool marked `writes` (attempted, refused or not: the
-decision is the key, not its outcome), and any name a record's ``step_events`` (one list of names per step) carries,
-e.g. ``subgoal_done``. With PPO the discount γ_e is applied in GAE at the last action token of an event turn.
-
 The maths are pure functions (numpy in, numpy out) with hand-computed tests; :class:`RewardWeighting` holds the state
-(`state_dict` / `load_state_dict`, checkpointed with :class:`pipeline.train.sampling.SamplerState`).
+(`state_dict` / `load_state_dict`, checkpointed as the extension's state); :class:`ReturnWeighting` joins it to the
+learner's scoring (:meth:`pipeline.train.extensions.base.Extension.reweight`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
 
 import numpy as np
-from pydantic import Field, field_validator
 
-from pipeline.core.config import PhaseConfig
 from pipeline.core.errors import AgentRLError
+from pipeline.train.config import COMPONENTS, RewardConfig
+from pipeline.train.extensions.base import Extension
 
-COMPONENTS = ("correctness", "efficiency", "safety", "user_experience")
 BEST = np.array([1.0, 0.0, 0.0, 1.0])  # top of each component's range (pipeline.envs.reward)
 SHAPED = np.array([False, True, False, True])  # terms that `env.reward.shaping: on_success` counts only on success
 # what an update reports into metrics/train_curve.csv when a mode is on (pipeline.train.worker)
 REWARD_CURVE_KEYS = (*(f"reward/w_{c}" for c in COMPONENTS), *(f"reward/lambda_{c}" for c in COMPONENTS[1:]),
                      *(f"reward/constraint_{c}" for c in COMPONENTS[1:]), "reward/return_mean",
                      "credit/event_turns_per_episode")
-
-
-class RewardConfig(PhaseConfig):
-    """How the learner forms returns from the reward components and credits them to turns (docs/design.md §3.6.1,
-    2.2)."""
-
-    weighting: Literal["fixed", "softmax", "lagrange"] = Field("fixed", description="'fixed': the environment's return (env.reward weights); 'softmax': w_i = α_i·4·softmax(Q/τ)_i, Q_i the component's recent shortfall from its best, so weight goes where the policy is weakest; 'lagrange': correctness plus λ_j·(x_j − b_j) for each constrained component, λ by projected dual ascent.")
-    window: int = Field(256, ge=1, le=1_000_000, description="softmax: episodes (where the component counts) in each component's recent-shortfall window.")
-    temperature: float = Field(0.5, gt=0, le=100, description="softmax: τ; small τ puts nearly all weight on the weakest component, large τ keeps the fixed weights.")
-    thresholds: dict[str, float] = Field(default_factory=lambda: {"safety": -0.01, "efficiency": -0.25}, description="lagrange: constraint mean x_j ≥ b_j per component (safety, efficiency, user_experience); components not listed are not in the return.")
-    lambda_lr: float = Field(1.0, gt=0, le=1000, description="lagrange: dual step η of λ_j ← clip(λ_j − η·(mean_j − b_j), 0, lambda_max).")
-    lambda_max: float = Field(10.0, gt=0, le=1000, description="lagrange: upper bound of every λ_j (projection).")
-    credit: Literal["episode", "turn", "event"] = Field("episode", description="'episode': the return on the last action; 'turn': discounted return from each turn on (train.gamma per turn; train.turn_credit: true is the same); 'event': the discount event_gamma applies at turns with a key event instead of at every turn.")
-    event_gamma: float = Field(0.9, gt=0, le=1, description="event: discount γ_e applied after a turn that carries a key event.")
-    events: list[str] = Field(default_factory=lambda: ["write", "subgoal_done"], min_length=1, description="event: what counts as a key event: 'write' (a call of a tool that writes) and names a record's step_events carry (e.g. subgoal_done).")
-
-    @field_validator("thresholds")
-    @classmethod
-    def _check_thresholds(cls, v: dict[str, float]) -> dict[str, float]:
-        for name, b in v.items():
-            if name not in COMPONENTS[1:]:
-                raise ValueError(f"thresholds: {name!r} is not a constrainable component; choose from "
-                                 f"{list(COMPONENTS[1:])} (correctness is the objective)")
-            lo, hi = (0.0, 1.0) if name == "user_experience" else (-1.0, 0.0)
-            if not lo <= b <= hi:
-                raise ValueError(f"thresholds: {name} = {b} is outside the component's range [{lo}, {hi}]")
-        return v
-
-
-def credit_mode(cfg) -> str:
-    """The credit of a TrainConfig: `reward.credit`, with the older `turn_credit: true` meaning at least 'turn'."""
-    mode = cfg.reward.credit
-    return "turn" if mode == "episode" and cfg.turn_credit else mode
 
 
 # ----------------------------------------------------------------------------------------------------- pure maths
@@ -244,6 +202,34 @@ def policy_components(records: list[dict], shaping: str) -> tuple[list, list]:
     return x.tolist(), counted.tolist()
 
 
-def write_tool_names(runtime) -> frozenset[str]:
-    """The names of the environment's tools marked `writes` (the ``write`` events of event credit)."""
-    return frozenset(s.name for s in runtime.tools() if s.writes)
+class ReturnWeighting(Extension):
+    """On when ``train.reward.weighting`` is 'softmax' or 'lagrange'."""
+
+    name = "reward_weighting"
+
+    def __init__(self, state: RewardWeighting):
+        self.state = state
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return None if cfg.reward.weighting == "fixed" else cls(RewardWeighting(cfg.reward, env_cfg.reward))
+
+    def reweight(self, records: list[dict], gather=None) -> tuple[list[dict], np.ndarray, dict]:
+        """Copies of `records` whose ``return`` is recomputed from their reward components with the weighting's
+        current state, which then takes the policy episodes of every rank (`gather`, e.g. ``Dist.all_gather``; None:
+        this process only); also R' − R per episode and the metrics."""
+        return reweight_returns(records, self.state, gather)
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict, loop) -> None:
+        self.state.load_state_dict(state)
+
+
+def reweight_returns(records: list[dict], rw: RewardWeighting, gather=None) -> tuple[list[dict], np.ndarray, dict]:
+    """See :meth:`ReturnWeighting.reweight`."""
+    returns, mets = rw.returns(records)
+    mets.update(rw.update((gather or (lambda x: [x]))(policy_components(records, rw.shaping))))
+    delta = returns - np.array([float(r["return"]) for r in records], dtype=np.float64)
+    return [{**r, "return": float(x)} for r, x in zip(records, returns)], delta, mets

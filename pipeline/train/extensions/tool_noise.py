@@ -1,4 +1,5 @@
-"""Exploration noise of the `train` phase (docs/design.md §3.2): annealed action noise on the tool an action calls.
+"""Extension `tool_noise` (``train.exploration``; docs/design.md §3.2): annealed action noise on the tool an action
+calls, through the rollout engine's sampling hook (:attr:`pipeline.policy.rollout.RolloutEngine.sampling_hook`).
 
 **What it does.** With ``train.exploration.tool_noise`` = ε_max > 0, every RL rollout (never a greedy validation or
 test episode) draws the tool of each action from the mixture (1 − ε_t)·π + ε_t·uniform(the episode's tools): right
@@ -19,23 +20,13 @@ have taken gets w ≈ π_θ/(ε_t/K) ≪ 1; the policy's own tool choice gets w 
 (actions that opened a tool choice over all ranks) and ``explore/noised_action_share`` (the share of them whose tool
 the noise drew).
 
-Asynchronous rollouts (``train.async_rollouts``) with tool noise are refused: their batches are generated for the next
-update while the current one learns, and their engines are built by the worker; not wired here.
+Asynchronous rollouts (``train.async_rollouts``) with tool noise are refused (by the train config): their batches are
+generated for the next update while the current one learns, and their engines are built by the worker; not wired here.
 """
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from pipeline.core.config import PhaseConfig
-from pipeline.core.errors import AgentRLError
-
-
-class ExplorationConfig(PhaseConfig):
-    """Annealed tool-choice noise of RL rollouts (docs/design.md §3.2)."""
-
-    tool_noise: float = Field(0.0, ge=0, le=1, description="ε_max: probability that an RL rollout's action calls a tool drawn uniformly from the task's tools instead of the policy's choice (recorded log-probabilities are the mixture's, so the importance weights correct for it); 0 disables.")
-    anneal: bool = Field(True, description="ε_t = ε_max·(1 − t/T) over the run's updates (t the 0-based update, T = train.updates); false keeps ε_max throughout.")
+from pipeline.train.extensions.base import Extension
 
 
 def annealed_epsilon(eps_max: float, t: int, T: int, anneal: bool = True) -> float:
@@ -46,32 +37,46 @@ def annealed_epsilon(eps_max: float, t: int, T: int, anneal: bool = True) -> flo
 
 
 def attach_tool_noise(engine, cfg) -> None:
-    """Give the RL rollout engine its tool-choice noise when ``cfg.exploration.tool_noise`` > 0 (`cfg`: the
-    TrainConfig); nothing otherwise, so the default run samples exactly as before."""
-    if cfg.exploration.tool_noise <= 0:
-        return
-    if cfg.async_rollouts:
-        raise AgentRLError("train.exploration.tool_noise is not supported with train.async_rollouts: set one of them "
-                           "off")
+    """Give the RL rollout engine the tool-choice noise of ``cfg.exploration`` (`cfg`: the TrainConfig) as its
+    sampling hook."""
     from pipeline.policy.sampling import ToolChoiceNoise
     from pipeline.policy.tokenizer import CALL_OPEN, encode_continuation, marker_ids
 
     tok = engine.tokenizer  # a name's plain-text tokens (a chat template's action delta would add its turn tokens)
-    engine.tool_noise = ToolChoiceNoise(marker_ids(tok)[CALL_OPEN], lambda name: encode_continuation(tok, name))
+    engine.sampling_hook = ToolChoiceNoise(marker_ids(tok)[CALL_OPEN], lambda name: encode_continuation(tok, name))
 
 
 def begin_update(engine, cfg, u: int) -> None:
     """Set ε_t of update `u` (0-based) before its rollouts and reset the counts."""
-    if engine.tool_noise is not None:
-        engine.tool_noise.reset(annealed_epsilon(cfg.exploration.tool_noise, u, cfg.updates, cfg.exploration.anneal))
+    engine.sampling_hook.reset(annealed_epsilon(cfg.exploration.tool_noise, u, cfg.updates, cfg.exploration.anneal))
 
 
 def exploration_metrics(engine, dist) -> dict:
-    """The update's ε_t and the counts of its tool choices over all ranks; {} without noise."""
-    noise = engine.tool_noise
-    if noise is None:
-        return {}
+    """The update's ε_t and the counts of its tool choices over all ranks."""
+    noise = engine.sampling_hook
     parts = dist.all_gather((noise.stats["actions"], noise.stats["noised"]))
     actions, noised = sum(a for a, _ in parts), sum(n for _, n in parts)
     return {"explore/epsilon": noise.epsilon, "explore/tool_choices": actions,
             "explore/noised_action_share": noised / actions if actions else 0.0}
+
+
+class ToolNoise(Extension):
+    """On when ``train.exploration.tool_noise`` > 0."""
+
+    name = "tool_noise"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return cls(cfg) if cfg.exploration.tool_noise > 0 else None
+
+    def attach(self, loop) -> None:
+        attach_tool_noise(loop.rollout, self.cfg)
+
+    def begin_update(self, loop, u: int) -> None:
+        begin_update(loop.rollout, self.cfg, u)
+
+    def after_learn(self, loop, u: int, records: list[dict]) -> dict:
+        return exploration_metrics(loop.rollout, loop.dist)

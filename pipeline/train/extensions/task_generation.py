@@ -1,4 +1,5 @@
-"""Adversarial task generation (docs/design.md §2.2: adversarial samples aimed at the policy's weak spots).
+"""Extension `task_generation` (``train.task_generation``; docs/design.md §2.2: adversarial samples aimed at the
+policy's weak spots).
 
 With ``train.task_generation.enabled``, every `every` updates the `train` phase asks the environment for new training
 tasks where the policy is weakest, checks them like every other task set, and adds them to the RL task pool:
@@ -29,8 +30,7 @@ Metrics, every update: ``taskgen/mixed_in`` (generated tasks in the latest plan)
 ``taskgen/pool_generated`` (accepted so far); in an update that runs a round also ``taskgen/weak_slices``,
 ``taskgen/weakest_success``, ``taskgen/slice_errors`` (slices the environment could not generate in, e.g. an
 incoming task's unknown wording; logged) and ``taskgen/target/<slice>`` (the recent success of each slice
-targeted). The state (round, outcome window, accepted tasks as records, play counts) rides in the checkpoint's
-sampler state, so a resumed run holds the same pool and continues identically.
+targeted). The state (round, outcome window, accepted tasks as records, play counts) rides in the checkpoint, so a resumed run holds the same pool and continues identically.
 
 A mixed run keys slices by environment too (``shop/lookup/2``) and asks that member
 (:meth:`pipeline.envs.mixed.MixedEnvironment.generate_tasks`); an environment without the hook is refused at the start.
@@ -43,38 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field, model_validator
-
-from pipeline.core.config import PhaseConfig
 from pipeline.core.errors import AgentRLError
+from pipeline.train.config import TaskGenerationConfig
+from pipeline.train.extensions.base import Extension
 
 PREFIX = "generated"
 REFUSALS = ("refused_schema", "refused_heldout_entities", "refused_heldout_templates", "refused_duplicates",
             "refused_unverifiable")
-
-
-class TaskGenerationConfig(PhaseConfig):
-    """Adversarial task generation during RL (`train.task_generation`); see :mod:`pipeline.train.task_generator`."""
-
-    enabled: bool = Field(False, description="Every `every` updates, generate new training tasks in the slices where recent success is lowest and add them to the RL pool (the environment must implement generate_tasks).")
-    every: int = Field(5, ge=1, le=100_000, description="Updates between generation rounds.")
-    tasks: int = Field(8, ge=1, le=1000, description="Tasks asked of the environment per round, shared among the targeted slices by failure rate.")
-    slices: int = Field(2, ge=1, le=64, description="Weakest slices targeted per round.")
-    by: Literal["template", "family", "level"] = Field("template", description="What a slice is: 'template' (a family's wording, `template_id`), 'family' or 'level'.")
-    window: int = Field(256, ge=8, le=100_000, description="Recent episodes (all ranks) the weakness statistics read.")
-    min_episodes: int = Field(8, ge=1, description="Episodes a slice needs in the window before it can be called weak.")
-    min_success: float = Field(0.5, gt=0, le=1, description="A slice whose recent success rate is below this is weak; none below it: nothing is generated.")
-    max_tasks: int = Field(512, ge=1, le=1_000_000, description="Most generated tasks the pool may hold; generation stops there.")
-    share: float = Field(0.25, ge=0, le=1, description="Share of each update's tasks replaced by generated tasks of open levels, least played (then newest) first; 0: they only join the pool, where the goal sampler finds them among all the others.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "TaskGenerationConfig":
-        if self.min_episodes > self.window:
-            raise ValueError(f"task_generation.min_episodes={self.min_episodes} exceeds window={self.window}: no "
-                             f"slice could ever have enough episodes to be called weak")
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ pure statistics
@@ -198,8 +175,20 @@ def check_generated(tasks: list, runtime, pool: list, dataset: str) -> tuple[lis
 
 
 # ------------------------------------------------------------------------------------------------------ the loop
-class TaskGenerator:
+class TaskGenerator(Extension):
     """Generation state of one run (identical on every rank); :meth:`step` runs after every update's learning."""
+
+    name = "task_generation"
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return cls(cfg.task_generation, cfg.seed, runtime) if cfg.task_generation.enabled else None
+
+    def plan(self, loop, tasks: list) -> list:
+        return self.mix_in(tasks, loop.sampler.curriculum.open_levels, loop.tasks_by_id)
+
+    def after_learn(self, loop, u: int, records: list[dict]) -> dict:
+        return self.step(loop, records, u)
 
     def __init__(self, cfg: TaskGenerationConfig, seed: int, runtime):
         from pipeline.envs.contract import Environment
@@ -215,7 +204,7 @@ class TaskGenerator:
         self.plays: dict[str, int] = {}  # generated task id -> updates it was mixed into
         self.mixed_in = 0  # generated tasks mixed into the latest plan
 
-    def observe(self, task_ids: list[str], successes: list[float], tasks_by_id: dict) -> None:
+    def record_outcomes(self, task_ids: list[str], successes: list[float], tasks_by_id: dict) -> None:
         for tid, s in zip(task_ids, successes):
             key, weakness = slice_of(tasks_by_id[tid], self.cfg.by)
             self.weakness.setdefault(key, weakness)
@@ -241,7 +230,7 @@ class TaskGenerator:
         """Observe update `u`'s outcomes (every rank's) and, every `every` updates, run a generation round."""
         gathered = loop.dist.all_gather([(r["task_id"], float(r["success"])) for r in records])
         flat = [o for part in gathered for o in part]
-        self.observe([t for t, _ in flat], [s for _, s in flat], loop.tasks_by_id)
+        self.record_outcomes([t for t, _ in flat], [s for _, s in flat], loop.tasks_by_id)
         metrics = {"taskgen/mixed_in": self.mixed_in, "taskgen/generated": 0, "taskgen/accepted": 0,
                    "taskgen/refused": 0, **{f"taskgen/{r}": 0 for r in REFUSALS}}
         room = self.cfg.max_tasks - len(self.accepted)
