@@ -279,6 +279,16 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         ),
     ),
     Command(
+        "snapshot",
+        help="snapshot captured traffic into data/production/snapshot (validated, DVC-tracked)",
+        description="Read the sealed segments of the capture folder, join people's feedback, turn the requests the "
+        "environment can verify into tasks, check the drift against the training data (the alarm the scheduled "
+        "retraining reads), write data/production/snapshot whole and `dvc add` it. Reads `deploy`, `env`.",
+        run="flows.snapshot:run_snapshot", project=True, locks=always, passes=("params", "capture"),
+        arguments=(PARAMS, Arg("--capture", default=None, metavar="DIR",
+                               help="capture folder to read (default: deploy.serve.capture.dir)")),
+    ),
+    Command(
         "evaluate",
         help="evaluate the SFT and RL policies on every split: metrics with intervals, overfitting flags",
         description="Evaluate the SFT policy (models/adapted) and the RL policy (models/policy) on a subset of the "

@@ -12,7 +12,12 @@ One run of :func:`retrain_flow`:
 4. drift found (``task_drift``, ``trajectory_drift`` or ``state_drift`` failed) or ``force``: runs the pipeline flow
    with every stage from ``adapt`` on forced (build_env is skipped when its data is up to date), so the policy is
    retrained and the deploy stage registers a challenger and runs the promotion gate (which reads the pipeline's own
-   drift verdict on the same incoming data); otherwise nothing is retrained;
+   drift verdict on the same incoming data); otherwise nothing is retrained.
+   A drift alarm of served traffic also retrains: when the traffic snapshot (``deploy.snapshot.out``, written by
+   `agentrl snapshot`, :mod:`pipeline.deploy.snapshot`) raised its alarm and no earlier retrain acted on that same
+   snapshot (the ``retrain.alarm_snapshot`` tag of the finished `retrain` runs holds the digests acted on; a retrain
+   that failed does not count), the flow retrains as on drift found; the retrain trains on the snapshot's tasks
+   (``train.production_tasks``);
 5. records the decision either way: an MLflow run ``retrain`` (tags ``retrain.decision``, ``retrain.reason``; the
    verdict and the decision as artefacts; the pipeline's runs nest under it) and a Prefect markdown artifact.
 
@@ -54,6 +59,7 @@ DRIFT_CHECKS = ("task_drift", "trajectory_drift", "state_drift")
 RETRAIN_FROM = "adapt"  # the first stage that trains; every stage from it on is forced in a retrain
 SCRATCH = ".retrain"  # restored reference versions (gitignored)
 SUMMARY_KEY = "agentrl-retrain-summary"
+ALARM_TAG = "retrain.alarm_snapshot"  # the digest of the traffic snapshot whose drift alarm a retrain acted on
 
 
 @task(name="registry-champion-lineage", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -88,6 +94,33 @@ def reference_path(root: Path, configured: str, versions: dict[str, str], scratc
     return str(root / rel), "workspace (not a DVC-tracked output)"
 
 
+@task(name="production-drift-alarm", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def production_alarm(snapshot_dir: str, tracking_uri: str) -> dict[str, Any] | None:
+    """The drift alarm of the traffic snapshot in `snapshot_dir` (None without a snapshot), with ``acted_on``: the id
+    of an earlier `retrain` run that retrained on this same snapshot's alarm and finished (None when none did)."""
+    from mlflow import MlflowClient
+
+    from pipeline.core.tracking import EXPERIMENT
+    from pipeline.deploy.snapshot import read_manifest
+
+    manifest = read_manifest(snapshot_dir)
+    if manifest is None:
+        return None
+    drift = manifest.get("drift") or {}
+    out = {"dir": snapshot_dir, "digest": manifest.get("digest"), "created": manifest.get("created"),
+           "episodes": manifest.get("episodes"), "tasks": manifest.get("tasks"), "alarm": bool(drift.get("alarm")),
+           "reasons": drift.get("reasons", []), "acted_on": None}
+    if out["alarm"]:
+        client = MlflowClient(tracking_uri)
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        if exp is not None:
+            earlier = client.search_runs([exp.experiment_id], max_results=1,
+                                         filter_string=f"tags.`{ALARM_TAG}` = '{out['digest']}' "
+                                                       "and attributes.status = 'FINISHED'")
+            out["acted_on"] = earlier[0].info.run_id if earlier else None
+    return out
+
+
 @task(name="drift-check", cache_policy=NO_CACHE)
 def drift_check(root: str, overrides: dict[str, Any], out_path: str, parent_run_id: str) -> dict[str, Any]:
     """The `check_drift` phase's checks on explicit reference and current data, as a run nested under the retrain run."""
@@ -119,6 +152,12 @@ def _markdown(record: dict[str, Any]) -> str:
     lines.append(f"- champion before: v{champ['version']}" if champ else "- champion before: none")
     for name, where in record.get("reference", {}).items():
         lines.append(f"- reference {name}: {where}")
+    alarm = record.get("production")
+    if alarm:
+        state = ("RAISED" if alarm["alarm"] else "none") + (f", already acted on by run {alarm['acted_on']}"
+                                                             if alarm["acted_on"] else "")
+        lines.append(f"- traffic snapshot `{alarm['dir']}` ({alarm['episodes']} episodes, {alarm['tasks']} tasks): "
+                     f"drift alarm {state}")
     verdict = record.get("drift")
     if verdict:
         checks = ", ".join(f"{k} {v}" for k, v in verdict["checks"].items())
@@ -146,7 +185,8 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
     logger = get_run_logger()
     params = project_params(Path(project) / "params.yaml")
     root = params.parent
-    model_name = load_section(DeployConfig, "deploy", params).model_name
+    deploy_cfg = load_section(DeployConfig, "deploy", params)
+    model_name, snapshot_out = deploy_cfg.model_name, deploy_cfg.snapshot.out
     drift_cfg = load_section(DriftConfig, "check_drift", params)
     incoming_dir = (root / incoming).resolve()
     files = sorted(incoming_dir.glob("*.jsonl")) if incoming_dir.is_dir() else []
@@ -175,9 +215,14 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
             record["drift"] = {"verdict": verdict["verdict"], "failed": verdict["failed_checks"], "checks": statuses}
             run.log_dict(verdict, "drift_verdict.json")
             drift_found = any(statuses.get(c) == "fail" for c in DRIFT_CHECKS)
+        alarm = production_alarm(str(root / snapshot_out), tracker.tracking_uri)
+        record["production"] = alarm
+        alarm_found = bool(alarm and alarm["alarm"] and alarm["acted_on"] is None)
         if drift_found:
             failed = [c for c in DRIFT_CHECKS if record["drift"]["checks"].get(c) == "fail"]
             reason = f"drift found ({', '.join(failed)})"
+        elif alarm_found:
+            reason = f"drift alarm on served traffic ({'; '.join(alarm['reasons'])})"
         elif force:
             reason = "forced"
         elif not files:
@@ -185,8 +230,10 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
         else:
             reason = "no drift: the champion's training data still describes the incoming tasks"
         record["reason"] = reason
-        if drift_found or force:
+        if drift_found or alarm_found or force:
             record["decision"] = "retrain"
+            if alarm_found:
+                run.set_tags({ALARM_TAG: alarm["digest"]})
             logger.info("retraining: %s", reason)
             order = stage_order(root / "dvc.yaml")
             forced = order[order.index(RETRAIN_FROM):] if RETRAIN_FROM in order else order
@@ -197,7 +244,8 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
             record["decision"] = "nothing needed"
             logger.info("nothing to do: %s", reason)
         run.set_tags({"retrain.decision": record["decision"], "retrain.reason": reason})
-        run.log_metrics({"retrain/drift_found": drift_found, "retrain/retrained": record["decision"] == "retrain"})
+        run.log_metrics({"retrain/drift_found": drift_found, "retrain/drift_alarm": alarm_found,
+                         "retrain/retrained": record["decision"] == "retrain"})
         run.log_dict(record, "retrain_decision.json")
     create_markdown_artifact(key=SUMMARY_KEY, markdown=_markdown(record),
                              description="the retraining decision, its reasons and where to look next")

@@ -435,6 +435,48 @@ def test_scheduled_retraining_skips_undrifted_data_and_retrains_on_drift(trained
 
 
 @pytest.mark.slow
+def test_a_drift_alarm_on_shifted_served_traffic_triggers_retraining_on_the_snapshot(trained, tmp_path):
+    from test_snapshot import calm_traffic, shifted_traffic
+
+    root, first = trained
+    assert first.returncode == 0
+    for old in (root / "data" / "incoming").glob("*.jsonl"):  # no incoming batch: only the alarm can trigger
+        old.unlink()
+    from pipeline.check_drift.checks import make_reference_sample
+    from pipeline.envs.shop import ShopWorld
+
+    world = ShopWorld.load(root / "data" / "env")
+    mix = yaml.safe_load((root / "params.yaml").read_text())["build_env"]["level_mix"]
+    fresh = make_reference_sample(world, 24, 11, mix).tasks  # new tasks of the training world, asked in full
+    world.close()
+    capture = tmp_path / "traffic"
+    calm_traffic(root, capture, asked=fresh)  # they become the snapshot's tasks
+    shifted_traffic(capture)  # then long questions answered in one call
+    snap = agentrl(root, "snapshot", "--capture", str(capture))
+    assert snap.returncode == 0, snap.stdout[-3000:] + snap.stderr[-3000:]
+    assert "drift alarm: RAISED (question_chars_ks" in snap.stdout
+    assert (root / "data" / "production" / "snapshot.dvc").is_file()
+    manifest = json.loads((root / "data" / "production" / "snapshot" / "snapshot.json").read_text())
+    before_versions = versions(root)
+
+    alarmed = agentrl(root, "schedule", "--once")
+    assert alarmed.returncode == 0, alarmed.stdout[-3000:] + alarmed.stderr[-3000:]
+    assert "retrain: retrain (drift alarm on served traffic (question_chars_ks" in alarmed.stdout
+    record = runs(root, "retrain")[-1]
+    assert record.data.tags["retrain.alarm_snapshot"] == manifest["digest"]
+    assert record.data.metrics["retrain/drift_alarm"] == 1 and record.data.metrics["retrain/drift_found"] == 0
+    used = json.loads((root / "metrics" / "train.json").read_text())["incoming"]  # train read the snapshot's tasks
+    assert "data/production/snapshot/tasks" in used["dir"] and used["files"] == 1
+    assert used["read"] == manifest["tasks"] > 0 and used["tasks"] > 0  # they joined the RL pool
+    assert len(versions(root)) == len(before_versions) + 1  # a challenger was retrained, registered and gated
+
+    again = agentrl(root, "schedule", "--once")  # the same snapshot's alarm is not acted on twice
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "retrain: nothing needed" in again.stdout
+    assert "already acted on by run" in prefect_artifact(root, "agentrl-retrain-summary")
+
+
+@pytest.mark.slow
 def test_a_reference_version_the_workspace_moved_past_is_restored_from_the_dvc_cache(trained, tmp_path):
     from flows.retrain_flow import reference_path
 

@@ -392,3 +392,14 @@ def test_recovery_cuts_a_partial_last_record_and_retention_deletes_old_segments(
     store.append({"kind": "request", "request_id": "b"})
     store.close()
     assert [r["request_id"] for r in read_records(tmp_path)] == ["a", "b"]
+
+
+def test_two_writers_of_one_process_in_one_second_never_reuse_a_segment_name(tmp_path):
+    now = time.time()
+    for rid in ("a", "b"):  # a restart within the second: the same stamp, pid and first sequence number
+        store = CaptureStore(CaptureConfig(dir=str(tmp_path)), clock=lambda: now)
+        store.append({"kind": "request", "request_id": rid})
+        store.close()
+    assert len(segment_files(tmp_path, include_open=False)) == 2
+    assert [r["request_id"] for r in read_records(tmp_path)] == ["a", "b"]
+

@@ -21,6 +21,7 @@ from pathlib import Path
 from pipeline.core.errors import AgentRLError
 
 SEALED, OPEN = ".jsonl", ".jsonl.open"
+EPISODES = "episodes.jsonl"  # a snapshot's episodes (pipeline.deploy.snapshot)
 SEGMENT_NAME = re.compile(r"\A(\d{8}T\d{6}Z)-(\d+)-(\d+)\.jsonl(\.open)?\Z")  # <start>-<pid>-<n>.jsonl[.open]
 
 
@@ -38,11 +39,11 @@ def segment_files(folder: str | Path, include_open: bool = True) -> list[Path]:
     return sorted(files, key=lambda p: SEGMENT_NAME.match(p.name).group(1, 3, 2))
 
 
-def read_records(folder: str | Path, kind: str | None = None) -> Iterator[dict]:
-    """Every whole record of the folder's segments, oldest segment first; `kind` keeps only "request" or "feedback"
-    records. A last line without its newline (an open segment's record being written) is skipped; any other line that
-    is not a JSON object is an AgentRLError naming the file and the line."""
-    for path in segment_files(folder):
+def read_records(folder: str | Path, kind: str | None = None, include_open: bool = True) -> Iterator[dict]:
+    """Every whole record of the folder's segments (with `include_open`, of the open ones too), oldest segment first;
+    `kind` keeps only "request" or "feedback" records. A last line without its newline (an open segment's record being
+    written) is skipped; any other line that is not a JSON object is an AgentRLError naming the file and the line."""
+    for path in segment_files(folder, include_open):
         lines = path.read_bytes().split(b"\n")
         if lines[-1]:
             lines = lines[:-1]  # no newline yet: the record in flight
@@ -73,7 +74,20 @@ def success_label(feedback: dict, success_rating: float) -> int:
 def labelled_episodes(folder: str | Path, success_rating: float) -> list[dict]:
     """Captured requests that got feedback, each ``{"request_id", "task_id", "steps", "label", "rule_success",
     "source": "feedback"}``; the last feedback on a request wins; ``rule_success`` is the environment's verdict when
-    the request carried ground truth, else None; ``task_id`` is the request id (the held-out split hashes it)."""
+    the request carried ground truth, else None; ``task_id`` is the request id (the held-out split hashes it).
+
+    `folder` is a snapshot (``data/production/snapshot``: its :data:`EPISODES` file, feedback already joined) or a
+    folder of capture segments (the capture folder itself, or copies of its segments)."""
+    episodes = Path(folder) / EPISODES
+    if episodes.is_file():
+        from pipeline.core.jsonl import iter_numbered_jsonl
+
+        fb = {"rating": None, "label": None}
+        return [{"request_id": e["request_id"], "task_id": e["request_id"], "steps": e["steps"],
+                 "label": success_label({**fb, **{k: e.get(k) for k in fb}}, success_rating),
+                 "rule_success": e.get("success"), "source": "feedback"}
+                for _, e in iter_numbered_jsonl(episodes, "production episodes")
+                if e.get("rating") is not None or e.get("label") is not None]
     requests, feedback = {}, {}
     for rec in read_records(folder):
         if rec.get("kind") == "request" and isinstance(rec.get("trajectory"), list):
@@ -91,5 +105,5 @@ def labelled_episodes(folder: str | Path, success_rating: float) -> list[dict]:
     return out
 
 
-__all__ = ["OPEN", "SEALED", "SEGMENT_NAME", "labelled_episodes", "read_records", "segment_files", "success_label",
+__all__ = ["EPISODES", "OPEN", "SEALED", "SEGMENT_NAME", "labelled_episodes", "read_records", "segment_files", "success_label",
            "utc_now"]

@@ -171,8 +171,11 @@ class CaptureStore:
 
     def _open(self, now: float) -> None:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-        self.seq += 1
-        self.path = self.dir / f"{stamp}-{os.getpid()}-{self.seq:06d}{OPEN}"
+        while True:  # a name no segment has: another writer of this process (a restart) may have used it this second
+            self.seq += 1
+            self.path = self.dir / f"{stamp}-{os.getpid()}-{self.seq:06d}{OPEN}"
+            if not self.path.exists() and not self.path.with_name(self.path.name[:-len(".open")]).exists():
+                break
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.size, self.opened = 0, now
 

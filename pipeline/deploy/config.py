@@ -130,6 +130,26 @@ class ChallengerConfig(PhaseConfig):
                                                   "comparison never slows a caller down.")
 
 
+class SnapshotConfig(PhaseConfig):
+    """`agentrl snapshot`: captured traffic turned into the dataset ``data/production/snapshot`` (episodes with
+    people's feedback, tasks the environment verifies) and a drift alarm of that traffic against the champion's
+    training data (pipeline.deploy.snapshot)."""
+
+    out: str = Field("data/production/snapshot", min_length=1,
+                     description="Folder the snapshot replaces as a whole (DVC-tracked with `dvc add`).")
+    drift_window: int = Field(500, ge=1, description="The newest this many answered requests are compared with the "
+                                                     "training data (monitor.reference_tasks and reference_demos).")
+    min_requests: int = Field(20, ge=1, description="Fewer answered requests in the window raise no alarm: too few "
+                                                    "to tell drift from chance.")
+    alarm_question_chars_ks: float = Field(0.3, gt=0, le=1, description="Alarm when the KS statistic of question "
+                                                                        "length exceeds this.")
+    alarm_calls_per_task_ks: float = Field(0.3, gt=0, le=1, description="Alarm when the KS statistic of calls per "
+                                                                        "task exceeds this.")
+    alarm_tool_mix_tv: float = Field(0.3, gt=0, le=1, description="Alarm when the total variation distance of the "
+                                                                  "tool mix exceeds this.")
+    dvc: bool = Field(True, description="Record the snapshot with `dvc add` when the project is a DVC repository.")
+
+
 class ServeConfig(PhaseConfig):
     """`agentrl serve`: dynamic batching, the response cache and the request limits."""
 
@@ -221,6 +241,8 @@ class DeployConfig(PhaseConfig):
     serve: ServeConfig = Field(default_factory=ServeConfig, description="HTTP serving.")
     served_check: ServedCheckConfig = Field(default_factory=ServedCheckConfig,
                                             description="Train/serve consistency on the served model.")
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig,
+                                     description="Captured traffic to data/production (agentrl snapshot).")
 
     @model_validator(mode="after")
     def _check(self) -> "DeployConfig":

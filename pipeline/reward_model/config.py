@@ -26,7 +26,7 @@ class RewardModelConfig(PhaseConfig):
     lr: float = Field(0.05, gt=0, le=10, description="Adam learning rate of the fit.")
     l2: float = Field(1e-4, ge=0, description="L2 penalty on the feature weights.")
     calibration_bins: int = Field(10, ge=2, le=100, description="Equal-width bins of the expected calibration error.")
-    feedback: str | None = Field("data/production", description="Folder of captured traffic (segments of `agentrl serve` with capture on, or copies of them): its requests that got feedback join the training data with the people's success label (success head only); a missing or empty folder or null: rule labels only.")
+    feedback: str | None = Field("data/production/snapshot", description="A snapshot of captured traffic (`agentrl snapshot`), or a folder of capture segments of `agentrl serve`: its requests that got feedback join the training data with the people's success label (success head only); a missing or empty folder or null: rule labels only.")
     feedback_success_rating: float = Field(4, ge=1, le=5, description="A feedback rating (1-5) at or above this labels the episode a success; a feedback 'label' overrides the rating.")
 
 

@@ -11,7 +11,8 @@ Reads the `reward_model`, `env` and `rollout` sections. Steps:
    mistakes, which the demonstrations (mostly successful) lack.
 3. **Labels** from the rules (:func:`pipeline.reward_model.features.rule_labels`): success, and soundness (verifier
    passed, no failed call, no redundant call).
-4. **People's labels** (``reward_model.feedback``, a folder of captured traffic: :mod:`pipeline.core.traffic`):
+4. **People's labels** (``reward_model.feedback``, a traffic snapshot or a folder of capture segments:
+   :mod:`pipeline.core.traffic`):
    each captured request that got feedback joins with the person's success label; it trains the success head only
    (its soundness is unknown, so that label is masked out of the loss). Held out by a hash of its request id like
    the tasks; ``feedback`` in the metrics reports the success head against people's labels on the held-out ones

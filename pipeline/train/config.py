@@ -129,6 +129,7 @@ class TrainConfig(PhaseConfig):
 
     seed: int = Field(0, description="Seed of task sampling, rollouts and initialisation of the value head.")
     incoming_tasks: str | None = Field("data/incoming", description="Folder of incoming production tasks (*.jsonl, task schema) that join the RL pool after the 'tasks' suite and a filter of held-out, duplicate and unverifiable tasks (counted in metrics/train.json `incoming`); null disables.")
+    production_tasks: str | None = Field("data/production/snapshot/tasks", description="Folder of the tasks `agentrl snapshot` made from served traffic (*.jsonl, task schema): they join the RL pool exactly as the incoming tasks do (same checks and filter, counted with them); null disables.")
     algorithm: Literal["ppo", "grpo", "rloo"] = Field("rloo", description="'ppo': clipped surrogate with a value head and GAE; 'grpo': group baseline (score − group mean)/group std; 'rloo': leave-one-out group baseline.")
     updates: int = Field(120, ge=1, le=100_000, description="Policy updates (one batch of rollouts each); early stopping may end a run sooner.")
     tasks_per_update: int = Field(8, ge=1, description="Distinct tasks per update, over all ranks (a multiple of the number of ranks).")

@@ -21,6 +21,10 @@ Ids: every task that is used is renamed ``incoming/<file stem>/<task_id>``. Prod
 and may equal the generator's (``train-000001``) while naming another task. The prefix keeps them apart in the
 goal sampler's per-task sampling counts, and shows which file a task came from. So no task is dropped for its id alone.
 
+Tasks made from served traffic (``train.production_tasks``, default ``data/production/snapshot/tasks``, written by
+`agentrl snapshot`: :mod:`pipeline.deploy.snapshot`) are read from that folder the same way, after the incoming
+folder's files, and go through the same checks and filter; the counts cover both folders.
+
 Boundary: each file must pass the task-file checks (:func:`pipeline.envs.taskfile.load_task_file`, as for every other
 task file). A file that breaks it raises :class:`AgentRLError` naming the file and the failed expectations,
 before anything trains. A missing folder or one without ``*.jsonl`` files (a ``README.md`` is ignored) adds nothing.
@@ -71,21 +75,32 @@ class IncomingTasks:
                 f"training pool" + (f" (dropped: {dropped})" if dropped else ""))
 
 
-def read_incoming(folder: str | Path | None, world) -> list[tuple[Path, list[Task]]]:
-    """(file, tasks) for every ``*.jsonl`` in `folder`, in name order, each file checked with the "tasks" suite.
+def _folders(folder: str | Path | Sequence[str | Path | None] | None) -> list[Path]:
+    """`folder` as a list of folders (a single one, or several: ``train.incoming_tasks`` and
+    ``train.production_tasks``), None entries left out."""
+    if folder is None:
+        return []
+    if isinstance(folder, (str, Path)):
+        return [Path(folder)]
+    return [Path(f) for f in folder if f is not None]
+
+
+def read_incoming(folder: str | Path | Sequence[str | Path | None] | None, world) -> list[tuple[Path, list[Task]]]:
+    """(file, tasks) for every ``*.jsonl`` in `folder` (or in each of several folders, in the order given), in name
+    order, each file checked with the "tasks" suite.
 
     [] when `folder` is None or does not exist. A file that cannot be read or breaks the suite raises AgentRLError.
     """
     from pipeline.envs.taskfile import load_task_file
 
-    if folder is None:
-        return []
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise AgentRLError(f"train.incoming_tasks: {folder} is not a folder (set the folder whose *.jsonl files hold "
-                           f"the incoming tasks, or null)")
+    files = []
+    for one in _folders(folder):
+        if one.exists() and not one.is_dir():
+            raise AgentRLError(f"train.incoming_tasks: {one} is not a folder (set the folder whose *.jsonl files hold "
+                               f"the incoming tasks, or null)")
+        files += sorted(one.glob("*.jsonl")) if one.is_dir() else []
     batches = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+    for path in files:
         try:
             batches.append((path, load_task_file(path, world)))
         except AgentRLError as exc:
@@ -141,13 +156,14 @@ def select_incoming(batches: Sequence[tuple[str | Path, Sequence[Task]]], train_
     return used, counts
 
 
-def load_incoming(folder: str | Path | None, *, train_tasks: Sequence[Task], test_tasks: Sequence[Task],
-                  runtime) -> IncomingTasks:
+def load_incoming(folder: str | Path | Sequence[str | Path | None] | None, *, train_tasks: Sequence[Task],
+                  test_tasks: Sequence[Task], runtime) -> IncomingTasks:
     """Read, check and filter the incoming tasks in `folder` against the training data and the world `runtime` (an
     :class:`~pipeline.envs.contract.Environment`); see the module docstring."""
     batches = read_incoming(folder, runtime)
     templates = {getattr(t, "template_id", None) for t in test_tasks if not t.template_seen} - {None}
     used, counts = select_incoming(batches, train_tasks, runtime.leaks_heldout, templates, verify=runtime.verify_task)
-    summary = {"dir": None if folder is None else str(folder), "files": len(batches),
+    folders = _folders(folder)
+    summary = {"dir": ", ".join(map(str, folders)) or None, "files": len(batches),
                "read": sum(len(tasks) for _, tasks in batches), "tasks": len(used), **counts}
     return IncomingTasks(used, summary)

@@ -65,7 +65,8 @@ def main(params_path: str = "params.yaml", stop_after: int | None = None) -> Non
 
     world = open_environment(load_section(EnvConfig, "env", params_path).name, Path("data") / "env")
     try:
-        read_incoming(cfg.incoming_tasks, world)  # AgentRLError naming the file, before any rank starts
+        # AgentRLError naming the file, before any rank starts
+        read_incoming([cfg.incoming_tasks, cfg.production_tasks], world)
     finally:
         world.close()
     cmd = launcher_command(params_path, cfg.num_ranks, free_port(), extra, nodes)

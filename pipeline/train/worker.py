@@ -2,8 +2,8 @@
 pipeline.train.worker --params params.yaml``), or in-process for a single rank by :mod:`pipeline.train.main`.
 
 Reads the `env`, `rollout` and `train` sections, trains from ``models/adapted`` on the training split plus the incoming
-production tasks in ``train.incoming_tasks`` (checked and filtered by :mod:`pipeline.train.incoming` before anything
-trains), keeps the best policy (by the validation metric ``train.early_stopping_metric``; training stops early after
+production tasks in ``train.incoming_tasks`` and ``train.production_tasks`` (checked and filtered by
+:mod:`pipeline.train.incoming` before anything trains), keeps the best policy (by the validation metric ``train.early_stopping_metric``; training stops early after
 ``early_stopping_patience`` evaluations without improvement) in ``models/policy``, and on rank 0 writes
 ``metrics/train.json`` (SFT against RL on the test split, per level, the seen-wording headroom that bounds RL's
 gain (:func:`seen_wording_headroom`), the early-stopping decision with its reason, ``incoming``: the incoming
@@ -153,7 +153,8 @@ def read_inputs(cfg: TrainConfig, env_cfg: EnvConfig, data: Path, adapted: str, 
                                               for s in ("train", "validation", "test"))
     except (FileNotFoundError, ValueError) as exc:
         raise AgentRLError(f"train: {exc}") from None
-    incoming = load_incoming(cfg.incoming_tasks, train_tasks=train_tasks, test_tasks=test_tasks, runtime=runtime)
+    incoming = load_incoming([cfg.incoming_tasks, cfg.production_tasks], train_tasks=train_tasks,
+                             test_tasks=test_tasks, runtime=runtime)
     if dist.is_main:
         print(incoming.describe(), flush=True)
     demos = None
