@@ -163,7 +163,9 @@ def load_incoming(folder: str | Path | Sequence[str | Path | None] | None, *, tr
     batches = read_incoming(folder, runtime)
     templates = {getattr(t, "template_id", None) for t in test_tasks if not t.template_seen} - {None}
     used, counts = select_incoming(batches, train_tasks, runtime.leaks_heldout, templates, verify=runtime.verify_task)
-    folders = _folders(folder)
+    # the first folder (train.incoming_tasks) is always named; a later one (the traffic snapshot's tasks) only when
+    # it exists, so a project that never took a snapshot reports its incoming folder alone
+    folders = [f for i, f in enumerate(_folders(folder)) if i == 0 or f.exists()]
     summary = {"dir": ", ".join(map(str, folders)) or None, "files": len(batches),
                "read": sum(len(tasks) for _, tasks in batches), "tasks": len(used), **counts}
     return IncomingTasks(used, summary)
