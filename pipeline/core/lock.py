@@ -41,6 +41,17 @@ LOCK_PATH = Path(".agentrl") / "lock"
 LOCK_ENV = "AGENTRL_LOCK"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (one we may not signal still exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class LockHeld(AgentRLError):
     """Another command holds the repository's lock; `holder` is what it wrote into the lock file."""
 

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from pipeline.core.errors import AgentRLError
 from pipeline.core.traffic import OPEN, SEALED, SEGMENT_NAME, read_records, segment_files, utc_now
+from pipeline.core.lock import pid_alive
 
 REDACTED = "[redacted]"
 MIN_SCRUB_CHARS = 4
@@ -111,16 +112,6 @@ class Redactor:
 
 
 # -------------------------------------------------------------------------------------------------------- segments
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def check_folder(cfg) -> Path:
     """The capture folder, created when missing; an AgentRLError naming it when it cannot be created or written
     (`agentrl serve` checks it before the model loads)."""
@@ -195,7 +186,7 @@ class CaptureStore:
         """Seal the open segments of writers that are gone, cut to their last whole line (an empty one is removed)."""
         for path in segment_files(self.dir):
             m = SEGMENT_NAME.match(path.name)
-            if not m.group(4) or _pid_alive(int(m.group(2))):
+            if not m.group(4) or pid_alive(int(m.group(2))):
                 continue
             data = path.read_bytes()
             keep = data[:data.rfind(b"\n") + 1]

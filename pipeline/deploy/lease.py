@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline.core.errors import AgentRLError
+from pipeline.core.lock import pid_alive
 
 LEASE_SUFFIX = ".lease"
 TICKET_SOURCE = "lease:/ticket"  # a source the server accepts and that nothing ever loads
@@ -77,16 +78,6 @@ def lease_name(name: str) -> str:
     return f"{name}{LEASE_SUFFIX}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class Ticket:
     """One lease ticket as read from the registry: its number, holder tags and last renewal (server milliseconds)."""
@@ -109,7 +100,7 @@ class Ticket:
         if server_now_ms - self.renewed_ms > ttl_s * 1000:
             return f"expired {(server_now_ms - self.renewed_ms) / 1000 - ttl_s:.0f} s ago"
         pid = self.holder.get("pid", "")
-        if self.holder.get("host") == host and pid.isdigit() and not _pid_alive(int(pid)):
+        if self.holder.get("host") == host and pid.isdigit() and not pid_alive(int(pid)):
             return f"its process {pid} on this host has exited"
         return None
 
