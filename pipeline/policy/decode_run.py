@@ -104,10 +104,14 @@ class DecodeRun:
                 self.uniforms[e] += torch.rand(self.n_uniforms, generator=self.generators[e],
                                                dtype=torch.float64).tolist()
         u = torch.tensor([self.uniforms[e][self.n_sampled[e]] for e in eps], dtype=torch.float64)
-        hook = engine.sampling_hook
-        toks, lps = (sample_tokens(logits.cpu(), u, cfg.temperature, cfg.top_p, self.greedy)
+        hook, constraint = engine.sampling_hook, engine.constraint
+        logits = logits.cpu()
+        if constraint is not None:  # rows starting an action get a fresh matcher over their episode's tools
+            logits = constraint.mask_(logits.float(), [(e, getattr(self.episodes[e], "tool_specs", None),
+                                                        not self.act[b]) for b, e in zip(rows, eps)])
+        toks, lps = (sample_tokens(logits, u, cfg.temperature, cfg.top_p, self.greedy)
                      if hook is None or self.greedy else hook.sample(
-                         logits.cpu(), u, cfg.temperature, cfg.top_p, [self.streams[e] for e in eps],
+                         logits, u, cfg.temperature, cfg.top_p, [self.streams[e] for e in eps],
                          [self.episodes[e] for e in eps]))
         self.st["sampled_tokens"] += len(rows)
         ended: list[tuple[int, int, str, bool]] = []  # (row, episode, action text, cut) of the actions that ended
@@ -119,8 +123,12 @@ class DecodeRun:
             s.action_mask.append(1)
             self.act[b].append(t)
             self.next_tok[b] = t
+            if constraint is not None:
+                constraint.consume(e, t)
             if t not in engine.stop_ids and len(self.act[b]) < cfg.max_new_tokens:
                 continue
+            if constraint is not None:
+                constraint.end(e)
             text = engine.tokenizer.decode(self.act[b], skip_special_tokens=False, clean_up_tokenization_spaces=False)
             ended.append((b, e, text, t not in engine.stop_ids))  # last: cut at rollout.max_new_tokens
             self.act[b] = []

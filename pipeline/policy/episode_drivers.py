@@ -48,6 +48,7 @@ class EnvEpisode:
         self.context = obs["context"]
         self.obs, self.last_info = obs, info  # what a scripted policy acts on (RolloutEngine.demonstrate)
         self.tool_names, self.max_chars = self.env.tools.names, env_cfg.max_action_chars
+        self.tool_specs = self.env.tools.specs  # what rollout.constrain's grammar is built from
         self.steps: list[dict] = []
         self.actions: list[dict] = []
         self.rewards: list[float] = []

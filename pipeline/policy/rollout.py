@@ -91,11 +91,12 @@ from pipeline.core.recipe import require_resolved
 from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
 from pipeline.policy.config import RolloutConfig
+from pipeline.policy.constrain import CallConstraint
 from pipeline.policy.decode_run import DecodeRun
 from pipeline.policy.episode_drivers import EnvEpisode, OneAction, TokenStream
 from pipeline.policy.kv_cache import SharedPrefix, SlotCache, attention_impl, finish_mask, n_cache_layers
 from pipeline.policy.model import autocast_context, release_free_memory
-from pipeline.policy.tokenizer import CALL_CLOSE, EOS, PAD, encode_action, encode_context, encode_observation, marker_ids
+from pipeline.policy.tokenizer import CALL_CLOSE, CALL_OPEN, EOS, PAD, encode_action, encode_context, encode_observation, marker_ids
 
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix (<bos> alone, unrelated prompts) is not worth a forward
 
@@ -133,6 +134,10 @@ class RolloutEngine:
         # `sample(logits, u, temperature, top_p, streams, episodes) -> (tokens, logprobs)` samples the non-greedy rows
         # instead, recording the log-probabilities of the distribution it drew from (a training extension's noise)
         self.sampling_hook = None
+        # rollout.constrain: schema -- each action decoded under its tools' JSON Schemas (pipeline.policy.constrain)
+        self.constraint = (CallConstraint(tokenizer, int(model.get_output_embeddings().weight.shape[0]),
+                                          ids[CALL_OPEN], ids[CALL_CLOSE])
+                           if self.cfg.constrain == "schema" else None)
 
     # ------------------------------------------------------------------------------------------------------ public
     def run(self, tasks: list, seeds: list[int], greedy: bool | None = None,
