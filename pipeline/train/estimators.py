@@ -25,6 +25,7 @@ group :data:`GROUP` whose value is ``module:function``. ``docs/rl-options.md`` s
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -68,14 +69,22 @@ def estimator_names() -> list[str]:
 
 
 def get_estimator(spec: str) -> Estimator:
-    """The estimator `spec` names: a registered name, an entry point of :data:`GROUP`, or ``module:function``.
+    """The estimator `spec` names: a registered name, ``module:function``, or an entry point of :data:`GROUP`.
     Anything else raises one :class:`AgentRLError` that lists the known names."""
     if spec in ESTIMATORS:
         return ESTIMATORS[spec]
-    target = _installed().get(spec) or (spec if ":" in spec else None)
+    target = spec if ":" in spec else _installed().get(spec)
     if target is None:
         raise AgentRLError(f"train.algorithm: unknown advantage estimator {spec!r}; choose one of "
                            f"{', '.join(estimator_names())}, or module:function")
+    fn = _function(target, spec)
+    registered = next((e for e in ESTIMATORS.values() if e.fn is fn), None)  # keeps a registered `critic`
+    return Estimator(spec, fn, registered.critic if registered else False)
+
+
+@functools.lru_cache(maxsize=None)
+def _function(target: str, spec: str) -> Callable:
+    """The function ``module:function`` names (imported once: the learner asks for it on every update)."""
     module_name, _, attr = target.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr, None)
@@ -84,8 +93,7 @@ def get_estimator(spec: str) -> Estimator:
                            f"({type(exc).__name__}: {str(exc)[:200]})") from None
     if not callable(fn):
         raise AgentRLError(f"train.algorithm: {module_name} has no function {attr!r} ({spec!r})")
-    registered = next((e for e in ESTIMATORS.values() if e.fn is fn), None)  # keeps a registered `critic`
-    return Estimator(spec, fn, registered.critic if registered else False)
+    return fn
 
 
 def _per_turn(episode_adv: torch.Tensor, scale: torch.Tensor, returns: torch.Tensor,
