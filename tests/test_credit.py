@@ -174,8 +174,9 @@ def test_event_credit_discounts_after_the_write_in_the_loop(write_project, monke
 def test_doctests_of_the_maths_modules():
     import doctest
 
+    from pipeline.train import estimators
     from pipeline.train.extensions import adversarial, replay, reward_weighting
 
-    for module in (A, reward_weighting, replay, adversarial):
+    for module in (A, estimators, reward_weighting, replay, adversarial):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0, module.__name__

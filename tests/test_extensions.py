@@ -11,7 +11,7 @@ import pytest
 from pipeline.core.errors import AgentRLError
 from pipeline.envs.config import EnvConfig
 from pipeline.train.config import TrainConfig
-from pipeline.train.extensions import BUILTIN, extension_class, make_extensions
+from pipeline.train.extensions import BUILTIN, curve_keys, extension_class, make_extensions
 from pipeline.train.extensions.base import Extension
 
 
@@ -19,6 +19,7 @@ class StopAtUpdate(Extension):
     """Counts the updates it saw and the episodes it observed, and stops the run at update `stop_at`."""
 
     name = "stop_at_update"
+    curve_keys = ("custom/updates_seen",)  # a column of metrics/train_curve.csv; custom/episodes_seen is not
 
     def __init__(self, stop_at: int):
         self.stop_at, self.updates, self.episodes, self.calls = stop_at, 0, 0, []
@@ -63,6 +64,22 @@ def test_a_default_config_builds_no_extension_and_each_switch_builds_its_own():
     assert [e.name for e in make_extensions(on, EnvConfig(), None)] == ["tool_noise", "adversarial",
                                                                        "reward_weighting", "replay", "slicing"]
     assert len({extension_class(s).name for s in BUILTIN}) == len(BUILTIN)  # one checkpoint key each
+    # a population trains the stage (several runs), not the loop: no hook of any run, and a size of 1 leaves the
+    # stage one run
+    from pipeline.train.extensions.population import Population
+
+    assert make_extensions(TrainConfig(population={"size": 2}), EnvConfig(), None) == []
+    assert Population.train_stage(TrainConfig(), None) is None
+
+
+def test_the_curve_columns_are_the_ones_the_extensions_declare():
+    builtin = curve_keys(TrainConfig())
+    assert builtin == tuple(k for s in BUILTIN for k in extension_class(s).curve_keys)  # built-in order, no repeat
+    assert {"explore/epsilon", "reward_model/score", "reward/w_safety", "credit/event_turns_per_episode",
+            "replay/replayed", "sampling/slice_rows", "sampling/adversarial_planned_weight",
+            "taskgen/generated"} <= set(builtin)
+    user = TrainConfig(extensions={"tests.test_extensions:StopAtUpdate": {"stop_at": 1}})
+    assert curve_keys(user) == builtin + ("custom/updates_seen",)
 
 
 def test_every_built_in_hook_keeps_the_protocols_signature():
@@ -115,6 +132,8 @@ def test_a_user_extension_runs_in_the_loop_and_stops_it(tmp_path, monkeypatch):
     (ckpt,) = (root / "ckpt").glob("*/update-3")  # the final checkpoint holds the extension's state
     client = torch.load(next(ckpt.glob("*model_states.pt")), weights_only=False)
     assert client["extensions"] == {"stop_at_update": {"updates": 3, "episodes": 12}}
+    header = (root / "metrics/train_curve.csv").read_text().splitlines()[0].split(",")
+    assert "custom_updates_seen" in header and "custom_episodes_seen" not in header  # the declared column only
 
 
 def _module_imports(path, package: str) -> set[str]:

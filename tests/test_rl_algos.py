@@ -122,18 +122,6 @@ def test_loss_weights_token_mean_and_sequence_mean_on_hand_made_tensors():
     assert torch.equal(w, (mask > 0).float())
 
 
-def test_group_advantages_and_zero_variance_groups():
-    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    adv, zero = A.group_advantages(scores, groups, "rloo")
-    assert torch.allclose(adv[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
-    assert torch.all(adv[4:] == 0) and zero.tolist() == [False] * 4 + [True] * 4
-    adv, _ = A.group_advantages(scores, groups, "grpo")
-    assert float(adv[:4].sum()) == pytest.approx(0.0, abs=1e-6) and float(adv[0]) == pytest.approx(0.75 / 0.5, rel=1e-4)
-    with pytest.raises(ValueError, match="rloo"):
-        A.group_advantages(scores, groups, "ppo")
-
-
 def test_gae_over_segments_continues_an_episode_across_its_rows():
     """An episode folded into two rows (token segments) gets the advantages of the same episode in one row: the end of
     its first segment bootstraps from the second instead of ending the episode. One row per episode is plain GAE."""
@@ -183,26 +171,6 @@ def test_turn_ids_and_turn_token_rewards_known_answers():
     assert out.tolist() == [[0, 0, 0.0, 0, -1.0, 0, 0, 0.0], [0.25, 0, 0, 0, 3.0, 0, 0, 0],
                             [0, 0.5, 0, 0, 2.0, 0, 0, 0]]
     assert float(out.sum()) == pytest.approx(float(r.sum()))  # every turn's reward lands exactly once
-
-
-def test_turn_advantages_known_answers():
-    # one group of 3 episodes, γ 1: rewards per turn; G_t = reward-to-go
-    rewards = torch.tensor([[-1.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.5, 0.0, 0.0]])
-    tmask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
-    G = A.discounted_returns(rewards * tmask, 1.0)
-    assert G.tolist() == [[0.0, 1.0, 1.0], [2.0, 2.0, 0.0], [0.5, 0.0, 0.0]]
-    groups = torch.tensor([0, 0, 0])
-    adv, zero = A.turn_advantages(G, tmask, groups, "rloo")
-    # baselines: leave-one-out means of G_0 = (0, 2, 0.5): 1.25, 0.25, 1.0
-    assert torch.allclose(adv, torch.tensor([[-1.25, -0.25, -0.25], [1.75, 1.75, 0.0], [-0.5, 0.0, 0.0]]))
-    assert torch.allclose(adv[:, 0], A.group_advantages(G[:, 0], groups, "rloo")[0]) and not zero.any()
-    g_adv, _ = A.turn_advantages(G, tmask, groups, "grpo")
-    std = float(G[:, 0].std(unbiased=True)) + 1e-6
-    assert g_adv[0, 1] == pytest.approx((1.0 - 2.5 / 3) / std, rel=1e-5) and g_adv[1, 2] == 0.0
-    # all rewards on the last turn, γ 1: every turn carries the episode-level advantage
-    last = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
-    a2, _ = A.turn_advantages(A.discounted_returns(last, 1.0), torch.ones(2, 3), torch.tensor([0, 0]), "rloo")
-    assert a2.tolist() == [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
 
 
 def test_loss_with_gradient_accumulation_equals_the_full_batch():

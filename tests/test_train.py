@@ -606,6 +606,7 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     from pipeline.train.batch import group_ids_of
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist
+    from pipeline.train.estimators import rloo
 
     dist = init_dist()
     tok, records = _sampled_records(2, 4)
@@ -617,10 +618,10 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
         r["return"], r["group"] = r["step_rewards"][-1], i // 4
     rewards, tmask = turn_rewards(records)
     assert tmask.sum(1).tolist() == [len(r["steps"]) for r in records]
-    adv, _ = A.turn_advantages(A.discounted_returns(rewards, 1.0), tmask, group_ids_of(records), "rloo")
-    episode_adv, _ = A.group_advantages(torch.tensor([r["return"] for r in records]), group_ids_of(records),
-                                        "rloo")
-    assert torch.allclose(adv[:, 0], episode_adv)
+    adv, _ = rloo(A.discounted_returns(rewards, 1.0), tmask, group_ids_of(records))
+    episode_adv, _ = rloo(torch.tensor([[r["return"]] for r in records]), torch.ones(len(records), 1),
+                          group_ids_of(records))
+    assert torch.allclose(adv[:, 0], episode_adv[:, 0])
     cfg = load_section(TrainConfig, "train").model_copy(update={
         "algorithm": algorithm, "group_size": 4, "tasks_per_update": 2, "turn_credit": True, "gamma": 0.9,
         "lr_warmup_steps": 0})

@@ -9,8 +9,9 @@ learn, watch, evaluate and keep, checkpoint) and calls:
 - :mod:`~pipeline.train.async_pool`: the asynchronous rollout threads;
 - :mod:`~pipeline.train.guidance`: expert demonstrations for groups that all failed;
 - :mod:`~pipeline.train.learner`: one update's optimisation, over :mod:`~pipeline.train.batch` (padded rows),
-  :mod:`~pipeline.train.advantages` (scores to advantages), :mod:`~pipeline.train.actor` (the model and its
-  no-grad forwards) and :mod:`~pipeline.train.core_algos` (the pure tensor maths);
+  :mod:`~pipeline.train.advantages` (scores to advantages, by the estimator `train.algorithm` names in the registry
+  of :mod:`~pipeline.train.estimators`), :mod:`~pipeline.train.actor` (the model and its no-grad forwards) and
+  :mod:`~pipeline.train.core_algos` (the pure tensor maths);
 - :mod:`~pipeline.train.diagnostics`: rollout figures, tool usage, collapse alarms;
 - :mod:`~pipeline.train.validation` and :mod:`~pipeline.train.early_stopping`: evaluate, keep the best, stop early;
 - :mod:`~pipeline.train.checkpoint`: save and resume;
@@ -19,5 +20,6 @@ learn, watch, evaluate and keep, checkpoint) and calls:
 
 Every optional capability (tool-choice noise, adversarial sampling, generated tasks, the learned reward, the reward
 weighting, event credit, replay, slicing; a population of runs) lives in :mod:`~pipeline.train.extensions`, one
-module each, and joins the loop through the hooks of :class:`pipeline.train.extensions.base.Extension`.
+module each, and joins the loop through the hooks of :class:`pipeline.train.extensions.base.Extension` (a
+population trains the stage through its ``train_stage``).
 """

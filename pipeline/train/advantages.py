@@ -1,12 +1,13 @@
 """From episode records to advantages: each episode's score (its return, normalised over recent episodes when
-`train.reward_norm_window` is on), the group baselines of GRPO/RLOO at episode or, with per-turn credit
-(`train.reward.credit: turn|event`, or `train.turn_credit`), turn level (:func:`score_episodes`), and the per-token
-advantages the policy loss reads, through GAE over action tokens for PPO (:func:`token_advantages`). An extension may
-recompute the returns and set the per-turn discounts; see
+`train.reward_norm_window` is on), the group baselines at episode or, with per-turn credit (`train.reward.credit:
+turn|event`, or `train.turn_credit`), turn level (:func:`score_episodes`), and the per-token advantages the policy
+loss reads (:func:`token_advantages`). The advantage estimator is the one `train.algorithm` names in the registry of
+:mod:`pipeline.train.estimators`; this module knows only its kind (a group baseline, or a critic whose value head
+the learner trains) and never its name. An extension may recompute the returns and set the per-turn discounts; see
 :mod:`pipeline.train.extensions.base`.
 
-The maths itself is in :mod:`pipeline.train.core_algos`; this module only arranges records into its inputs. It does
-no forward pass: PPO's values come from the learner (:mod:`pipeline.train.learner`).
+The maths itself is in :mod:`pipeline.train.core_algos` and the estimators; this module only arranges records into
+their inputs. It does no forward pass: a critic's values come from the learner (:mod:`pipeline.train.learner`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pipeline.core.errors import AgentRLError
 from pipeline.train import core_algos as A
 from pipeline.train.batch import Batch, group_ids_of
 from pipeline.train.config import TrainConfig
+from pipeline.train.estimators import get_estimator
 from pipeline.train.sampling import LearnerState
 
 
@@ -62,9 +64,9 @@ class Scores:
 
     scores: torch.Tensor  # (episodes,) return or normalised return
     zero_var: torch.Tensor  # (episodes,) bool: the episode's group has all-equal scores (group baselines only)
-    episode_adv: torch.Tensor | None = None  # (episodes,) group baseline advantage (grpo/rloo without turn credit)
-    turn_adv: torch.Tensor | None = None  # (episodes, turns) group baseline per turn (grpo/rloo with turn credit)
-    turn_rewards: torch.Tensor | None = None  # (episodes, turns) environment rewards (ppo with turn credit)
+    episode_adv: torch.Tensor | None = None  # (episodes,) group baseline advantage (without turn credit)
+    turn_adv: torch.Tensor | None = None  # (episodes, turns) group baseline per turn (with turn credit)
+    turn_rewards: torch.Tensor | None = None  # (episodes, turns) environment rewards (a critic with turn credit)
     turn_mask: torch.Tensor | None = None  # (episodes, turns) 1 on real turns
     turn_gammas: torch.Tensor | None = None  # (episodes, turns) discount after each turn (an extension's)
     shift: float = 0.0  # the reward normaliser's affine map before this batch: r' = (r − shift) / scale
@@ -114,16 +116,17 @@ def score_episodes(records: list[dict], cfg: TrainConfig, state: LearnerState, g
     if credit != "episode":
         out.turn_rewards, out.turn_mask, out.shift, out.scale = t_rewards, t_mask, shift, scale
         out.turn_gammas = t_gammas
-    if cfg.algorithm in ("grpo", "rloo") and credit != "episode":
-        out.turn_adv, out.zero_var = A.turn_advantages((t_returns - shift) / scale * t_mask, t_mask, groups,
-                                                       cfg.algorithm)
+    est = get_estimator(cfg.algorithm)
+    if not est.critic and credit != "episode":
+        out.turn_adv, out.zero_var = est.fn((t_returns - shift) / scale * t_mask, t_mask, groups)
         spread = (out.turn_adv.masked_fill(t_mask == 0, -math.inf).amax(1)
                   - out.turn_adv.masked_fill(t_mask == 0, math.inf).amin(1))
         metrics.update({"turn_credit/turns_per_episode": float(t_mask.sum(1).mean()),
                         "turn_credit/adv_spread_within_episode": float(spread.mean())})
-    elif cfg.algorithm in ("grpo", "rloo"):
-        out.episode_adv, out.zero_var = A.group_advantages(out.scores, groups, cfg.algorithm)
-    elif credit != "episode":  # ppo
+    elif not est.critic:  # the episode's score is its one "turn"
+        adv, out.zero_var = est.fn(out.scores[:, None], torch.ones(len(records), 1), groups)
+        out.episode_adv = adv[:, 0]
+    elif credit != "episode":  # a critic: GAE reads the turn rewards
         metrics["turn_credit/turns_per_episode"] = float(t_mask.sum(1).mean())
     out.metrics = metrics
     return out
@@ -131,12 +134,12 @@ def score_episodes(records: list[dict], cfg: TrainConfig, state: LearnerState, g
 
 def token_advantages(cfg: TrainConfig, sc: Scores, batch: Batch,
                      old_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rows, T) advantages of every action token of `batch` and, for PPO, the (rows, T) GAE returns its value loss
-    regresses on (None for group baselines). PPO needs `old_values`, the value head's (rows, T) estimates."""
-    gamma = cfg.gamma
-    if cfg.algorithm in ("grpo", "rloo") and sc.turn_adv is not None:
+    """(rows, T) advantages of every action token of `batch` and, for a critic, the (rows, T) returns its value loss
+    regresses on (None for group baselines). A critic needs `old_values`, the value head's (rows, T) estimates."""
+    gamma, est = cfg.gamma, get_estimator(cfg.algorithm)
+    if not est.critic and sc.turn_adv is not None:
         return sc.turn_adv[batch.episode[:, None], batch.turn.clamp(min=0)] * batch.mask, None
-    if cfg.algorithm in ("grpo", "rloo"):
+    if not est.critic:
         return sc.episode_adv[batch.episode][:, None] * batch.mask, None
     if sc.turn_rewards is not None:  # each turn's reward on its last token; the normaliser's shift on the last turn
         t_mask = sc.turn_mask
@@ -148,6 +151,4 @@ def token_advantages(cfg: TrainConfig, sc: Scores, batch: Batch,
     else:
         # on the episode's last action token only: an episode folded into several rows (segments) is paid once
         rewards = A.token_rewards(sc.scores[batch.episode] * A.last_rows(batch.episode), batch.mask)
-    adv, returns = A.compute_gae_over_segments(rewards, old_values * batch.mask, batch.mask, batch.episode,
-                                               gamma, cfg.lam)
-    return A.masked_whiten(adv, batch.mask), returns
+    return est.fn(rewards, old_values * batch.mask, batch.mask, batch.episode, gamma, cfg.lam)

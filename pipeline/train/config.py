@@ -130,10 +130,10 @@ class TrainConfig(PhaseConfig):
     seed: int = Field(0, description="Seed of task sampling, rollouts and initialisation of the value head.")
     incoming_tasks: str | None = Field("data/incoming", description="Folder of incoming production tasks (*.jsonl, task schema) that join the RL pool after the 'tasks' suite and a filter of held-out, duplicate and unverifiable tasks (counted in metrics/train.json `incoming`); null disables.")
     production_tasks: str | None = Field("data/production/snapshot/tasks", description="Folder of the tasks `agentrl snapshot` made from served traffic (*.jsonl, task schema): they join the RL pool exactly as the incoming tasks do (same checks and filter, counted with them); null disables.")
-    algorithm: Literal["ppo", "grpo", "rloo"] = Field("rloo", description="'ppo': clipped surrogate with a value head and GAE; 'grpo': group baseline (score − group mean)/group std; 'rloo': leave-one-out group baseline.")
+    algorithm: str = Field("rloo", description="The advantage estimator, by its name in the registry of pipeline/train/estimators.py: 'ppo': a value head and GAE; 'grpo': group baseline (score − group mean)/group std; 'rloo': leave-one-out group baseline; or a user's `module:function` or entry point of the group agentrl.estimators (docs/rl-options.md). All train the clipped surrogate.")
     updates: int = Field(120, ge=1, le=100_000, description="Policy updates (one batch of rollouts each); early stopping may end a run sooner.")
     tasks_per_update: int = Field(8, ge=1, description="Distinct tasks per update, over all ranks (a multiple of the number of ranks).")
-    group_size: int = Field(8, ge=1, description="Rollouts per task (the group of a group baseline; ≥ 2 for grpo/rloo).")
+    group_size: int = Field(8, ge=1, description="Rollouts per task (the group of a group baseline; ≥ 2 for grpo, rloo and every other critic-free estimator).")
     epochs: int = Field(1, ge=1, le=16, description="Passes over each batch of rollouts (PPO epochs).")
     minibatches: int = Field(1, ge=1, le=64, description="Shuffled minibatches per epoch (one optimizer step each).")
     micro_batches: int = Field(4, ge=1, le=64, description="Length-sorted chunks each minibatch is forwarded in, gradients accumulated into one optimizer step: the same step with one chunk's activation memory.")
@@ -187,9 +187,16 @@ class TrainConfig(PhaseConfig):
     learned_reward: LearnedRewardConfig = Field(default_factory=LearnedRewardConfig, description="The learned verifier (models/reward_model) as a reward component, extra_reward = coef·score, with the reward-hacking guard (pipeline/reward_model/reward.py); coef 0 is off.")
     extensions: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Extensions of the RL loop besides the built-in ones (pipeline/train/extensions), in order: `module:Class` or an entry point of the group agentrl.extensions, each mapped to its options ({} for none); docs/rl-options.md shows how to write one.")
 
+    @field_validator("algorithm")
+    @classmethod
+    def _check_algorithm(cls, v: str) -> str:
+        _estimator(v)
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.algorithm in ("grpo", "rloo") and self.group_size < 2:
+        critic = _estimator(self.algorithm).critic
+        if not critic and self.group_size < 2:
             raise ValueError(f"algorithm {self.algorithm!r} compares rollouts within a group, so group_size must be "
                              f"at least 2 (got {self.group_size})")
         if self.tasks_per_update % self.num_ranks:
@@ -204,19 +211,32 @@ class TrainConfig(PhaseConfig):
                              "builds its own rollout engines, which the noise does not reach; set one of them off")
         if self.entropy_target is not None and self.entropy_coef_max < self.entropy_coef:
             raise ValueError("entropy_coef_max must be at least entropy_coef")
-        if self.sampling.replay and self.algorithm == "ppo":  # the one place this rule is checked
+        if self.sampling.replay and critic:  # the one place this rule is checked
             if self.reward.weighting != "fixed":
-                raise ValueError(f"train.sampling.replay with algorithm 'ppo' recomputes a replayed episode's GAE from "
-                                 f"its recorded return, which train.reward.weighting={self.reward.weighting!r} would "
-                                 f"have weighted differently: use weighting 'fixed', or a group baseline (grpo/rloo), "
-                                 f"whose replayed episodes keep the advantage they were trained with")
+                raise ValueError(f"train.sampling.replay with algorithm {self.algorithm!r} (a critic) recomputes a "
+                                 f"replayed episode's advantage (GAE for ppo) from its recorded return, which "
+                                 f"train.reward.weighting={self.reward.weighting!r} would have weighted differently: "
+                                 f"use weighting 'fixed', or a group baseline (grpo/rloo), whose replayed episodes "
+                                 f"keep the advantage they were trained with")
             if self.credit != "episode":
-                raise ValueError("train.sampling.replay with PPO works with episode credit only: per-turn or event "
-                                 "credit would need each replayed episode's turn rewards and discounts re-derived; use "
-                                 "grpo/rloo (their per-turn advantages are stored) or replay off")
+                raise ValueError("train.sampling.replay with a critic (ppo) works with episode credit only: per-turn "
+                                 "or event credit would need each replayed episode's turn rewards and discounts "
+                                 "re-derived; use grpo/rloo (their per-turn advantages are stored) or replay off")
         return self
 
     @property
     def credit(self) -> str:
         """The credit rule: `reward.credit`, with the older `turn_credit: true` meaning at least 'turn'."""
         return "turn" if self.reward.credit == "episode" and self.turn_credit else self.reward.credit
+
+
+def _estimator(name: str):
+    """The registered estimator `name` gives (:func:`pipeline.train.estimators.get_estimator`), its error as the
+    ValueError of a config field. Imported here, not at the top, so that this module stays the package's leaf."""
+    from pipeline.core.errors import AgentRLError
+    from pipeline.train.estimators import get_estimator
+
+    try:
+        return get_estimator(name)
+    except AgentRLError as exc:
+        raise ValueError(str(exc).removeprefix("train.algorithm: ")) from None

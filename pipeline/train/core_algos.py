@@ -5,8 +5,9 @@ positions; `mask` is the rollout's action mask, 1 exactly on tokens the policy s
 and padding tokens. Everything downstream respects the mask: advantages, losses and statistics are computed over
 masked positions only, so values written under the mask cannot change a result (tests prove it).
 
-Losses return ``(loss, metrics)`` with metric names namespaced as the tracker logs them. Estimators are picked from
-:data:`ADVANTAGE_ESTIMATORS` by name, and an unknown name fails listing the valid ones.
+Losses return ``(loss, metrics)`` with metric names namespaced as the tracker logs them. The advantage estimators
+built from these pieces (GAE, the GRPO and RLOO group baselines) are registered by name in
+:mod:`pipeline.train.estimators`, where an unknown name fails listing the valid ones.
 
 References: PPO clipped surrogate and value clipping (Schulman et al. 2017; cleanrl `ppo.py`); GAE (Schulman et al.
 2016), computed over action tokens only, skipping observation tokens as verl does for multi-turn rollouts; GRPO group
@@ -20,9 +21,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
-
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `x` over positions where `mask` is 1 (0 when the mask is empty)."""
@@ -107,30 +105,6 @@ def turn_token_rewards(turn_rewards: torch.Tensor, episode: torch.Tensor, turn: 
     return out
 
 
-def turn_advantages(turn_returns: torch.Tensor, turn_mask: torch.Tensor, group_ids: torch.Tensor,
-                    estimator: str = "grpo", scale_by_std: bool = True,
-                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Critic-free advantages per turn (per-turn credit with a group baseline, docs/design.md §2.2).
-
-    Args: turn_returns (episodes, turns) G_{e,t} = Σ_{t'≥t} γ^(t'−t) r_{e,t'} (:func:`discounted_returns`), padded
-    after each episode's last turn; turn_mask (episodes, turns) 1 on real turns; group_ids (episodes,).
-    The baseline of an episode is :func:`group_advantages`' on the episode scores G_{e,0} (group mean for `grpo`, the
-    others' mean for `rloo`), and A_{e,t} = (G_{e,t} − baseline_e), divided by the group's std of G_{·,0} for `grpo`
-    with `scale_by_std`. So the first turn's advantage is the episode-level one, and a later turn's differs from it
-    by what was earned (or lost) before it. Returns (advantages (episodes, turns), zero off `turn_mask`;
-    zero_variance (episodes,) bool, as group_advantages).
-    """
-    ep_adv, zero_var = group_advantages(turn_returns[:, 0], group_ids, estimator, scale_by_std, eps)
-    scale = torch.ones_like(ep_adv)
-    if estimator == "grpo" and scale_by_std:
-        for g in torch.unique(group_ids):
-            idx = group_ids == g
-            if int(idx.sum()) >= 2:
-                scale[idx] = turn_returns[idx, 0].std(unbiased=True) + eps
-    adv = ep_adv[:, None] + (turn_returns - turn_returns[:, :1]) / scale[:, None]
-    return adv * turn_mask, zero_var
-
-
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float | torch.Tensor,
                 lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over action tokens only.
@@ -197,38 +171,6 @@ def compute_gae_over_segments(rewards: torch.Tensor, values: torch.Tensor, mask:
     adv[rows, t_idx] = adv_e[ep, pos]
     returns[rows, t_idx] = ret_e[ep, pos]
     return adv, returns
-
-
-def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo",
-                     scale_by_std: bool = True, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Critic-free advantages relative to the other rollouts of the same task.
-
-    Args: scores (batch,) episode returns; group_ids (batch,) integer group of each episode.
-    `grpo`: (score − group mean) / (group std + eps) (std only if `scale_by_std`);
-    `rloo`: score − mean of the *other* members of the group (leave-one-out).
-    Returns: (advantages (batch,), zero_variance (batch,) bool: the episode's group had all-equal scores, so it
-    carries no learning signal).
-    """
-    if estimator not in ("grpo", "rloo"):
-        raise ValueError(f"unknown group estimator {estimator!r}; choose one of 'grpo', 'rloo'")
-    adv = torch.zeros_like(scores)
-    zero_var = torch.zeros_like(scores, dtype=torch.bool)
-    for g in torch.unique(group_ids):
-        idx = group_ids == g
-        s = scores[idx]
-        n = s.numel()
-        if n < 2:
-            zero_var[idx] = True
-            continue
-        if estimator == "grpo":
-            a = s - s.mean()
-            if scale_by_std:
-                a = a / (s.std(unbiased=True) + eps)
-        else:
-            a = s - (s.sum() - s) / (n - 1)
-        adv[idx] = a
-        zero_var[idx] = bool((s.max() - s.min()).abs() < 1e-9)
-    return adv, zero_var
 
 
 def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -44,6 +44,7 @@ from pipeline.train.advantages import score_episodes, token_advantages
 from pipeline.train.batch import Batch, collate_records, length_chunks
 from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import params_without_grad
+from pipeline.train.estimators import get_estimator
 from pipeline.train.sampling import LearnerState
 
 
@@ -81,22 +82,22 @@ class Targets:
 
 def one_forward(cfg: TrainConfig) -> bool:
     """Whether an update is one on-policy optimizer step, so π_old is the training forward's own π_θ.detach()."""
-    return cfg.algorithm != "ppo" and cfg.epochs == 1 and cfg.minibatches == 1
+    return not get_estimator(cfg.algorithm).critic and cfg.epochs == 1 and cfg.minibatches == 1
 
 
 def learn(lr: Learner, records: list[dict], state: LearnerState, u: int) -> dict:
     """Advantages and the optimisation steps of update `u` (0-based) on `records` (each with its ``group``)."""
     cfg, engine = lr.cfg, lr.engine
-    device = engine.device
+    device, group = engine.device, not get_estimator(cfg.algorithm).critic
     batch = collate_records(records, lr.pad_id, max((e.slice_turns for e in lr.extensions), default=0))
     sc = scorer(lr, state)(records)
     loss_mask = batch.mask.clone()
-    if cfg.skip_zero_variance_groups and cfg.algorithm != "ppo":
+    if cfg.skip_zero_variance_groups and group:
         loss_mask = loss_mask * (~sc.zero_var[batch.episode]).float()[:, None]
     loss_mask = A.loss_weights(loss_mask, batch.episode, len(records), cfg.loss_agg)  # weights: see train.loss_agg
     for ext in lr.extensions:
         loss_mask = ext.row_weights(loss_mask, records, batch)
-    if cfg.algorithm != "ppo" and lr.ref is None:  # behaviour cloning reads demonstrations, not these rows
+    if group and lr.ref is None:  # behaviour cloning reads demonstrations, not these rows
         keep = torch.nonzero(loss_mask.sum(1) > 0).flatten()
         if keep.numel() == 0:
             batch, loss_mask = batch.select(torch.tensor([0])), loss_mask[:1] * 0
@@ -135,7 +136,7 @@ def learn(lr: Learner, records: list[dict], state: LearnerState, u: int) -> dict
     masked = adv[loss_mask > 0]
     out.update({
         "policy/advantage_var": float(masked.var()) if masked.numel() > 1 else 0.0,
-        "rollout/zero_variance_group_share": float(sc.zero_var.float().mean()) if cfg.algorithm != "ppo" else 0.0,
+        "rollout/zero_variance_group_share": float(sc.zero_var.float().mean()) if group else 0.0,
         "train/skipped_steps_nonfinite": skipped,
         "train/batch_tokens": int(batch.attn.sum()),
         "train/rows_forwarded": int(batch.n_rows),

@@ -46,6 +46,7 @@ from pipeline.train.checkpoint import BEST, fingerprint, load_checkpoint, save_c
 from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import collapse_alarms, fault_metrics, rollout_metrics
 from pipeline.train.early_stopping import EarlyStopping
+from pipeline.train.estimators import get_estimator
 from pipeline.train.extensions import Extension, make_extensions
 from pipeline.train.guidance import guidance_metrics, guide_failed_groups
 from pipeline.train.learner import Learner, learn
@@ -179,7 +180,7 @@ def setup(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, *, policy_dir: Path
     start_weights = ({k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.merge_alpha < 1
                      else None)
     pad_id = marker_ids(tokenizer)[PAD]
-    actor = ActorCritic(model, with_value=cfg.algorithm == "ppo")
+    actor = ActorCritic(model, with_value=get_estimator(cfg.algorithm).critic)
     actor.train()
     ref = None
     if cfg.kl_coef > 0:

@@ -9,12 +9,14 @@ production tasks in ``train.incoming_tasks`` and ``train.production_tasks`` (che
 gain (:func:`seen_wording_headroom`), the early-stopping decision with its reason, ``incoming``: the incoming
 tasks used and dropped, ``health``: tool faults, stale batches dropped, collapse alarms, and ``learnability``: the
 report of :mod:`pipeline.policy.learnability` on the RL policy's test episodes, also printed last) and
-``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``; the ``explore/*`` columns when the tool-choice
-noise of :mod:`pipeline.train.extensions.tool_noise` is on, a health column when its figure is nonzero somewhere).
+``metrics/train_curve.csv`` (the learning curve for ``dvc plots show``; the columns an extension declares
+(:attr:`pipeline.train.extensions.base.Extension.curve_keys`) when it reported them, a health column when its figure
+is nonzero somewhere).
 
-With ``train.population.size`` > 1 the members are trained one after the other (:mod:`pipeline.train.extensions.population`),
-the best on validation becomes ``models/policy`` and ``metrics/train.json`` gets ``population``: every member's
-validation figures and the pairwise behaviour diversity between members.
+An extension may train the stage otherwise than as one run (:meth:`pipeline.train.extensions.base.Extension.train_stage`):
+with ``train.population.size`` > 1 the members are trained one after the other
+(:mod:`pipeline.train.extensions.population`), the best on validation becomes ``models/policy`` and
+``metrics/train.json`` gets ``population``: every member's validation figures and the pairwise behaviour diversity.
 """
 
 from __future__ import annotations
@@ -40,21 +42,15 @@ from pipeline.train.config import TrainConfig
 from pipeline.train.diagnostics import run_health
 from pipeline.train.incoming import DROP_REASONS, load_incoming
 from pipeline.policy.learnability_render import flat_metrics, render
-from pipeline.train.extensions.reward_weighting import REWARD_CURVE_KEYS
+from pipeline.train.extensions import Stage, curve_keys, train_stage
 
 CURVE_KEYS = ("update", "rollout/success", "rollout/return", "policy/entropy", "losses/total", "losses/approx_kl",
               "rollout/zero_variance_group_share", "sys/rollout_s", "sys/learn_s", "sys/idle_s", "sys/update_s",
               "train/batch_tokens")
-# columns a switch adds when it is on (the default curve keeps its columns)
-OPTIONAL_CURVE_KEYS = ("explore/epsilon", "explore/tool_choices", "explore/noised_action_share")
-OPTIONAL_CURVE_KEYS += ("reward_model/score", "reward_model/rule_return", "alarms/reward_hacking")  # learned_reward
-OPTIONAL_CURVE_KEYS += REWARD_CURVE_KEYS  # train.reward: weights, multipliers, constraint means, credit events
-OPTIONAL_CURVE_KEYS += ("replay/replayed", "replay/share_new", "replay/priority_weight_mean", "replay/mean_age",
-                        "replay/dropped_stale", "sampling/slice_rows", "sampling/adversarial_planned_weight")  # train.sampling
-OPTIONAL_CURVE_KEYS += ("taskgen/generated", "taskgen/accepted", "taskgen/mixed_in", "taskgen/pool_generated",
-                        "taskgen/weakest_success")  # train.task_generation
-OPTIONAL_CURVE_KEYS += ("context/episodes_with_actions_share", "context/plan_completion", "context/memory_notes",
-                        "context/memory_utility")  # env.context_actions
+# columns of the environment's context actions when it reports them; an extension declares its own
+# (pipeline.train.extensions.base.Extension.curve_keys)
+OPTIONAL_CURVE_KEYS = ("context/episodes_with_actions_share", "context/plan_completion", "context/memory_notes",
+                       "context/memory_utility")  # env.context_actions
 # run health (pipeline.train.diagnostics): columns only when some update has a nonzero value (always logged to MLflow)
 HEALTH_CURVE_KEYS = ("faults/failure_rate", "faults/latency_spikes", "faults/tool_exceptions",
                      "offpolicy/dropped_stale_batch", "alarms/entropy_collapse", "alarms/reward_spread_collapse",
@@ -213,7 +209,7 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
                                  data)
             metrics = train_summary(cfg, result, comparison, learn, dist.world_size, time.perf_counter() - t0)
             write_json(metrics_path, metrics)
-            write_curve(curve_path, result["history"])
+            write_curve(curve_path, result["history"], curve_keys(cfg) + OPTIONAL_CURVE_KEYS)
             report(metrics, comparison, learn, metrics_path, run)
     dist.close()
     return result
@@ -221,8 +217,8 @@ def run_worker(params_path: str = "params.yaml", adapted: str = "models/adapted"
 
 def train_runs(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, inputs: Inputs, *, adapted: str, out: str,
                ckpt: str, dist, run, hooks) -> dict:
-    """The run, or with ``train.population.size`` > 1 the members one after the other, each in its own checkpoint
-    folder (:mod:`pipeline.train.extensions.population`); the loop's result (the best member's, with `population`)."""
+    """The stage: one run, unless an extension trains it otherwise (:func:`pipeline.train.extensions.train_stage`;
+    a population trains its members one after the other, each in its own checkpoint folder); the loop's result."""
     from pipeline.train.loop import train
 
     rl_rollout_cfg = (rollout_cfg if cfg.rollout_temperature is None
@@ -236,14 +232,8 @@ def train_runs(cfg: TrainConfig, env_cfg: EnvConfig, rollout_cfg, inputs: Inputs
                      train_tasks=inputs.train_tasks + inputs.incoming.tasks, val_tasks=val_tasks, runtime=runtime,
                      out_dir=out_dir, ckpt_dir=ckpt_dir, dist=dist, run=run, demo_examples=inputs.demos, hooks=hooks)
 
-    if cfg.population.size <= 1:
-        return train_one(cfg, Path(out), ckpt_dir_of(cfg), run)
-    from pipeline.train.extensions.population import member_features, train_population
-    from pipeline.train.validation import VAL_SEED
-
-    return train_population(cfg, train_one, ckpt_dir_of, Path(out), run, dist,
-                            lambda d: member_features(d, val_tasks[:cfg.eval_tasks], runtime, env_cfg, rollout_cfg,
-                                                      dist, VAL_SEED))
+    return train_stage(cfg, Stage(train_one, ckpt_dir_of, Path(out), run, dist, runtime, val_tasks, env_cfg,
+                                  rollout_cfg))
 
 
 def train_summary(cfg: TrainConfig, result: dict, comparison: dict, learn: dict, world_size: int,
@@ -262,17 +252,16 @@ def train_summary(cfg: TrainConfig, result: dict, comparison: dict, learn: dict,
         "health": run_health(result["history"]),  # tool faults, stale batches dropped, collapse alarms
         "learnability": learn,  # why the RL policy's test episodes fail (docs/environments.md)
     }
-    if "population" in result:  # every member's validation figures and their pairwise diversity
-        metrics["population"] = result["population"]
+    metrics.update(result.get("extension_summary", {}))  # e.g. a population's members and their diversity
     return metrics
 
 
-def write_curve(curve_path: str, history: list[dict]) -> None:
-    """``metrics/train_curve.csv``: the fixed columns, the optional ones some update reported, the health ones some
-    update has nonzero."""
+def write_curve(curve_path: str, history: list[dict], optional: tuple[str, ...] = OPTIONAL_CURVE_KEYS) -> None:
+    """``metrics/train_curve.csv``: the fixed columns, the `optional` ones (the extensions' and the context
+    actions') some update reported, the health ones some update has nonzero."""
     with atomic_open(curve_path, newline="") as fh:
         w = csv.writer(fh)
-        keys = CURVE_KEYS + tuple(k for k in OPTIONAL_CURVE_KEYS if any(k in h for h in history))
+        keys = CURVE_KEYS + tuple(k for k in optional if any(k in h for h in history))
         keys += tuple(k for k in HEALTH_CURVE_KEYS if any(h.get(k) for h in history))
         w.writerow([k.replace("/", "_") for k in keys])
         for h in history:

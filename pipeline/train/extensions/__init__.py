@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from pipeline.core.errors import AgentRLError
-from pipeline.train.extensions.base import Extension
+from pipeline.train.extensions.base import Extension, Stage
 
 GROUP = "agentrl.extensions"
 BUILTIN = (
@@ -30,9 +30,11 @@ BUILTIN = (
     "pipeline.train.extensions.event_credit:EventCredit",  # train.reward.credit: event
     "pipeline.train.extensions.replay:Replay",  # train.sampling.replay
     "pipeline.train.extensions.slicing:Slicing",  # train.sampling.slice_turns
+    "pipeline.train.extensions.population:Population",  # train.population (trains the stage, not a loop hook)
 )
 
-__all__ = ["BUILTIN", "GROUP", "Extension", "extension_class", "make_extensions"]
+__all__ = ["BUILTIN", "GROUP", "Extension", "Stage", "curve_keys", "extension_class", "extension_classes",
+           "make_extensions", "train_stage"]
 
 
 def extension_class(spec: str) -> type[Extension]:
@@ -70,3 +72,26 @@ def make_extensions(cfg, env_cfg, runtime) -> list[Extension]:
                                f"its own name (the key of its checkpointed state)")
         out.append(ext)
     return out
+
+
+def curve_keys(cfg) -> tuple[str, ...]:
+    """The learning-curve columns the run's possible extensions declare (:attr:`Extension.curve_keys`), built-in
+    ones first, in order; each becomes a column only when some update reported it."""
+    keys: dict[str, None] = {}
+    for cls in extension_classes(cfg):
+        keys.update(dict.fromkeys(cls.curve_keys))
+    return tuple(keys)
+
+
+def extension_classes(cfg) -> list[type[Extension]]:
+    """The classes of every extension a run of `cfg` may have: the built-in ones, then those of `train.extensions`."""
+    return [extension_class(spec) for spec in (*BUILTIN, *cfg.extensions)]
+
+
+def train_stage(cfg, stage: Stage) -> dict:
+    """The stage's result: the first extension's :meth:`Extension.train_stage` that gives one, else one run."""
+    for cls in extension_classes(cfg):
+        result = cls.train_stage(cfg, stage)
+        if result is not None:
+            return result
+    return stage.train_one(cfg, stage.out_dir, stage.ckpt_dir_of(cfg), stage.run)

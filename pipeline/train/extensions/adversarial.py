@@ -59,6 +59,7 @@ class AdversarialSampling(Extension):
     """On when ``train.sampling.adversarial``; its state is the :class:`TaskFailures`."""
 
     name = "adversarial"
+    curve_keys = ("sampling/adversarial_planned_weight",)
 
     def __init__(self, failures: TaskFailures):
         self.tasks = failures

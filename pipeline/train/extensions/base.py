@@ -23,6 +23,11 @@ Points of an update ``u`` (0-based), in order:
 7. :meth:`Extension.state_dict` / :meth:`Extension.load_state_dict`: the extension's state in every checkpoint, so a
    resumed run continues as if it had not stopped.
 
+One point lies above the loop: :meth:`Extension.train_stage` (a class method, asked before any run starts) may train
+the stage otherwise than as one run, e.g. several runs with the best one kept (a population); the first extension
+that returns a result decides, and none: the stage is one run. The curve columns an extension logs are its
+:attr:`Extension.curve_keys`.
+
 All ranks hold the same extensions and call the same hooks, so an extension may use the rank collectives
 (``loop.dist.all_gather``) in any hook that runs on every rank.
 
@@ -32,6 +37,8 @@ returns None when the config leaves it off, so an extension that is off costs no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the types hooks receive; importing them here would make this module depend on the loop
@@ -41,12 +48,29 @@ if TYPE_CHECKING:  # the types hooks receive; importing them here would make thi
     from pipeline.train.config import TrainConfig
 
 
+@dataclass
+class Stage:
+    """What :meth:`Extension.train_stage` may use to train the stage: one run of the loop with the stage's inputs
+    bound, ``train_one(cfg, out_dir, ckpt_dir, run) -> result``, and what else the stage holds."""
+
+    train_one: Callable[..., dict]
+    ckpt_dir_of: Callable[[Any], Path]  # a run config's checkpoint folder (its config is in the folder's key)
+    out_dir: Path  # where the stage's policy goes (models/policy)
+    run: Any  # the stage's tracking run
+    dist: Any  # pipeline.train.distributed.Dist
+    runtime: Any  # the opened environment
+    val_tasks: list
+    env_cfg: Any
+    rollout_cfg: Any
+
+
 class Extension:
     """Base class of an optional capability: every hook is a no-op (see the module docstring for when each runs).
     `loop` is the run's :class:`pipeline.train.loop.Loop`, `lr` its :class:`pipeline.train.learner.Learner`."""
 
     name: str = "extension"  # the key of its state in a checkpoint; unique within a run
     slice_turns: int = 0  # > 0: the learner's rows hold at most this many turns (trajectory slicing)
+    curve_keys: tuple[str, ...] = ()  # metrics it logs that are columns of metrics/train_curve.csv when reported
 
     @classmethod
     def create(cls, cfg: "TrainConfig", env_cfg: Any, runtime: Any, options: dict | None = None) -> "Extension | None":
@@ -54,6 +78,13 @@ class Extension:
         :class:`pipeline.envs.config.EnvConfig`, `runtime` its opened environment, `options` the mapping
         ``train.extensions`` gives it (built-in extensions read their own `train.*` keys instead)."""
         return cls()
+
+    # ---- the stage (pipeline.train.worker)
+    @classmethod
+    def train_stage(cls, cfg: "TrainConfig", stage: Stage) -> dict | None:
+        """The stage's result (a loop result; its ``extension_summary`` mapping joins ``metrics/train.json``) when
+        the extension trains the stage otherwise than as one run of the loop, else None."""
+        return None
 
     # ---- the loop
     def attach(self, loop) -> None:

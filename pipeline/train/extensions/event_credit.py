@@ -63,6 +63,7 @@ class EventCredit(Extension):
     """On when the credit (``train.reward.credit``) is 'event'."""
 
     name = "event_credit"
+    curve_keys = ("credit/event_turns_per_episode",)
 
     def __init__(self, cfg, write_tools: frozenset[str]):
         self.cfg, self.write_tools = cfg, write_tools

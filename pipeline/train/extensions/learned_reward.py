@@ -17,6 +17,7 @@ from pipeline.train.extensions.base import Extension
 
 class LearnedRewardTerm(Extension):
     name = "learned_reward"
+    curve_keys = ("reward_model/score", "reward_model/rule_return", "alarms/reward_hacking")
 
     def __init__(self, cfg, env_name: str):
         self.cfg, self.env_name = cfg, env_name

@@ -28,6 +28,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Callable
 
+from pipeline.train.extensions.base import Extension
 
 
 def member_configs(cfg) -> list:
@@ -121,8 +122,8 @@ def best_value(result: dict, metric: str) -> float:
 def train_population(cfg, train_one: Callable, ckpt_dir_of: Callable, out_dir: Path, run, dist,
                      features_of: Callable, log: Callable = print) -> dict:
     """Train every member with ``train_one(member_cfg, out_dir, ckpt_dir, run)`` (the loop's :func:`train` with the
-    stage's other arguments bound), keep the best one in `out_dir`, and return its result with ``population`` added
-    (see the module docstring). ``ckpt_dir_of(member_cfg)`` is a member's checkpoint folder and
+    stage's other arguments bound), keep the best one in `out_dir`, and return its result with
+    ``extension_summary: {"population": ...}`` added (see the module docstring). ``ckpt_dir_of(member_cfg)`` is a member's checkpoint folder and
     ``features_of(policy_dir)`` the φ of its greedy validation episodes (:func:`member_features`). A member that does
     not complete (stopped by a hook) ends the call with its own result, ``completed`` False."""
     from pipeline.policy.model import copy_policy
@@ -159,4 +160,25 @@ def train_population(cfg, train_one: Callable, ckpt_dir_of: Callable, out_dir: P
                          **{f"population/diversity_{k}": v for k, v in diversity.items()}})
         log(f"population: best member {chosen} ({metric} {values[chosen]:.3f}; members "
             + ", ".join(f"{v:.3f}" for v in values) + f"); mean diversity {summary['mean_diversity']:.3f}")
-    return {**results[chosen], "population": summary}
+    return {**results[chosen], "extension_summary": {"population": summary}}
+
+
+class Population(Extension):
+    """On when ``train.population.size`` > 1. It is no hook of the loop (each member is a plain run, with the
+    member's own extensions): it trains the stage (:meth:`~pipeline.train.extensions.base.Extension.train_stage`)."""
+
+    name = "population"
+
+    @classmethod
+    def create(cls, cfg, env_cfg, runtime, options=None):
+        return None
+
+    @classmethod
+    def train_stage(cls, cfg, stage) -> dict | None:
+        if cfg.population.size <= 1:
+            return None
+        from pipeline.train.validation import VAL_SEED
+
+        return train_population(cfg, stage.train_one, stage.ckpt_dir_of, stage.out_dir, stage.run, stage.dist,
+                                lambda d: member_features(d, stage.val_tasks[:cfg.eval_tasks], stage.runtime,
+                                                          stage.env_cfg, stage.rollout_cfg, stage.dist, VAL_SEED))

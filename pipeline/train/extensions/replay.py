@@ -239,6 +239,8 @@ class Replay(Extension):
     """On when ``train.sampling.replay``; its state is the :class:`ReplayStore`."""
 
     name = "replay"
+    curve_keys = ("replay/replayed", "replay/share_new", "replay/priority_weight_mean", "replay/mean_age",
+                  "replay/dropped_stale")
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -52,8 +52,7 @@ BEST = np.array([1.0, 0.0, 0.0, 1.0])  # top of each component's range (pipeline
 SHAPED = np.array([False, True, False, True])  # terms that `env.reward.shaping: on_success` counts only on success
 # what an update reports into metrics/train_curve.csv when a mode is on (pipeline.train.worker)
 REWARD_CURVE_KEYS = (*(f"reward/w_{c}" for c in COMPONENTS), *(f"reward/lambda_{c}" for c in COMPONENTS[1:]),
-                     *(f"reward/constraint_{c}" for c in COMPONENTS[1:]), "reward/return_mean",
-                     "credit/event_turns_per_episode")
+                     *(f"reward/constraint_{c}" for c in COMPONENTS[1:]), "reward/return_mean")
 
 
 # ----------------------------------------------------------------------------------------------------- pure maths
@@ -206,6 +205,7 @@ class ReturnWeighting(Extension):
     """On when ``train.reward.weighting`` is 'softmax' or 'lagrange'."""
 
     name = "reward_weighting"
+    curve_keys = REWARD_CURVE_KEYS
 
     def __init__(self, state: RewardWeighting):
         self.state = state

@@ -12,6 +12,7 @@ from pipeline.train.extensions.base import Extension
 
 class Slicing(Extension):
     name = "slicing"
+    curve_keys = ("sampling/slice_rows",)
 
     def __init__(self, slice_turns: int):
         self.slice_turns = slice_turns

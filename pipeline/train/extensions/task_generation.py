@@ -179,6 +179,8 @@ class TaskGenerator(Extension):
     """Generation state of one run (identical on every rank); :meth:`step` runs after every update's learning."""
 
     name = "task_generation"
+    curve_keys = ("taskgen/generated", "taskgen/accepted", "taskgen/mixed_in", "taskgen/pool_generated",
+                  "taskgen/weakest_success")
 
     @classmethod
     def create(cls, cfg, env_cfg, runtime, options=None):

@@ -64,6 +64,7 @@ class ToolNoise(Extension):
     """On when ``train.exploration.tool_noise`` > 0."""
 
     name = "tool_noise"
+    curve_keys = ("explore/epsilon", "explore/tool_choices", "explore/noised_action_share")
 
     def __init__(self, cfg):
         self.cfg = cfg
