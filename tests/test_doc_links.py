@@ -66,3 +66,22 @@ def test_front_pages_stay_short():
     assert len(experiments.splitlines()) <= 500
     sections = re.findall(r"^## (.+)$", FENCE.sub("", experiments), flags=re.MULTILINE)
     assert sections[-1] == "Record", sections
+
+
+CODE_PATH = re.compile(r"`((?:pipeline|flows|bench|scripts|tests)/[\w/.-]+\.(?:py|yaml|md|sh))")
+
+
+def missing_code_paths(pages: list[Path], root: Path = ROOT) -> list[str]:
+    """Repository files that a page names in code spans (``pipeline/train/loop.py``) and that do not exist."""
+    return [f"{page.relative_to(root)}: {path}" for page in pages
+            for path in CODE_PATH.findall(page.read_text(encoding="utf-8")) if not (root / path).exists()]
+
+
+def test_every_code_path_the_docs_name_exists(tmp_path):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert sum(len(CODE_PATH.findall(p.read_text(encoding="utf-8"))) for p in pages) > 50
+    assert missing_code_paths(pages) == []
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "here.py").write_text("")
+    (tmp_path / "a.md").write_text("`pipeline/here.py` and `pipeline/gone.py`, (`pipeline/x/`)\n")
+    assert missing_code_paths([tmp_path / "a.md"], tmp_path) == ["a.md: pipeline/gone.py"]
