@@ -17,7 +17,9 @@ One run of :func:`retrain_flow`:
    `agentrl snapshot`, :mod:`pipeline.deploy.snapshot`) raised its alarm and no earlier retrain acted on that same
    snapshot (the ``retrain.alarm_snapshot`` tag of the finished `retrain` runs holds the digests acted on; a retrain
    that failed does not count), the flow retrains as on drift found; the retrain trains on the snapshot's tasks
-   (``train.production_tasks``);
+   (``train.production_tasks``). The alarm is decided at each decision by the rule and thresholds of the server's
+   ``agentrl_drift_alarm`` gauge (:func:`pipeline.deploy.monitor.drift_alarm`, ``deploy.snapshot``) on the
+   statistics the snapshot recorded;
 5. records the decision either way: an MLflow run ``retrain`` (tags ``retrain.decision``, ``retrain.reason``; the
    verdict and the decision as artefacts; the pipeline's runs nest under it) and a Prefect markdown artifact.
 
@@ -95,18 +97,25 @@ def reference_path(root: Path, configured: str, versions: dict[str, str], scratc
 
 
 @task(name="production-drift-alarm", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def production_alarm(snapshot_dir: str, tracking_uri: str) -> dict[str, Any] | None:
+def production_alarm(snapshot_dir: str, tracking_uri: str, thresholds=None) -> dict[str, Any] | None:
     """The drift alarm of the traffic snapshot in `snapshot_dir` (None without a snapshot), with ``acted_on``: the id
-    of an earlier `retrain` run that retrained on this same snapshot's alarm and finished (None when none did)."""
+    of an earlier `retrain` run that retrained on this same snapshot's alarm and finished (None when none did).
+
+    With `thresholds` (``deploy.snapshot``) the alarm is decided now, by :func:`pipeline.deploy.monitor.drift_alarm`
+    on the statistics the snapshot recorded: the rule and the thresholds of the server's ``agentrl_drift_alarm``
+    gauge as params say them today (a threshold changed since the snapshot counts); without, the snapshot's own."""
     from mlflow import MlflowClient
 
     from pipeline.core.tracking import EXPERIMENT
+    from pipeline.deploy.monitor import drift_alarm
     from pipeline.deploy.snapshot import read_manifest
 
     manifest = read_manifest(snapshot_dir)
     if manifest is None:
         return None
     drift = manifest.get("drift") or {}
+    if thresholds is not None and isinstance(drift.get("statistics"), dict):
+        drift = {**drift, **drift_alarm(drift["statistics"], int(drift.get("window") or 0), thresholds)}
     out = {"dir": snapshot_dir, "digest": manifest.get("digest"), "created": manifest.get("created"),
            "episodes": manifest.get("episodes"), "tasks": manifest.get("tasks"), "alarm": bool(drift.get("alarm")),
            "reasons": drift.get("reasons", []), "acted_on": None}
@@ -215,7 +224,7 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
             record["drift"] = {"verdict": verdict["verdict"], "failed": verdict["failed_checks"], "checks": statuses}
             run.log_dict(verdict, "drift_verdict.json")
             drift_found = any(statuses.get(c) == "fail" for c in DRIFT_CHECKS)
-        alarm = production_alarm(str(root / snapshot_out), tracker.tracking_uri)
+        alarm = production_alarm(str(root / snapshot_out), tracker.tracking_uri, deploy_cfg.snapshot)
         record["production"] = alarm
         alarm_found = bool(alarm and alarm["alarm"] and alarm["acted_on"] is None)
         if drift_found:

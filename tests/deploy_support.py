@@ -131,15 +131,23 @@ def snapshot(registry) -> dict:
             "versions": {v.version: dict(v.tags) for v in versions}}
 
 
-def nudged_policy(project: Path, dest: Path, delta: float) -> str:
-    """A copy of the project's policy with one weight moved by `delta`: other weights (another weights.sha256) that
-    play the same greedy episodes when `delta` is tiny."""
+def nudged_policy(project: Path, dest: Path, delta: float, source: str | Path | None = None) -> str:
+    """A copy of the project's policy (or of the policy folder `source`) with one weight moved by `delta`: other
+    weights (another weights.sha256) that play the same greedy episodes when `delta` is tiny."""
     import torch
 
     from pipeline.policy.model import load_policy, save_policy
 
-    model, tok, meta = load_policy(project / "models" / "policy")
+    model, tok, meta = load_policy(Path(source) if source else project / "models" / "policy")
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] += delta
     save_policy(model, tok, dest, {k: v for k, v in meta.items() if k in ("phase", "step")})
     return str(dest)
+
+
+def parse_prometheus(text: str) -> dict:
+    """{(name, frozenset(labels)): value} by prometheus_client's own parser (it raises on malformed text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}

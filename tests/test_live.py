@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from deploy_support import ENV, ROLL, build_project, deploy_config, free_port, mlflow_server, nudged_policy, \
-    snapshot, tracking_uri, wait_http, write_params
+    parse_prometheus, snapshot, tracking_uri, wait_http, write_params
 from pipeline.core.traffic import read_records
 from pipeline.deploy.config import ChallengerConfig
 from pipeline.deploy.live import Evidence, check_live, judge_now, require_live
@@ -141,6 +141,7 @@ def test_a_shadow_challenger_never_answers_a_caller_and_its_regression_fails_the
         with httpx.Client(timeout=120) as client:
             replies = [client.post(f"{base}/solve", json=r) for r in requests_with_truth(project, 12, 0)]
             state = wait_state(client, base, lambda s: s["rolled_back"])
+            metrics = parse_prometheus(client.get(f"{base}/metrics").text)
     finally:
         out = stop_server(proc)
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
@@ -149,6 +150,19 @@ def test_a_shadow_challenger_never_answers_a_caller_and_its_regression_fails_the
     assert state["mode"] == "shadow" and state["canary_answers"] == 0 and state["worse_on"] == ["success"]
     assert state["paired_success"] == 7 and state["challenger_success"] == 0.0  # rolled back at the 7th loss
     assert "challenger models:/policy-live@challenger as shadow" in out and "rolled back" in out
+    assert f"capture to {tmp_path / 'traffic'}/" in out
+    g = lambda name, **labels: metrics[(f"agentrl_{name}", frozenset(labels.items()))]  # noqa: E731
+    assert g("live_info", mode="shadow", challenger_uri="models:/policy-live@challenger", challenger_version="2") == 1
+    assert g("live_active") == 0  # rolled back
+    assert g("live_paired_requests", outcome="success") == 7  # the gauges stop with the comparison, at its rollback
+    assert 7 <= g("live_episodes_total", role="champion") <= 12  # the callers' answers until then
+    assert 7 <= g("live_episodes_total", role="challenger") <= 12  # its copies until then
+    assert g("live_window_success_rate", role="champion") == 1.0 and g("live_window_success_rate", role="challenger") == 0
+    assert g("live_window_judged_requests", role="challenger") == g("live_episodes_total", role="challenger")
+    assert g("live_safety_violations_total", role="challenger") == 0 == g("live_window_unsafe_share", role="champion")
+    for role in ("champion", "challenger"):
+        assert 0 < g("live_window_latency_seconds", role=role, quantile="0.5") <= \
+            g("live_window_latency_seconds", role=role, quantile="0.99")
 
     folder = tmp_path / "traffic"
     ids = {a["request_id"] for a in answers}
@@ -190,6 +204,7 @@ def test_a_worse_canary_is_rolled_back_and_the_champion_keeps_every_request(regi
             after = [client.post(f"{base}/solve", json=r).json() for r in requests_with_truth(project, 24, 5000)]
             again = [client.post(f"{base}/solve", json=r).json() for r in requests_with_truth(project, 24, 1000)]
             final = client.get(f"{base}/challenger").json()
+            metrics = parse_prometheus(client.get(f"{base}/metrics").text)
             for _ in range(300):  # the evidence is written by a thread at the rollback
                 if reg.tags("2").get("gate.live"):
                     break
@@ -201,6 +216,13 @@ def test_a_worse_canary_is_rolled_back_and_the_champion_keeps_every_request(regi
     assert canary and len(canary) == state["canary_answers"]  # the challenger did answer callers before
     assert all(a["answer"] == "0" and a["success"] is True for a in after + again)  # then the champion, always
     assert final["canary_answers"] == state["canary_answers"] and not final["active"]
+    g = lambda name, **labels: metrics[(f"agentrl_{name}", frozenset(labels.items()))]  # noqa: E731
+    assert g("live_active") == 0 and g("live_info", mode="canary", challenger_uri="models:/policy-live@challenger",
+                                       challenger_version="2") == 1
+    paired = g("live_paired_requests", outcome="safety")
+    assert 6 <= paired <= g("live_episodes_total", role="challenger") <= len(canary)  # canary answers, until rollback
+    assert paired <= g("live_episodes_total", role="champion") <= len(canary)  # the champion's copies of them
+    assert g("live_window_success_rate", role="challenger") == 0 < g("live_window_success_rate", role="champion")
 
     records = {r["request_id"]: r for r in read_records(tmp_path / "traffic", "request")}
     assert {records[a["request_id"]]["role"] for a in canary} == {"challenger"}
@@ -218,7 +240,7 @@ def test_promote_requires_a_passing_live_check_when_asked(registry, tmp_path, ca
     from pipeline.deploy.main import deploy
 
     _, project, cfg, reg = registry
-    same = nudged_policy(project, project / "models" / "nudged", 1e-6)  # plays the champion's episodes
+    same = nudged_policy(project, project / "models" / "nudged", 1e-6, cfg.policy)  # plays the champion's episodes
     deploy(deploy_config(project, NAME, policy=same, promote=False, precisions=["fp32"], serve_precision="fp32",
                          latency_tasks=0), ENV, ROLL_ANSWER, project / "metrics", project / "metrics" / "deploy.json")
     assert reg.alias_version("challenger") == "3"
@@ -236,13 +258,38 @@ def test_promote_requires_a_passing_live_check_when_asked(registry, tmp_path, ca
             for r in requests_with_truth(project, 6, 9000):
                 assert client.post(f"{base}/solve", json=r).json()["answer"] == "0"
             state = wait_state(client, base, lambda s: s["paired_success"] >= 6)
+            metrics = parse_prometheus(client.get(f"{base}/metrics").text)
     finally:
         stop_server(proc)
-    assert state["verdict"] == "pass" and not state["rolled_back"]
+    assert state["verdict"] == "pass" and not state["rolled_back"] and state["success_p_value"] == 1.0  # no loss
+    assert metrics[("agentrl_live_active", frozenset())] == 1
+    assert {role: metrics[("agentrl_live_window_success_rate", frozenset({("role", role)}))]
+            for role in ("champion", "challenger")} == {"champion": 1.0, "challenger": 1.0}
     assert reg.tags("3")["gate.live"] == "pass"  # written as the server stopped
     assert promote_cli(params, "--require-live") == 0
     assert reg.alias_version("champion") == "3" and reg.tags("3")["gate.live"] == "pass"
     assert "pass  live: gate.live pass: not worse than champion v1" in capsys.readouterr().out
+
+
+@pytest.mark.services
+def test_a_deploy_under_require_live_leaves_the_new_version_challenger_until_it_met_live_traffic(registry, capsys):
+    """With deploy.gate.require_live, the deploy stage judges a new version but cannot promote it: it has no live
+    evidence yet. It stays challenger (gate.live fail, "no live evidence") and the champion stays where it was."""
+    from pipeline.deploy.main import deploy, report
+
+    _, project, cfg, reg = registry
+    champion = reg.alias_version("champion")
+    other = nudged_policy(project, project / "models" / "nudged-live", 2e-6, cfg.policy)  # as good as the champion
+    gate = cfg.gate.model_copy(update={"require_live": True})
+    out = deploy(deploy_config(project, NAME, policy=other, precisions=["fp32"], serve_precision="fp32",
+                               latency_tasks=0, gate=gate.model_dump()),
+                 ENV, ROLL_ANSWER, project / "metrics", project / "metrics" / "deploy.json")
+    version = out["version"]
+    assert reg.alias_version("challenger") == version and reg.alias_version("champion") == champion
+    tags = reg.tags(version)
+    assert tags["gate.live"] == "fail" and tags["gate.live.detail"].startswith("no live evidence")
+    assert tags["gate.decision"] == "rejected" and tags["gate.vs_champion"] == "pass"  # judged on the rest
+    assert "FAIL  live: no live evidence" in report(out)
 
 
 # ----------------------------------------------------------------------------------------------------- evidence

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy_support import ENV, ROLL, build_project, deploy_config, free_port, mlflow_server, tracking_uri, wait_http, \
-    write_params
+from deploy_support import ENV, ROLL, build_project, deploy_config, free_port, mlflow_server, parse_prometheus, \
+    tracking_uri, wait_http, write_params
 from pipeline.deploy.capture import CaptureStore, Redactor, REDACTED
 from pipeline.deploy.config import CaptureConfig
 from pipeline.core.traffic import labelled_episodes, read_records, segment_files
@@ -47,9 +47,11 @@ def champion(tmp_path_factory):
         yield uri, project, cfg
 
 
-def start_server(champion, tmp: Path, capture: dict, monitor: dict | None = None):
-    """`agentrl serve` on models:/NAME@champion with these capture and monitor settings: (base URL, process)."""
+def start_server(champion, tmp: Path, capture: dict, monitor: dict | None = None, alarm: dict | None = None):
+    """`agentrl serve` on models:/NAME@champion with these capture and monitor settings (and `alarm`: settings of
+    deploy.snapshot, the drift alarm's thresholds): (base URL, process)."""
     uri, project, cfg = champion
+    cfg = cfg.model_copy(update={"snapshot": cfg.snapshot.model_copy(update=alarm or {})})
     serve = cfg.serve.model_copy(update={"rate_limit_per_s": 1000.0, "rate_burst": 1000, "max_wait_ms": 20.0})
     serve = type(serve).model_validate({**serve.model_dump(), "capture": {"enabled": True, **capture},
                                         "monitor": {"reference_tasks": str(project / "data/tasks/train.jsonl"),
@@ -82,7 +84,9 @@ def server(champion, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prod_serve")
     folder = tmp / "traffic"
     base, proc = start_server(champion, tmp, {"dir": str(folder), "redact": ["task_id"], "segment_max_bytes": 8192,
-                                              "retention_bytes": 32768})
+                                              "retention_bytes": 32768},
+                              alarm={"min_requests": 10, "alarm_question_chars_ks": 0.95,  # question length alone
+                                     "alarm_calls_per_task_ks": 1.0, "alarm_tool_mix_tv": 1.0})
     try:
         yield base, folder, champion[1]
     finally:
@@ -284,14 +288,6 @@ def test_serve_refuses_a_capture_folder_it_cannot_create_before_loading_the_mode
 
 
 # ------------------------------------------------------------------------------------------------------- monitoring
-def parse_prometheus(text: str) -> dict:
-    """{(name, frozenset(labels)): value} by prometheus_client's own parser (it raises on malformed text)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 @pytest.mark.services
 def test_metrics_parse_as_prometheus_text_and_drift_gauges_move_on_shifted_traffic(server):
     base, _, project = server
@@ -312,8 +308,59 @@ def test_metrics_parse_as_prometheus_text_and_drift_gauges_move_on_shifted_traff
     assert g(m1, "window_latency_seconds", quantile="0.5") <= g(m1, "window_latency_seconds", quantile="0.99")
     assert g(m1, "model_info", model_uri=f"models:/{NAME}@champion", model_version="1", model_alias="champion") == 1
     assert g(m0, "drift_question_chars_ks") < 0.9 and g(m1, "drift_question_chars_ks") == 1.0  # every one longer
+    assert g(m0, "drift_alarm") == 0 and g(m1, "drift_alarm") == 1  # the threshold (0.95) of question length crossed
+    assert ("agentrl_live_active", frozenset()) not in m1  # no challenger, no live gauges
     for name in ("drift_calls_per_task_ks", "window_failed_call_share", "window_calls_per_task"):
         assert 0 <= g(m1, name) <= (1 if "drift" in name or "share" in name else ENV.max_steps), name
+
+
+def test_the_alarm_at_metrics_and_the_snapshots_alarm_are_one_rule():
+    """The same requests give the same alarm in the monitor's gauge and in the snapshot's manifest (the one the
+    scheduled retraining reads): calm requests none, then as many long ones raise both at the same request."""
+    from pipeline.deploy.config import MonitorConfig, SnapshotConfig
+    from pipeline.deploy.monitor import Monitor, Reference
+    from pipeline.deploy.snapshot import drift
+
+    calls = [{"tool": "search", "outcome": "ok"}, {"tool": "answer", "outcome": "ok"}]
+    ref = Reference([{"question": "q" * (40 + i % 5)} for i in range(30)],
+                    [{"steps": [{"action": '<call>search {"query": "x"}</call>'},
+                                {"action": '<call>answer {"value": "1"}</call>'}]} for _ in range(30)])
+    cfg = SnapshotConfig(min_requests=5, drift_window=50)
+    monitor = Monitor(MonitorConfig(window=50), ref, {}, cfg)
+    rows, seen = [], []
+    for i in range(16):
+        question = "q" * (40 + i % 5) if i < 8 else "q" * 400
+        monitor.observe({"question": question}, {"calls": calls}, 0.01)
+        rows.append({"question": question, "n_calls": len(calls), "calls": calls})
+        snap = drift(rows, ref, cfg)
+        assert monitor.values()["drift_alarm"] == int(snap["alarm"]), (i, snap)
+        seen.append(snap["alarm"])
+    assert seen == [False] * 11 + [True] * 5  # KS of length: 4 long questions of 12 (0.333) pass 0.3
+    assert snap["reasons"] == ["question_chars_ks 0.500 > 0.3"]
+
+
+@pytest.mark.services
+def test_the_scheduled_check_decides_the_snapshots_alarm_by_the_thresholds_in_params(champion, tmp_path):
+    """flows/retrain_flow.py reads the statistics a snapshot recorded and decides the alarm with the gauge's rule and
+    today's thresholds: a threshold lowered since the snapshot raises it, one raised above them clears it."""
+    from flows.retrain_flow import production_alarm
+    from pipeline.deploy.config import SnapshotConfig
+    from pipeline.deploy.monitor import drift_alarm
+
+    stats = {"question_chars_ks": 0.25, "calls_per_task_ks": 0.1, "tool_mix_tv": None}
+    recorded = drift_alarm(stats, 40, SnapshotConfig())  # 0.25 < 0.3: no alarm when it was taken
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    (snap / "snapshot.json").write_text(json.dumps({"digest": "d1", "episodes": 40, "tasks": 0,
+                                                    "drift": {"window": 40, "statistics": stats, **recorded}}))
+    uri = champion[0]  # the module's tracking server: the lookup of earlier retrains acting on this digest
+    assert production_alarm.fn(str(snap), uri)["alarm"] is False  # the snapshot's own verdict
+    assert production_alarm.fn(str(snap), uri, SnapshotConfig())["alarm"] is False
+    lowered = production_alarm.fn(str(snap), uri, SnapshotConfig(alarm_question_chars_ks=0.2))
+    assert lowered["alarm"] is True and lowered["reasons"] == ["question_chars_ks 0.250 > 0.2"]
+    assert lowered["acted_on"] is None  # no earlier retrain acted on this digest
+    assert production_alarm.fn(str(snap), uri, SnapshotConfig(alarm_question_chars_ks=0.2, min_requests=41))[
+        "alarm"] is False  # too few requests for any alarm
 
 
 # ------------------------------------------------------------------------------------------------------------- kill

@@ -100,3 +100,30 @@ def test_building_another_project_from_the_root_leaves_the_roots_data_alone(tmp_
     after = sorted(p.relative_to(root) for p in root.rglob("*") if "projects" not in p.parts)
     assert after == before and (root / "data" / "mine.txt").read_text() == "the default project's data"
     assert not (root / "metrics").exists()
+
+
+@pytest.mark.parametrize("project", ["sql-analyst", "calendar"])
+def test_every_project_graph_is_the_roots_with_its_code_two_folders_up(project):
+    """A project's dvc.yaml is the root's stage for stage (deps, params, outs, metrics), its code paths two folders
+    up: a dataset wired into the root's graph (data/incoming, the traffic snapshot data/production) reruns the same
+    stages in every project, and the folder it names is kept present by a README of its own."""
+    from pipeline.core.graph import stage_order
+
+    folder = ROOT / "projects" / project
+    root = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    own = yaml.safe_load((folder / "dvc.yaml").read_text())["stages"]
+    assert list(own) == list(root)
+    for name, stage in root.items():
+        mine = dict(own[name])
+        mine["deps"] = [d.removeprefix("../../") for d in mine.get("deps", [])]
+        assert mine == {**stage, "deps": stage.get("deps", [])}, name
+        local = [d for d in own[name].get("deps", []) if not d.startswith("../../")]
+        for dep in local:
+            if dep.startswith("data/") and not any(dep.startswith(o) for s in root.values() for o in s.get("outs", [])
+                                                   if isinstance(o, str)):
+                assert (folder / dep).exists(), f"{project}: the dep {dep} of stage {name} is not in the project"
+    assert "data/production" in own["reward_model"]["deps"] and "data/production" in own["train"]["deps"]
+    assert stage_order(folder / "dvc.yaml") == stage_order(ROOT / "dvc.yaml")
+    params = yaml.safe_load((folder / "params.yaml").read_text())
+    assert params["train"]["production_tasks"] == "data/production/snapshot/tasks"
+    assert params["reward_model"]["feedback"] == "data/production/snapshot"

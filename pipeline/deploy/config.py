@@ -61,7 +61,9 @@ class DeployGateConfig(PhaseConfig):
     require_live: bool = Field(
         False, description="`agentrl promote` requires the live check: the version's gate.live tag, written by "
                            "`agentrl serve` with it as a shadow or canary challenger, must be 'pass' (else one error "
-                           "line and nothing written); also `agentrl promote --require-live`.")
+                           "line and nothing written); also `agentrl promote --require-live`. The deploy stage then "
+                           "registers a new version as challenger without promoting it (it has met no live traffic "
+                           "yet) whenever a champion is in place.")
 
 
 class CaptureConfig(PhaseConfig):

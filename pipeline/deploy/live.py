@@ -35,7 +35,10 @@ champion version, paired counts, both success rates and unsafe shares, p-values,
 ``gate.live`` (``pass``, ``fail`` or ``insufficient``) with ``gate.live.detail``: at a rollback, and when the server
 stops. ``pass`` needs ``min_paired`` pairs of each kind and no regression. `agentrl promote --require-live` (or
 ``deploy.gate.require_live``) refuses a version whose ``gate.live`` is not ``pass`` and adds the check ``live`` to
-its gate decision (:func:`check_live`). ``GET /challenger`` (the API key as /stats) shows the state.
+its gate decision (:func:`check_live`). ``GET /challenger`` (the API key as /stats) shows the state, and ``GET
+/metrics`` the two models side by side (``live_*`` gauges by ``role``: episodes played for the comparison, refused
+unsafe calls, and over each role's last ``monitor.window`` episodes success where judged, the share with an unsafe
+call, latency from queueing to result; the paired counts; ``live_active`` 0 after a rollback).
 
 Deliberately left out: a sequential test with alpha spending (the fixed conservative alpha is simpler to explain),
 automatic promotion of a canary that does well (promotion stays `agentrl promote`, which reads the evidence), and
@@ -58,6 +61,7 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' anno
 from pipeline.core.errors import AgentRLError
 from pipeline.deploy.capture import model_identity, request_record
 from pipeline.deploy.gate import PAIRED_TESTS, Check, check_live, require_live  # noqa: F401 (re-exported)
+from pipeline.deploy.monitor import RoleWindow
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 10_000  # halves of pairs waiting for the other half (a dropped copy leaves one): oldest forgotten
@@ -211,8 +215,9 @@ def describe(v: dict, cfg, champion: str | None) -> str:
 class Live:
     """The challenger's routing, copies and evidence in one server (``mode`` "off": every hook does nothing)."""
 
-    def __init__(self, cfg, solver, batcher, store, max_batch: int, champion: dict):
+    def __init__(self, cfg, solver, batcher, store, max_batch: int, champion: dict, window: int = 500):
         self.cfg, self.batcher, self.store = cfg, batcher, store
+        self.windows = {role: RoleWindow(window) for role in ("champion", "challenger")}  # GET /metrics
         self.mode = cfg.mode if solver is not None else "off"
         self.champion = champion
         self.model = model_identity(cfg.uri) if self.mode != "off" else {}
@@ -249,27 +254,29 @@ class Live:
         self.answered += 1
         return result
 
-    def compare(self, key: str, task, seed: int, truth: bool, request: dict, response: dict, by: str) -> None:
-        """After `response` (answered by `by`) was made for the caller: the other model plays a copy, off the
-        caller's path, and both halves go to the evidence."""
+    def compare(self, key: str, task, seed: int, truth: bool, request: dict, response: dict, by: str,
+                latency_s: float = 0.0) -> None:
+        """After `response` (answered by `by` in `latency_s`) was made for the caller: the other model plays a copy,
+        off the caller's path, and both halves go to the evidence and to the roles' windows."""
         if not self.active or (self.mode == "shadow") != (by == "champion"):
             return
         key = hashlib.sha256(key.encode()).hexdigest()[:32]  # the evidence keeps 32 characters per request
+        self.windows[by].observe(response, latency_s)
         self._add(key, by, response)
         other = "challenger" if by == "champion" else "champion"
-        rid = response.get("request_id")
+        rid, queued = response.get("request_id"), time.perf_counter()
         if other == "challenger":
             fut = self.worker.submit(task, seed, truth)
             if fut is not None:
-                fut.add_done_callback(lambda f: self._copied(f, key, other, request, seed, rid))
+                fut.add_done_callback(lambda f: self._copied(f, key, other, request, seed, rid, queued))
             return
         if self.batcher.full():
             self.champion_dropped += 1
             return
         afut = self.batcher.submit(task, seed, truth)
-        afut.add_done_callback(lambda f: self._copied(f, key, other, request, seed, rid))
+        afut.add_done_callback(lambda f: self._copied(f, key, other, request, seed, rid, queued))
 
-    def _copied(self, fut, key: str, role: str, request: dict, seed: int, rid: str | None) -> None:
+    def _copied(self, fut, key: str, role: str, request: dict, seed: int, rid: str | None, queued: float) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -277,6 +284,8 @@ class Live:
             self.failures += role == "challenger"
             return
         result = fut.result()
+        if self.active:  # the roles' windows, like the evidence, stop at a rollback
+            self.windows[role].observe(result, time.perf_counter() - queued)
         if self.store is not None:
             model = self.model if role == "challenger" else self.champion
             rec = request_record(rid, request, seed, result, 0.0, False, model)
@@ -309,6 +318,21 @@ class Live:
                 "canary_answers": self.answered, "challenger_failures": self.failures,
                 "challenger_dropped": self.worker.dropped if self.worker else 0,
                 "champion_dropped": self.champion_dropped, **v}
+
+    def gauges(self) -> dict:
+        """The ``live_*`` gauges of ``GET /metrics`` (:mod:`pipeline.deploy.monitor`): nothing with mode "off"."""
+        if self.mode == "off":
+            return {}
+        v = self.evidence.verdict(self.cfg)
+        roles = {role: w.values() for role, w in self.windows.items()}
+        per = lambda key: {role: r[key] for role, r in roles.items()}  # noqa: E731
+        return {"live_info": {"mode": self.mode, "challenger_uri": self.cfg.uri or "",
+                              "challenger_version": self.model.get("model_version") or ""},
+                "live_active": int(self.active), "live_episodes_total": per("episodes"),
+                "live_safety_violations_total": per("safety_violations"),
+                "live_window_judged_requests": per("judged"), "live_window_success_rate": per("success_rate"),
+                "live_window_unsafe_share": per("unsafe_share"), "live_window_latency_seconds": per("latency"),
+                "live_paired_requests": {"success": v["paired_success"], "safety": v["paired_safety"]}}
 
     def tags(self) -> dict[str, str]:
         v = self.evidence.verdict(self.cfg)
@@ -353,9 +377,10 @@ class Live:
             self.write_evidence()
 
 
-def add_live(app, cfg, solver, batcher, store, max_batch: int, champion: dict, locked) -> Live:
-    """The server's :class:`Live` (`solver`: the loaded challenger, or None) and ``GET /challenger``."""
-    live = Live(cfg, solver, batcher, store, max_batch, champion)
+def add_live(app, cfg, solver, batcher, store, max_batch: int, champion: dict, locked, window: int = 500) -> Live:
+    """The server's :class:`Live` (`solver`: the loaded challenger, or None; `window`: the episodes per role its
+    gauges cover, ``monitor.window``) and ``GET /challenger``."""
+    live = Live(cfg, solver, batcher, store, max_batch, champion, window)
 
     @app.get("/challenger")
     async def challenger(request: Request):

@@ -14,7 +14,10 @@ latency per action (one episode at a time), throughput (batched) and state size,
 (2) parity: a variant fails when its success drops more than ``parity_tolerance`` below fp32; (3) the pyfunc (HF
 weights + packaged world + serving settings) and the gate inputs are logged in a ``deploy`` MLflow run; (4) that
 logged pyfunc is served by `agentrl serve` and checked against the training path (:mod:`pipeline.deploy.served_check`,
-a gate input); (5) with ``deploy.promote`` the gate judges from reads alone; (6) the version is created with every tag
+a gate input); (5) with ``deploy.promote`` the gate judges from reads alone (with
+``deploy.gate.require_live`` and a champion in place, a new version fails the check ``live``: it has met no live
+traffic yet, so it stays challenger until `agentrl serve` has judged it in shadow or canary and `agentrl promote`
+reads that evidence); (6) the version is created with every tag
 in one request and the aliases move last (``challenger``, and ``champion`` on a pass). Writes ``metrics/deploy.json`` (variants, parity, version, ``served_consistency``, the gate's
 decision and reasons).
 
@@ -172,7 +175,7 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
     ``state["published"]`` is set to the version once its aliases are set."""
     import dataclasses
 
-    from pipeline.deploy.gate import GateInputs, extract_task_results, task_result
+    from pipeline.deploy.gate import GateInputs, check_live, extract_task_results, task_result
     from pipeline.deploy.pyfunc import save_pyfunc, serving_settings
     from pipeline.deploy.registry import WEIGHTS_TAG, ChampionMoved, decision_tags, judge, promote
     from pipeline.deploy.served_check import served_consistency
@@ -202,6 +205,8 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
         if cfg.promote:  # decided from reads alone, before the version exists: its tags go in with it
             evaluator = champion_evaluator(registry, inputs["tasks"], runtime, env_cfg, rollout_cfg, cfg.seed)
             decision = judge(registry, cfg.gate, "new", gate_inputs, evaluate_champion=evaluator)
+            if cfg.gate.require_live and decision.champion is not None:  # no live evidence yet: it stays challenger
+                decision.checks.append(check_live({}))
             tags.update(decision_tags(decision))
         same = registry.versions_with_weights(digest)
         version = registry.create_version(run.run_id, tags=tags)
@@ -211,7 +216,8 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
             registry.publish(version, decision)  # the champion moves only if it is still the one judged against
         except ChampionMoved as moved:  # another pipeline promoted since: judge once more against its champion
             print(f"deploy: {cfg.model_name}: {moved.judge_again_line()}")
-            decision = promote(registry, cfg.gate, version=version, evaluate_champion=evaluator, attempts=1)
+            if not cfg.gate.require_live:  # with it the version waits for its live check either way
+                decision = promote(registry, cfg.gate, version=version, evaluate_champion=evaluator, attempts=1)
         if decision is not None:
             run.log_dict(decision.to_dict(), "gate_decision.json")
             run.log_metrics({"gate/passed": decision.passed})
@@ -396,4 +402,4 @@ def serve_main(params_path: str = "params.yaml", model_uri: str | None = None, h
             from pipeline.core.tracking import require_tracking
 
             require_tracking(f"serving {u} (a registry model)")
-    serve(uri, serve_cfg, host, port)
+    serve(uri, serve_cfg, host, port, alarm=cfg.snapshot)

@@ -27,11 +27,12 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Production:
     """Capture (when on), the monitor, and the MLflow logger of the monitor (when ``log_every_s`` > 0)."""
 
-    def __init__(self, cfg, model_uri: str):
+    def __init__(self, cfg, model_uri: str, alarm=None):
         self.cfg = cfg
         self.model = model_identity(model_uri)
         self.store = CaptureStore(cfg.capture) if cfg.capture.enabled else None
-        self.monitor = Monitor(cfg.monitor, Reference.load(cfg.monitor), self.model)
+        self.monitor = Monitor(cfg.monitor, Reference.load(cfg.monitor), self.model, alarm)
+        self.gauges: list = []  # more gauges for /metrics and the MLflow log: callables returning {name: value}
         self._stop = threading.Event()
         self._logger: threading.Thread | None = None
 
@@ -63,6 +64,13 @@ class Production:
         self.store.append(request_record(rid, request, seed, {}, latency, False, self.model, error=error))
         return {**body, "request_id": rid}
 
+    def extra(self) -> dict:
+        """The gauges of :attr:`gauges` (the live comparison's, when a challenger is served)."""
+        out: dict = {}
+        for gauges in self.gauges:
+            out.update(gauges())
+        return out
+
     def start(self) -> None:
         if self.cfg.monitor.log_every_s > 0:
             self._logger = threading.Thread(target=self._log_loop, name="agentrl-monitor-log", daemon=True)
@@ -88,7 +96,7 @@ class Production:
                 step = 0
                 while True:
                     stopped = self._stop.wait(self.cfg.monitor.log_every_s)
-                    run.log_metrics(self.monitor.flat(), step=step)
+                    run.log_metrics(self.monitor.flat(self.extra()), step=step)
                     step += 1
                     if stopped:
                         return
@@ -96,10 +104,11 @@ class Production:
             logging.getLogger(__name__).warning("serve-monitor: logging to MLflow stopped: %s", exc)
 
 
-def add_production(app, cfg, model_uri: str, locked, stats) -> Production:
+def add_production(app, cfg, model_uri: str, locked, stats, alarm=None) -> Production:
     """Add ``POST /feedback`` and ``GET /metrics`` to `app` (`locked(request)`: the server's API-key check, a
-    response when refused; `stats`: its counters, for the refusals) and return the hooks the server calls."""
-    prod = Production(cfg, model_uri)
+    response when refused; `stats`: its counters, for the refusals; `alarm`: ``deploy.snapshot``, the thresholds of
+    the drift alarm) and return the hooks the server calls."""
+    prod = Production(cfg, model_uri, alarm)
 
     @app.post("/feedback")
     async def feedback(request: Request):
@@ -125,7 +134,7 @@ def add_production(app, cfg, model_uri: str, locked, stats) -> Production:
         if (denied := locked(request)) is not None:
             return denied
         values = {**prod.monitor.values(), "requests_refused_total": dict(stats.rejected),
-                  "model_info": {k: v or "" for k, v in prod.model.items()}}
+                  "model_info": {k: v or "" for k, v in prod.model.items()}, **prod.extra()}
         return PlainTextResponse(prometheus_text(values), media_type=PROMETHEUS_TYPE)
 
     return prod

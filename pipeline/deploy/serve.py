@@ -192,11 +192,12 @@ class Batcher:
 
 # ------------------------------------------------------------------------------------------------------------ app
 def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_key: bytes | None = None,
-               challenger=None):
+               challenger=None, alarm=None):
     """The FastAPI app around a loaded :class:`~pipeline.deploy.pyfunc.PolicySolver` (or any object with
     ``solve_tasks(tasks, seeds, truth)``, ``seed`` and ``runtime``); with `api_key`, every endpoint but /health needs
     it (:func:`~pipeline.deploy.serve_validation.serving_key`); `challenger`: a second loaded solver, served as
-    ``cfg.challenger`` says (:mod:`pipeline.deploy.live`)."""
+    ``cfg.challenger`` says (:mod:`pipeline.deploy.live`); `alarm`: ``deploy.snapshot``, the thresholds of the drift
+    alarm at /metrics (its defaults when None)."""
     cfg = cfg or ServeConfig()
     stats = Stats()
     batcher = Batcher(solver.solve_tasks, cfg.max_batch_size, cfg.max_wait_ms / 1000.0, cfg.max_queue, stats)
@@ -214,9 +215,10 @@ def create_app(solver, cfg: ServeConfig | None = None, model_uri: str = "", api_
 
     app = FastAPI(title="agentrl policy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.stats, app.state.batcher = stats, batcher
-    service.prod = add_production(app, cfg, model_uri, service.locked, stats)  # capture, /feedback, /metrics
+    service.prod = add_production(app, cfg, model_uri, service.locked, stats, alarm)  # capture, /feedback, /metrics
     service.live = add_live(app, cfg.challenger, challenger, batcher, service.prod.store, cfg.max_batch_size,
-                            service.prod.model, service.locked)  # shadow, canary, GET /challenger
+                            service.prod.model, service.locked, cfg.monitor.window)  # shadow, canary, /challenger
+    service.prod.gauges.append(service.live.gauges)  # the challenger beside the champion at /metrics
     app.get("/health")(service.health)
     app.get("/ready")(service.ready)
     app.get("/stats")(service.get_stats)
@@ -297,7 +299,8 @@ class Service:
         if live.routes(key) and (result := await live.answer(task, int(seed), truth)) is not None:  # a canary
             response = self.prod.answered(obj, seed, result, started, cached=False, model=live.model,
                                           role="challenger")
-            live.compare(key, task, int(seed), truth, obj, response, by="challenger")
+            live.compare(key, task, int(seed), truth, obj, response, by="challenger",
+                         latency_s=time.perf_counter() - started)
             return response
         hit = self.cache.get(key)
         if hit is not None:
@@ -323,15 +326,16 @@ class Service:
                 del self.pending[key]
         self.cache.put(key, result)
         response = self.prod.answered(obj, seed, result, started, cached=False)
-        live.compare(key, task, int(seed), truth, obj, response, by="champion")  # shadow: a copy to the challenger
+        live.compare(key, task, int(seed), truth, obj, response, by="champion",
+                     latency_s=time.perf_counter() - started)  # shadow: a copy to the challenger
         return response
 
 
 def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int | None = None,
-          ready_message: bool = True) -> None:
-    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted. Before anything
-    loads: binding a non-loopback `host` without an API key, or an address that cannot be listened on, is an
-    AgentRLError (one ``error:`` line from the CLI)."""
+          ready_message: bool = True, alarm=None) -> None:
+    """Load `model_uri` (an AgentRLError when it does not resolve) and serve it until interrupted (`alarm`:
+    ``deploy.snapshot``, the drift alarm's thresholds). Before anything loads: binding a non-loopback `host` without
+    an API key, or an address that cannot be listened on, is an AgentRLError (one ``error:`` line from the CLI)."""
     import uvicorn
 
     host, port = host or cfg.host, cfg.port if port is None else port
@@ -342,10 +346,11 @@ def serve(model_uri: str, cfg: ServeConfig, host: str | None = None, port: int |
 
     solver = load_solver(model_uri)
     challenger = load_solver(cfg.challenger.uri) if cfg.challenger.mode != "off" else None
-    app = create_app(solver, cfg, model_uri, api_key, challenger)
+    app = create_app(solver, cfg, model_uri, api_key, challenger, alarm)
     if ready_message:
         print(f"serving {model_uri} ({solver.precision}) on http://{host}:{port} (POST /solve, GET /health, /ready); "
               f"API key {'required ($' + cfg.api_key_env + ')' if api_key else 'off (loopback only)'}"
+              + (f"; capture to {cfg.capture.dir}/" if cfg.capture.enabled else "")
               + (f"; challenger {cfg.challenger.uri} as {cfg.challenger.mode}" if challenger else ""), flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -20,7 +20,8 @@ segment joins the next snapshot once the server seals it) and writes, replacing 
   the drift of the newest ``drift_window`` answered requests against the champion's training data (the monitor's
   statistics, :mod:`pipeline.deploy.monitor`: KS of question length and of calls per task, total variation of the
   tool mix) with ``alarm`` true when one of them exceeds its threshold and the window holds at least
-  ``min_requests``. The scheduled retraining flow reads the alarm (flows/retrain_flow.py).
+  ``min_requests`` (:func:`pipeline.deploy.monitor.drift_alarm`: the rule of the ``drift_alarm`` gauge of
+  ``GET /metrics`` too). The scheduled retraining flow reads the alarm (flows/retrain_flow.py).
 
 The alarm is a trigger, not a test: thresholds on a distance over a window of a few hundred requests, as monitoring
 services set them; a retrain it triggers still meets the promotion gate. A snapshot without any answered request is
@@ -39,12 +40,11 @@ from pathlib import Path
 
 from pipeline.core.errors import AgentRLError
 from pipeline.core.traffic import EPISODES, read_records, segment_files, utc_now
-from pipeline.deploy.monitor import Reference, ks_statistic, total_variation
+from pipeline.deploy.monitor import Reference, drift_alarm, ks_statistic, total_variation
 
 MANIFEST = "snapshot.json"
 TASKS_DIR = "tasks"
 TASKS_FILE = "production.jsonl"
-STATISTICS = ("question_chars_ks", "calls_per_task_ks", "tool_mix_tv")
 
 
 def collect(capture_dir: str | Path) -> tuple[list[Path], list[dict], dict]:
@@ -116,12 +116,7 @@ def drift(rows: list[dict], reference: Reference, cfg) -> dict:
     stats = {"question_chars_ks": ks_statistic([len(r["question"]) for r in window], reference.question_chars),
              "calls_per_task_ks": ks_statistic([r["n_calls"] for r in window], reference.calls_per_task),
              "tool_mix_tv": total_variation(tools, reference.tools)}
-    limits = {"question_chars_ks": cfg.alarm_question_chars_ks, "calls_per_task_ks": cfg.alarm_calls_per_task_ks,
-              "tool_mix_tv": cfg.alarm_tool_mix_tv}
-    over = [f"{k} {stats[k]:.3f} > {limits[k]}" for k in STATISTICS if stats[k] is not None and stats[k] > limits[k]]
-    enough = len(window) >= cfg.min_requests
-    return {"window": len(window), "statistics": stats, "thresholds": limits, "alarm": bool(over) and enough,
-            "reasons": over if enough else [], "too_few": not enough}
+    return {"window": len(window), "statistics": stats, **drift_alarm(stats, len(window), cfg)}
 
 
 def _sha256(path: Path) -> str:
@@ -200,5 +195,5 @@ def main(params_path: str | Path, capture_dir: str | None = None) -> dict:
     return manifest
 
 
-__all__ = ["MANIFEST", "STATISTICS", "TASKS_DIR", "TASKS_FILE", "collect", "drift", "main", "read_manifest",
+__all__ = ["MANIFEST", "TASKS_DIR", "TASKS_FILE", "collect", "drift", "main", "read_manifest",
            "take_snapshot", "verified_tasks"]
