@@ -446,3 +446,20 @@ def test_growing_rows_to_the_left_reallocates_the_cache_a_logarithmic_number_of_
         layer.ensure_length(n)
         assert layer.get_seq_length() == n and layer.keys.shape[2] == n
     assert len(moves) <= 12, len(moves)
+
+
+def test_records_are_episode_records_as_declared(sampled, model, tokenizer, runtime, tasks):
+    """Every key the runner, the engine and demonstrations write is declared in EpisodeRecord, with its type."""
+    from pipeline.policy.record import EPISODE_KEYS, STREAM_KEYS, record_problems
+
+    for rec in sampled:
+        assert record_problems(rec, EPISODE_KEYS + STREAM_KEYS) == []
+    env = AgentEnv(world=runtime, tasks=tasks, config=ENV)
+    assert record_problems(run_episode(env, ExpertPolicy(), tasks[0], 0)) == []
+    engine = RolloutEngine(model, tokenizer, runtime, ENV, ROLL)
+    demos = engine.demonstrate(tasks[:3], [0, 1, 2], ExpertPolicy)
+    assert all(record_problems(d, EPISODE_KEYS + STREAM_KEYS) == [] and d["demonstrated"] for d in demos)
+    bad = {**sampled[0], "sucess": True, "level": "1"}
+    del bad["seed"]
+    assert record_problems(bad, EPISODE_KEYS + STREAM_KEYS) == ["missing 'seed'", "'level' is str, not int",
+                                                          "undeclared key 'sucess'"]

@@ -20,6 +20,7 @@ from pipeline.envs.config import EnvConfig
 from pipeline.envs.contract import Environment
 from pipeline.envs.protocol import InvalidAction, parse_action
 from pipeline.envs.runner import AgentEnv
+from pipeline.policy.record import EpisodeRecord
 
 
 @dataclass
@@ -73,7 +74,7 @@ class EnvEpisode:
             self.env.close()
         return done, info["observation_text"], bool(info["context_folded"]), obs["context"]
 
-    def record(self) -> dict:
+    def record(self) -> EpisodeRecord:
         task, info = self.task, self.info
         rec = {
             "task_id": task.task_id, "env": info["env"], "level": task.level, "family": task.family,

@@ -25,13 +25,15 @@ from pipeline.envs.registry import open_environment
 from pipeline.envs.runner import AgentEnv
 from pipeline.envs.taskfile import load_task_file, read_task_records
 from pipeline.core.errors import AgentRLError
+from pipeline.policy.record import EpisodeRecord
 
 COMPONENTS = ("correctness", "efficiency", "safety", "user_experience")
 POLICIES = ("expert", "random")
 
 
-def run_episode(env: AgentEnv, policy, task, seed: int) -> dict:
-    """Play one episode; returns its record (the trajectory as text and as calls, reward components, outcome)."""
+def run_episode(env: AgentEnv, policy, task, seed: int) -> EpisodeRecord:
+    """Play one episode; returns its record (the trajectory as text and as calls, reward components, outcome; the
+    keys :data:`pipeline.policy.record.EPISODE_KEYS`)."""
     obs, info = env.reset(seed=seed, options={"task": task})
     policy.reset(task)
     steps, terminated, truncated = [], False, False

@@ -96,6 +96,7 @@ from pipeline.policy.decode_run import DecodeRun
 from pipeline.policy.episode_drivers import EnvEpisode, OneAction, TokenStream
 from pipeline.policy.kv_cache import SharedPrefix, SlotCache, attention_impl, finish_mask, n_cache_layers
 from pipeline.policy.model import autocast_context, release_free_memory
+from pipeline.policy.record import EpisodeRecord
 from pipeline.policy.tokenizer import CALL_CLOSE, CALL_OPEN, EOS, PAD, encode_action, encode_context, encode_observation, marker_ids
 
 MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix (<bos> alone, unrelated prompts) is not worth a forward
@@ -141,8 +142,9 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------------------ public
     def run(self, tasks: list, seeds: list[int], greedy: bool | None = None,
-            policy_version: int = 0, options: list[dict | None] | None = None) -> list[dict]:
-        """Play one episode per (task, seed); returns the episode records in the order of `tasks`.
+            policy_version: int = 0, options: list[dict | None] | None = None) -> list[EpisodeRecord]:
+        """Play one episode per (task, seed); returns the episode records in the order of `tasks`
+        (:class:`pipeline.policy.record.EpisodeRecord`).
 
         `greedy` None means ``cfg.greedy``. `options`, one per episode, are extra reset options of the environment
         (see :meth:`pipeline.envs.runner.AgentEnv.reset`). The same tasks, seeds and options give the
