@@ -6,7 +6,9 @@
 MLFLOW_TRACKING_URI elsewhere with monkeypatch.
 
 The memo of passed validations (`pipeline.core.validation_memo`) lives in that folder too, one for the run and
-its workers: the many tiny projects the tests build from the same seeds validate the same data once.
+its workers: the many tiny projects the tests build from the same seeds validate the same data once. So do the builds
+that several modules share (``AGENTRL_TEST_SHARED``, tests/shared_builds.py): a tiny project through its first
+phases, an uninterrupted training run, each built once per run.
 
 `fixed_seeds` is autouse: every test starts from the same global random state (Python, NumPy, torch), so a test's
 draw is the same in CI as here and in any order; a test that means to range over draws parametrizes its seeds.
@@ -33,6 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # one memo of passed validations for the whole run, shared by the xdist workers (they inherit this
         # process's environment) and by every child process; never the user's own (pipeline.core.validation_memo)
         mp.setenv("AGENTRL_VALIDATION_MEMO", str(store / "validation-memo"))
+    if not hasattr(config, "workerinput") or not os.environ.get("AGENTRL_TEST_SHARED"):
+        mp.setenv("AGENTRL_TEST_SHARED", str(store / "shared"))  # the run's shared builds (tests/shared_builds.py)
     config.stash[_STORE] = (store, mp)
     one_torch_thread_per_worker()
 

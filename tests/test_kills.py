@@ -10,7 +10,8 @@ output is absent, as DVC leaves it before a stage runs, or whole), and that the 
 uninterrupted run published: model folders byte for byte, metrics files figure for figure (timings and memory peaks
 aside).
 
-The uninterrupted runs are the module's reference project, built once: build_env, adapt, reward_model, then
+The uninterrupted runs are the reference project, built once per test run (tests/shared_builds.py; the
+tracking-server test of tests/test_outages.py reads it too): build_env, adapt, reward_model, then
 evaluate and check_drift with ``models/policy`` a copy of ``models/adapted`` (training is tested for its own kill and
 resume in tests/test_train.py; what is tested here is the kill, not the policy). Each phase's time under the lock is
 measured there and the kill point is a fraction of it, so a slower machine moves the point with it. `build_env` (under
@@ -116,12 +117,12 @@ def remove(root: Path, path: str) -> None:
         target.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The tiny project after every phase ran once, uninterrupted; each phase's seconds under the lock."""
+def build_reference(folder: Path) -> dict:
+    """The tiny project in `folder`/reference after every phase ran once, uninterrupted: each phase's seconds under
+    the lock."""
     from test_flow import make_project
 
-    root = make_project(tmp_path_factory.mktemp("kills") / "reference")
+    root = make_project(folder / "reference")
     seconds = {}
     for phase in ("build_env", "adapt", "reward_model", "evaluate", "check_drift"):
         if phase == "evaluate":  # the policy to evaluate and watch: the adapted one (train is not what is tested)
@@ -129,7 +130,17 @@ def reference(tmp_path_factory):
         command = PHASES[phase][0] if phase in PHASES else "build-env"
         rc, seconds[phase], out = run_phase(root, command)
         assert rc == 0, out[-4000:]
-    return root, seconds
+    return {"seconds": seconds}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The reference project (read only: a test copies it) and each phase's seconds under the lock; built once per
+    test run for this module and tests/test_outages.py (tests/shared_builds.py)."""
+    from shared_builds import built_once
+
+    folder, facts = built_once("kills-reference", build_reference)
+    return folder / "reference", facts["seconds"]
 
 
 @pytest.mark.slow

@@ -81,6 +81,24 @@ def make_project(root: Path, seed: int = 0, algorithm: str = "rloo", updates: in
     return root
 
 
+def trained_reference() -> Path:
+    """`make_project`'s default project after one uninterrupted, untracked `agentrl train`: the reference that a killed
+    and resumed run (here) and a run that lost its tracking server (tests/test_outages.py) must equal. Built once per
+    test run (tests/shared_builds.py); read only: a test that runs in it copies it first."""
+    from shared_builds import built_once
+
+    from pipeline.train.distributed import child_env
+
+    def build(folder: Path) -> None:
+        proj = make_project(folder / "project")
+        env = child_env({"PYTHONUNBUFFERED": "1", "AGENTRL_TRACKING": "off", "PYTHONWARNINGS": "ignore"})
+        out = subprocess.run([str(Path(sys.executable).parent / "agentrl"), "train"], cwd=proj, env=env,
+                             capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    return built_once("train-reference", build)[0] / "project"
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     return make_project(tmp_path_factory.mktemp("rl"))
@@ -235,10 +253,7 @@ def test_two_deepspeed_ranks_train_and_report(project):
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_checkpoint_as_if_it_had_not_stopped(tmp_path):
-    # Reference: the same run without interruption.
-    ref = make_project(tmp_path / "ref")
-    out = _worker(ref)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ref = trained_reference()  # the same run without interruption
     # The same run killed (SIGKILL, by the worker's fault-injection flag) in the middle of update 3: after its rollouts,
     # before it learns, with the checkpoint of update 2 on disk. (Waiting for the checkpoint and killing from here
     # raced: the tiny run can finish before the signal arrives.)
