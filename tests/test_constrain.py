@@ -176,3 +176,29 @@ def test_unknown_constrain_value_is_refused():
     with pytest.raises(ValueError, match="constrain"):
         RolloutConfig(constrain="regex")
     assert json.loads(json.dumps(RolloutConfig(constrain="schema").model_dump()))["constrain"] == "schema"
+
+
+def test_greedy_masks_only_rows_whose_best_token_the_grammar_refuses(tokenizer, constraint):
+    """keep= (greedy): the chosen tokens equal those of masking every row; rows whose best token is allowed pay no
+    mask."""
+    text = '<call>lookup {"name": "x y", "field": "bb"}</call>'
+    ids = encode_action(tokenizer, text)
+    gen = torch.Generator().manual_seed(0)
+    for cut in range(1, len(ids) - 1):  # each state along a valid action
+        keys = [("full", cut), ("keep", cut)]
+        for k in keys:
+            constraint.mask_(torch.zeros(1, len(tokenizer)), [(k, SPECS, True)])
+            for t in ids[:cut]:
+                constraint.consume(k, t)
+        for _ in range(5):
+            logits = torch.randn(1, len(tokenizer), generator=gen)
+            logits[0, ids[cut]] += 8.0 * float(torch.rand(1, generator=gen) < 0.5)  # sometimes the valid token leads
+            before = constraint.stats["masked_tokens"]
+            full = constraint.mask_(logits.clone(), [(keys[0], SPECS, False)]).argmax(-1)
+            masked_full = constraint.stats["masked_tokens"] - before
+            kept = constraint.mask_(logits.clone(), [(keys[1], SPECS, False)], keep=logits.argmax(-1)).argmax(-1)
+            masked_keep = constraint.stats["masked_tokens"] - before - masked_full
+            assert int(full) == int(kept)
+            assert masked_full == 1 and masked_keep == int(int(logits.argmax()) != int(full))
+        for k in keys:
+            constraint.end(k)

@@ -17,11 +17,12 @@ How:
   other whitespace, properties in the order the schema lists them (the order :func:`pipeline.envs.protocol.format_action`
   and every built-in expert use). :func:`violations` lists the demonstration actions the grammar would refuse, so a
   test (and a user) can check that the constraint never forbids what the expert does.
-- **Log-probabilities**: the engine records those of the distribution it sampled from, the masked and renormalised
-  one. RL's learner already treats recorded log-probabilities as the behaviour policy μ and corrects with the
-  truncated importance weight ``min(c, π/μ)`` (as for the tool-choice noise), so training corrects for the
-  constraint as for any other behaviour policy: the weight of an action is the mass, multiplied over its tokens, the unconstrained
-  policy put on allowed tokens, at most 1.
+- **Log-probabilities**: a sampled token's recorded log-probability is that of the distribution it was drawn from, the
+  masked and renormalised one (greedy decoding picks the most probable allowed token and records the model's own
+  log-probability of it, for diagnostics, as it does without the constraint). RL's learner already treats recorded
+  log-probabilities as the behaviour policy μ and corrects with the truncated importance weight ``min(c, π/μ)`` (as
+  for the tool-choice noise), so training corrects for the constraint as for any other behaviour policy: the weight of
+  an action is the mass, multiplied over its tokens, the unconstrained policy put on allowed tokens, at most 1.
 - **Where it stops**: an action cut at ``rollout.max_new_tokens`` ends where it is cut (the limit is derived from the
   demonstrations with a margin); a forced token the grammar refuses (the tool-choice noise writes a name another way)
   drops the constraint for the rest of that action, counted in ``stats["dropped"]``. A one-action "episode"
@@ -76,28 +77,35 @@ class CallConstraint:
         self.n_tok, self.vocab = self.lltok.vocab_size, int(vocab)
         self.open_id, self.close_id = int(open_id), int(close_id)
         self.words = (self.n_tok + 31) // 32
-        self._grammars: dict[tuple, str] = {}
+        self._protos: dict[tuple, object] = {}
         self._matchers: dict = {}
         self._bits = torch.arange(32, dtype=torch.int32)
         self.stats = {"actions": 0, "masked_tokens": 0, "dropped": 0}
 
-    def grammar(self, specs: Sequence) -> str:
+    def _prototype(self, specs: Sequence):
+        """The matcher at the start of an action over `specs`, compiled once per tool set (about 3.5 ms); every
+        action then starts from a copy of it (about 1 µs)."""
         key = _specs_key(specs)
-        if key not in self._grammars:
+        if key not in self._protos:
             text = self._ll.grammar_from("lark", action_grammar(specs, self.open_id, self.close_id))
-            probe = self._ll.LLMatcher(self.lltok, text, log_level=0)
-            if probe.is_error():
-                raise ValueError(f"the tools' schemas give no usable decoding grammar: {probe.get_error()}")
-            self._grammars[key] = text
-        return self._grammars[key]
+            proto = self._ll.LLMatcher(self.lltok, text, log_level=0)
+            if proto.is_error():
+                raise ValueError(f"the tools' schemas give no usable decoding grammar: {proto.get_error()}")
+            self._protos[key] = proto
+        return self._protos[key]
 
     def matcher(self, specs: Sequence):
         """A fresh matcher at the start of an action over `specs`."""
-        return self._ll.LLMatcher(self.lltok, self.grammar(specs), log_level=0)
+        return self._prototype(specs).deep_copy()
 
-    def mask_(self, logits: torch.Tensor, rows: Sequence[tuple[object, Sequence | None, bool]]) -> torch.Tensor:
+    def mask_(self, logits: torch.Tensor, rows: Sequence[tuple[object, Sequence | None, bool]],
+              keep: torch.Tensor | None = None) -> torch.Tensor:
         """Mask `logits` (n, vocab) in place. `rows[i]` = (key, the row's tool specs or None for no constraint,
-        whether the row starts a new action). A row whose matcher failed is left as it is."""
+        whether the row starts a new action). A row whose matcher failed is left as it is.
+
+        `keep` (n,) token ids, for greedy decoding: a row whose token the grammar allows is left unmasked, since the
+        most probable allowed token is then that token anyway; only the other rows pay for a mask (a trained policy
+        writes almost every token validly)."""
         idx, ms = [], []
         for i, (key, specs, starts) in enumerate(rows):
             if starts:
@@ -107,6 +115,8 @@ class CallConstraint:
                     self.stats["actions"] += 1
             m = self._matchers.get(key)
             if m is not None and not m.is_error():
+                if keep is not None and m.validate_tokens([int(keep[i])]) == 1:
+                    continue
                 idx.append(i)
                 ms.append(m)
         if not idx:

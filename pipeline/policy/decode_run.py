@@ -104,15 +104,8 @@ class DecodeRun:
                 self.uniforms[e] += torch.rand(self.n_uniforms, generator=self.generators[e],
                                                dtype=torch.float64).tolist()
         u = torch.tensor([self.uniforms[e][self.n_sampled[e]] for e in eps], dtype=torch.float64)
-        hook, constraint = engine.sampling_hook, engine.constraint
-        logits = logits.cpu()
-        if constraint is not None:  # rows starting an action get a fresh matcher over their episode's tools
-            logits = constraint.mask_(logits.float(), [(e, getattr(self.episodes[e], "tool_specs", None),
-                                                        not self.act[b]) for b, e in zip(rows, eps)])
-        toks, lps = (sample_tokens(logits, u, cfg.temperature, cfg.top_p, self.greedy)
-                     if hook is None or self.greedy else hook.sample(
-                         logits, u, cfg.temperature, cfg.top_p, [self.streams[e] for e in eps],
-                         [self.episodes[e] for e in eps]))
+        toks, lps = self.choose(rows, eps, logits.cpu(), u)
+        constraint = engine.constraint
         self.st["sampled_tokens"] += len(rows)
         ended: list[tuple[int, int, str, bool]] = []  # (row, episode, action text, cut) of the actions that ended
         for b, e, t, lp in zip(rows, eps, toks.tolist(), lps.tolist()):
@@ -133,6 +126,25 @@ class DecodeRun:
             ended.append((b, e, text, t not in engine.stop_ids))  # last: cut at rollout.max_new_tokens
             self.act[b] = []
         self.step_envs(ended)
+
+    def choose(self, rows: list[int], eps: list[int], logits: torch.Tensor,
+               u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its recorded log-probability: greedy or sampled (through the engine's sampling
+        hook when set), under the tools' schemas when ``rollout.constrain`` is on (rows starting an action get a
+        fresh matcher over their episode's tools)."""
+        engine, cfg = self.engine, self.engine.cfg
+        hook, constraint = engine.sampling_hook, engine.constraint
+        if constraint is not None:
+            own = [(e, getattr(self.episodes[e], "tool_specs", None), not self.act[b]) for b, e in zip(rows, eps)]
+            logits = logits.float()
+            if self.greedy:  # the most probable allowed token; its log-probability the model's own, as unconstrained
+                toks = constraint.mask_(logits.clone(), own, keep=logits.argmax(dim=-1)).argmax(dim=-1)
+                return toks, torch.log_softmax(logits, dim=-1).gather(-1, toks[:, None])[:, 0]
+            logits = constraint.mask_(logits, own)
+        if hook is None or self.greedy:
+            return sample_tokens(logits, u, cfg.temperature, cfg.top_p, self.greedy)
+        return hook.sample(logits, u, cfg.temperature, cfg.top_p, [self.streams[e] for e in eps],
+                           [self.episodes[e] for e in eps])
 
     def step_envs(self, ended: list[tuple[int, int, str, bool]]) -> None:
         """The environment steps of every action that ended in this forward run together (tool calls are I/O:
