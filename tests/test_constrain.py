@@ -202,3 +202,12 @@ def test_greedy_masks_only_rows_whose_best_token_the_grammar_refuses(tokenizer, 
             assert masked_full == 1 and masked_keep == int(int(logits.argmax()) != int(full))
         for k in keys:
             constraint.end(k)
+
+
+def test_a_schema_the_grammar_cannot_take_is_one_clear_error(tokenizer, constraint):
+    from pipeline.core.errors import AgentRLError
+
+    odd = [ToolSpec("find", "d", {"type": "object", "properties": {"q": {"type": "string", "pattern": "(?<=x)y"}},
+                                  "required": ["q"], "additionalProperties": False})]
+    with pytest.raises(AgentRLError, match=r"tools find cannot be decoded under: .*look-around.*rollout.constrain: none"):
+        constraint.mask_(torch.zeros(1, len(tokenizer)), [("odd", odd, True)])

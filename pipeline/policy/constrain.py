@@ -36,6 +36,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.core.errors import AgentRLError
+
 # the separators of json.dumps' default, which pipeline.envs.protocol.format_action (and so every demonstration) uses
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -89,8 +91,11 @@ class CallConstraint:
         if key not in self._protos:
             text = self._ll.grammar_from("lark", action_grammar(specs, self.open_id, self.close_id))
             proto = self._ll.LLMatcher(self.lltok, text, log_level=0)
-            if proto.is_error():
-                raise ValueError(f"the tools' schemas give no usable decoding grammar: {proto.get_error()}")
+            if proto.is_error():  # e.g. a `pattern` with look-around, which JSON Schema allows and llguidance does not
+                names = ", ".join(s.name for s in specs)
+                raise AgentRLError(f"rollout.constrain: schema: the parameter schemas of the tools {names} cannot be "
+                                   f"decoded under: {' '.join(proto.get_error().split())}; simplify the schema or set "
+                                   f"rollout.constrain: none")
             self._protos[key] = proto
         return self._protos[key]
 

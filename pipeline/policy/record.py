@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict, get_type_hints
 
 
-class EpisodeRecord(TypedDict, total=False):
+class EpisodeRecord(TypedDict("_Return", {"return": float}, total=False), total=False):  # `return`: a keyword
     # the episode (the runner)
     task_id: str
     env: str
@@ -64,7 +64,6 @@ class EpisodeRecord(TypedDict, total=False):
     slices: list
 
 
-EpisodeRecord.__annotations__["return"] = float  # `return` is a keyword: declared after the class body
 FIELDS: dict[str, Any] = get_type_hints(EpisodeRecord)
 EPISODE_KEYS = ("task_id", "env", "level", "family", "template_seen", "success", "return", "truncated", "components",
                 "n_calls", "n_violations", "n_failed", "verifier", "answer", "ground_truth", "steps", "calls")
