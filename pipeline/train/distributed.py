@@ -81,6 +81,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp)
+
+
+def shm_buffer_path(rank: int) -> Path:
+    """Where this group's shared-memory all-reduce buffer of `rank` is named: DeepSpeed's CPU backend creates one per
+    rank at initialisation, ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_name(rank: int) -> None:
+    """Remove the name of this rank's shared-memory all-reduce buffer, once every rank has opened it.
+
+    DeepSpeed never unlinks these buffers (about 66 MB each): every run left one per rank in ``/dev/shm``, which is
+    memory, until a machine that ran the test suite a few dozen times had 16 GB of RAM in them and began to swap.
+    Unlinked after the group's first barrier, the mappings stay valid for the ranks that hold them and the memory goes
+    back when the last rank exits, killed or not. Nothing to do where the buffer does not exist (GPUs, or an
+    accelerator without the shared-memory op)."""
+    try:
+        shm_buffer_path(rank).unlink()
+    except FileNotFoundError:
+        pass
+
+
 def init_dist() -> Dist:
     """Initialise the process group: the launcher's ranks, or a group of one when run without the launcher."""
     import deepspeed
@@ -100,6 +124,8 @@ def init_dist() -> Dist:
                 raise
             os.environ["MASTER_PORT"] = str(free_port())
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has mapped every other rank's shared-memory buffer: the names can go
+    release_shm_name(rank)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
