@@ -19,6 +19,7 @@ from pipeline.envs.runner import AgentEnv
 from pipeline.envs.shop import ShopWorld
 from pipeline.envs.shop.tasks import Task
 from pipeline.core.errors import AgentRLError
+from pipeline.core.jsonl import read_jsonl
 from pipeline.adapt import adapters
 from pipeline.adapt import capability
 from pipeline.adapt import batching, drills, sft
@@ -782,11 +783,12 @@ def test_checkpoint_selection_with_lora_scores_the_unmerged_model_and_publishes_
     assert meta["adapter"] == "lora" and not any("lora" in n for n, _ in model.named_parameters())
 
 
-def test_every_option_that_is_off_by_default_runs_in_a_real_adapt(data_dir, tmp_path, tasks):
+def test_every_option_that_is_off_by_default_runs_in_a_real_adapt(data_dir, tmp_path, tasks, capsys):
     """One tiny run with every adapt, model and rollout option that is off by default turned on (each elsewhere only in
     unit tests, if at all): torch threads, the document corpus and the training questions in pre-training, the
     bottleneck adapter with base parameters trained next to it, weight decay, micro-batches, grouped-query
-    attention, bf16 rollouts on their own thread count with top-p sampling."""
+    attention, bf16 rollouts on their own thread count with top-p sampling, decoding under the tools' schemas (whose
+    grammar first checks every demonstrated action)."""
     before = torch.get_num_threads()
     corpus = (data_dir / "env" / "corpus.jsonl").read_text().splitlines()
     cfg = tiny_adapt_config(
@@ -799,13 +801,15 @@ def test_every_option_that_is_off_by_default_runs_in_a_real_adapt(data_dir, tmp_
     try:
         metrics = run_phase(data_dir, tmp_path, cfg, model_cfg=TINY.model_copy(update={"n_kv_heads": 1}),
                             rollout_cfg=RolloutConfig(batch_size=8, max_new_tokens=24, dtype="bf16", num_threads=1,
-                                                      top_p=0.9))
+                                                      top_p=0.9, constrain="schema"))
         assert torch.get_num_threads() == 1  # adapt.threads
     finally:
         torch.set_num_threads(before)
     assert metrics["pretrain"]["domain_texts"] == len([l for l in corpus if l.strip()]) + len(tasks["train"])
     assert metrics["pretrain"]["drills"] > 50 and metrics["sft"]["steps"] == 4
     assert metrics["adapter"]["kind"] == "bottleneck" and metrics["eval"]["top_p"] == 0.9
+    n_actions = sum(len(d["steps"]) for d in read_jsonl(data_dir / "demos" / "train.jsonl", "demos"))
+    assert f"rollout.constrain: schema accepts all {n_actions} demonstrated actions" in capsys.readouterr().out
     model, _, meta = adapters.load_adapted(tmp_path / "models" / "adapted")
     assert meta["adapter"] == "bottleneck" and model.config.num_key_value_heads == 1
     # SFT trained the adapters and, next to them, the final norm (train_also), not the rest of the base

@@ -19,7 +19,7 @@ from pipeline.envs.runner import AgentEnv, toolset
 from pipeline.envs.shop import ShopWorld
 from pipeline.envs.sql import SqlAnalyst, SqlOptions
 from pipeline.policy.config import ModelConfig, RolloutConfig
-from pipeline.policy.constrain import CallConstraint, action_grammar, violations
+from pipeline.policy.constrain import CallConstraint, action_grammar, check_demonstrations, violations
 from pipeline.policy.episodes import run_episode
 from pipeline.policy.model import build_policy
 from pipeline.policy.rollout import RolloutEngine
@@ -211,3 +211,27 @@ def test_a_schema_the_grammar_cannot_take_is_one_clear_error(tokenizer, constrai
                                   "required": ["q"], "additionalProperties": False})]
     with pytest.raises(AgentRLError, match=r"tools find cannot be decoded under: .*look-around.*rollout.constrain: none"):
         constraint.mask_(torch.zeros(1, len(tokenizer)), [("odd", odd, True)])
+
+
+def test_demonstrations_the_grammar_refuses_are_one_error_before_training(worlds, tokenizer):
+    """Under the constraint, adapt checks the demonstrations first: an expert that writes a call's parameters out of
+    its schema's order would teach the model actions it may never write."""
+    world, tasks, episodes = worlds["shop"]
+    by_id = {t.task_id: t for t in tasks}
+    demos = [{"task_id": t.task_id, "steps": [dict(s) for s in ep["steps"]]} for t, ep in zip(tasks, episodes)]
+    specs_of = lambda task_id: toolset(world, by_id[task_id]).specs  # noqa: E731
+    n = check_demonstrations(tokenizer, len(tokenizer), demos, specs_of)
+    assert n == sum(len(ep["steps"]) for ep in episodes)
+    swapped = None
+    for d in demos:  # the first call with two parameters, written in the reverse order
+        for s in d["steps"]:
+            name, _, args = s["action"][len("<call>"):-len("</call>")].partition(" ")
+            params = json.loads(args)
+            if len(params) >= 2 and swapped is None:
+                swapped = (d["task_id"], f"<call>{name} {json.dumps(dict(reversed(list(params.items()))))}</call>")
+                s["action"] = swapped[1]
+    assert swapped is not None
+    from pipeline.core.errors import AgentRLError
+
+    with pytest.raises(AgentRLError, match=r"refuses 1 of the \d+ demonstrated actions.*" + swapped[0]):
+        check_demonstrations(tokenizer, len(tokenizer), demos, specs_of)

@@ -166,6 +166,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     model, tokenizer, source = base_policy(model_cfg, data_dir, world)
     seconds["base"] = time.perf_counter() - t
     rollout_cfg, recipe = recipes.token_recipe(rollout_cfg, tokenizer, inputs["demos"])  # before the first rollout
+    if rollout_cfg.constrain == "schema":
+        check_constrained_demos(model, tokenizer, world, env_cfg, inputs)
     recipe[recipes.GATE_KEY] = gate
     n_base = n_parameters(model)
     rng = np.random.default_rng([cfg.seed, 2])
@@ -216,6 +218,20 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         capability.enforce_gate(cap, gate_min, PHASE)
     _publish(model, tokenizer, metrics, cfg, model_cfg, out_dir, metrics_path, build_metrics, run)
     return metrics
+
+
+def check_constrained_demos(model, tokenizer, world, env_cfg: EnvConfig, inputs: dict) -> None:
+    """Under `rollout.constrain: schema`, every demonstrated action must be one the grammar accepts
+    (:func:`pipeline.policy.constrain.check_demonstrations`): before any training, not after it."""
+    from pipeline.envs.context_actions import context_specs
+    from pipeline.envs.runner import toolset
+    from pipeline.policy.constrain import check_demonstrations
+
+    extra = tuple(context_specs(env_cfg.context_actions)) if env_cfg.context_actions.enabled else ()
+    tasks = {t.task_id: t for t in inputs["train"]}
+    n = check_demonstrations(tokenizer, int(model.get_output_embeddings().weight.shape[0]), inputs["demos"],
+                             lambda task_id: toolset(world, tasks[task_id], extra).specs)
+    print(f"adapt: rollout.constrain: schema accepts all {n} demonstrated actions", flush=True)
 
 
 def checked_config(cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: EnvConfig) -> tuple[AdaptConfig, tuple]:

@@ -157,3 +157,29 @@ def violations(constraint: CallConstraint, specs: Sequence, action_ids: Sequence
         if not (m.consume_tokens([int(t) for t in ids]) and m.is_accepting()):
             bad.append(i)
     return bad
+
+
+def check_demonstrations(tokenizer, vocab: int, demos: Sequence[dict], specs_of) -> int:
+    """Refuse demonstrations that decoding under the schemas could never write; returns the number of actions checked.
+
+    A model fine-tuned on actions the grammar refuses learns to write what constrained decoding will not let it
+    (the usual cause: an expert that writes a call's parameters in another order than its tool's schema lists them,
+    or a value outside an enum). `specs_of(task_id)` gives the tool specs of a demonstration's task, the same the
+    rollout engine constrains to. The error names how many actions were refused, the first one and its task."""
+    from pipeline.policy.tokenizer import CALL_CLOSE, CALL_OPEN, encode_action, marker_ids
+
+    ids = marker_ids(tokenizer)
+    constraint = CallConstraint(tokenizer, vocab, ids[CALL_OPEN], ids[CALL_CLOSE])
+    n, refused = 0, []
+    for d in demos:
+        actions = [s["action"] for s in d["steps"]]
+        bad = violations(constraint, specs_of(d["task_id"]), [encode_action(tokenizer, a) for a in actions])
+        refused += [(d["task_id"], actions[i]) for i in bad]
+        n += len(actions)
+    if refused:
+        task_id, action = refused[0]
+        raise AgentRLError(f"rollout.constrain: schema refuses {len(refused)} of the {n} demonstrated actions, e.g. "
+                           f"task {task_id!r}: {action[:200]!r}; the expert must write each call as its tool's "
+                           "schema says (parameters in the schema's order, values it allows), or set "
+                           "rollout.constrain: none")
+    return n
