@@ -349,7 +349,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
         description="Serve the retraining deployment defined in prefect.yaml (its cron schedule and parameters) from "
         "this process with Prefect's flow.serve, against the Prefect server in PREFECT_API_URL, until interrupted. "
         "Each run checks data/incoming/*.jsonl for drift against the data the champion was trained on, retrains and "
-        "re-gates (the pipeline stages from adapt on) when drift is found or when forced, and otherwise records that "
+        "re-gates (the pipeline stages from the first that reads the new data on) when drift is found or when forced, and otherwise records that "
         "nothing was needed. Trigger a run by hand with `prefect deployment run agentrl-retrain/<name>`.",
         run=_cmd_schedule, locks=_with_once,
         arguments=(

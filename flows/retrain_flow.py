@@ -10,7 +10,9 @@ One run of :func:`retrain_flow`:
    workspace copies when they are those versions, else restored from the DVC cache (:mod:`flows.lineage`);
 3. runs the drift checks (:func:`pipeline.check_drift.main.check`) of the incoming tasks against that reference;
 4. drift found (``task_drift``, ``trajectory_drift`` or ``state_drift`` failed) or ``force``: runs the pipeline flow
-   with every stage from ``adapt`` on forced (build_env is skipped when its data is up to date), so the policy is
+   with every stage forced from the first one that reads the new data (a DVC dep on the incoming folder or the
+   traffic snapshot's: ``reward_model`` in this graph) on (:func:`pipeline.core.graph.stages_from_first_reader`); the stages before it read
+   nothing new, so DVC leaves them up to date (the adapted model is not refitted on the same inputs), and the policy is
    retrained and the deploy stage registers a challenger and runs the promotion gate (which reads the pipeline's own
    drift verdict on the same incoming data); otherwise nothing is retrained.
    A drift alarm of served traffic also retrains: when the traffic snapshot (``deploy.snapshot.out``, written by
@@ -53,12 +55,12 @@ from flows import lineage, project_params
 from flows.pipeline_flow import pipeline_flow
 from pipeline.core.config import load_section
 from pipeline.core.errors import AgentRLError
-from pipeline.core.graph import stage_order
+from pipeline.core.graph import stages_from_first_reader
 from pipeline.core.tracking import Tracker, require_tracking
 
 INCOMING = "data/incoming"
 DRIFT_CHECKS = ("task_drift", "trajectory_drift", "state_drift")
-RETRAIN_FROM = "adapt"  # the first stage that trains; every stage from it on is forced in a retrain
+RETRAIN_FROM = "adapt"  # a graph where no stage reads the new data: every stage from this one on is forced
 SCRATCH = ".retrain"  # restored reference versions (gitignored)
 SUMMARY_KEY = "agentrl-retrain-summary"
 ALARM_TAG = "retrain.alarm_snapshot"  # the digest of the traffic snapshot whose drift alarm a retrain acted on
@@ -244,8 +246,9 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
             if alarm_found:
                 run.set_tags({ALARM_TAG: alarm["digest"]})
             logger.info("retraining: %s", reason)
-            order = stage_order(root / "dvc.yaml")
-            forced = order[order.index(RETRAIN_FROM):] if RETRAIN_FROM in order else order
+            # the first stage that reads the new data and every one after it (adapt reads none of it)
+            forced = stages_from_first_reader(root, [incoming_dir, root / snapshot_out], RETRAIN_FROM)
+            record["forced"] = forced
             result = pipeline_flow(params_path=str(params), force=forced, mlflow_parent_run_id=run.run_id)
             record["gate"] = result["gate"]
             record["pipeline_run_id"] = result["run_id"]

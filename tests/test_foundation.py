@@ -6,6 +6,7 @@ import ast
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,8 @@ from flows.cli import COMMANDS, LOCKED, PARAMS, Arg, Command, build_parser, main
 from pipeline.core.config import DEFAULT_PARAMS, ConfigError, load_section, read_params
 from pipeline.envs.config import EnvConfig
 from pipeline.build_env.config import BuildEnvConfig
-from pipeline.core.graph import GraphError, load_stages, parse_stages, select, stage_order, toposort
+from pipeline.core.graph import (GraphError, load_stages, parse_stages, select, stage_order,
+                                 stages_from_first_reader, toposort)
 from pipeline.core.errors import AgentRLError
 from pipeline.core.tracking import NullRun, NullTracker, RunHandle, Tracker, flatten, namespaced, tracking_enabled
 
@@ -694,3 +696,21 @@ def test_flow_runs_stages_in_graph_order_skips_up_to_date_and_stops_at_a_failure
     assert [(row[0], row[-1]) for row in table] == [("first", "ran"), ("second", "FAILED")]
     assert (tmp_path / "ran.log").read_text().split() == ["first", "second", "third", "first", "second"]
     assert (tmp_path / "first" / "out.txt").read_text() == "first 2"
+
+
+def test_a_retrain_forces_the_stages_from_the_first_that_reads_the_new_data(tmp_path):
+    def retrain_stages(root, folders):
+        return stages_from_first_reader(root, folders, "adapt")  # the retraining flow's fallback (RETRAIN_FROM)
+
+    order = ["build_env", "adapt", "reward_model", "train", "evaluate", "check_drift", "deploy"]
+    shutil.copy2(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    assert retrain_stages(tmp_path, [tmp_path / "data/incoming"]) == order[3:]  # train reads the incoming tasks
+    assert retrain_stages(tmp_path, [tmp_path / "data/incoming", tmp_path / "data/production/snapshot"]) == order[2:]
+    # no stage reads the folders (one outside the project): every stage from adapt on, as a graph without such deps
+    assert retrain_stages(tmp_path, [tmp_path.parent / "elsewhere"]) == order[1:]
+    graph = {"stages": {"prepare": {"cmd": "true", "deps": ["src"], "outs": ["data/clean"]},
+                        "fit": {"cmd": "true", "deps": ["data/clean", "feeds/new"], "outs": ["model"]},
+                        "ship": {"cmd": "true", "deps": ["model"], "outs": ["shipped"]}}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(graph))
+    assert retrain_stages(tmp_path, [tmp_path / "feeds/new/batch"]) == ["fit", "ship"]
+    assert retrain_stages(tmp_path, [tmp_path / "unread"]) == ["prepare", "fit", "ship"]

@@ -55,7 +55,7 @@ def _norm(path: str, wdir: str) -> str:
     return "/".join(parts)
 
 
-def _overlaps(a: str, b: str) -> bool:
+def overlaps(a: str, b: str) -> bool:
     """True when path `a` is `b`, lies under `b`, or contains `b`."""
     pa, pb = PurePosixPath(a).parts, PurePosixPath(b).parts
     n = min(len(pa), len(pb))
@@ -136,14 +136,14 @@ def toposort(stages: Sequence[Stage]) -> list[Stage]:
     """
     for i, a in enumerate(stages):
         for b in stages[i + 1 :]:
-            clash = [(x, y) for x in a.outs for y in b.outs if _overlaps(x, y)]
+            clash = [(x, y) for x in a.outs for y in b.outs if overlaps(x, y)]
             if clash:
                 x, y = clash[0]
                 raise GraphError(f"stages '{a.name}' and '{b.name}' both write '{x}'/'{y}': outputs must not overlap")
     upstream: dict[str, set[str]] = {s.name: set() for s in stages}
     for s in stages:
         for other in stages:
-            if any(_overlaps(dep, out) for dep in s.deps for out in other.outs):
+            if any(overlaps(dep, out) for dep in s.deps for out in other.outs):
                 upstream[s.name].add(other.name)
     position = {s.name: i for i, s in enumerate(stages)}
     by_name = {s.name: s for s in stages}
@@ -199,4 +199,24 @@ def select(order: Sequence[str], wanted: Iterable[str] | None) -> list[str]:
     return [s for s in order if s in wanted]
 
 
-__all__ = ["GraphError", "Stage", "load_stages", "parse_stages", "select", "stage_order", "toposort"]
+def stages_from_first_reader(root: str | Path, folders: Sequence[str | Path], fallback: str) -> list[str]:
+    """The stages of `root`/dvc.yaml in run order from the first one with a dep on one of `folders` on: what a retrain on
+    new data forces. A stage before it reads none of the new data, so rerunning it would only refit the same inputs.
+    A graph where no stage reads those folders (or folders outside `root`) gives every stage from `fallback` on."""
+    root = Path(root)
+    stages = load_stages(root / DVC_FILE)
+    inside = []
+    for folder in folders:
+        try:
+            inside.append(Path(folder).resolve().relative_to(root.resolve()).as_posix())
+        except ValueError:  # outside the project: no stage's dep
+            continue
+    order = [s.name for s in stages]
+    for i, stage in enumerate(stages):
+        if any(overlaps(dep, f) for dep in stage.deps for f in inside):
+            return order[i:]
+    return order[order.index(fallback):] if fallback in order else order
+
+
+__all__ = ["GraphError", "Stage", "load_stages", "overlaps", "parse_stages", "select", "stage_order", "stages_from_first_reader",
+           "toposort"]
