@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from pipeline.core.config import ConfigError, parse_section
 from pipeline.core.errors import AgentRLError
@@ -253,9 +254,9 @@ def test_a_user_rule_trains_a_tiny_run(tmp_path, monkeypatch):
 
     root = make_project(tmp_path / "credit", updates=2)
     monkeypatch.chdir(root)
-    text = (root / "params.yaml").read_text().replace("train:\n", f"train:\n  reward:\n    credit: {HERE}:outcome_per_turn\n", 1)
-    assert "outcome_per_turn" in text
-    (root / "params-credit.yaml").write_text(text)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["train"]["reward"] = {"credit": f"{HERE}:outcome_per_turn"}
+    (root / "params-credit.yaml").write_text(yaml.safe_dump(params))
     CALLS.clear()
     result = run_worker("params-credit.yaml", ckpt="ckpt", out="models/policy-credit")
     assert [x["update"] for x in result["history"]] == [1, 2]

@@ -28,10 +28,11 @@ from pipeline.train.estimators import get_estimator
 from pipeline.train.sampling import LearnerState
 
 
-def episode_scores(returns: np.ndarray, state: LearnerState) -> torch.Tensor:
-    """(episodes,) the score each episode's advantage starts from: its return R (`returns`, float64), normalised
-    when reward normalisation is on (with the window before this update: :func:`score_episodes` takes these returns
-    into it once the credit rule has read the normaliser)."""
+def episode_scores(records: list[dict], state: LearnerState) -> torch.Tensor:
+    """(episodes,) the score each episode's advantage starts from: its return R, normalised when reward
+    normalisation is on (with the window before this update: :func:`score_episodes` takes these returns into it once
+    the credit rule has read the normaliser)."""
+    returns = np.array([r["return"] for r in records], dtype=np.float64)
     scores = state.normalizer.normalize(returns) if state.normalizer is not None else returns
     return torch.tensor(scores, dtype=torch.float32)
 
@@ -78,13 +79,12 @@ def score_episodes(records: list[dict], cfg: TrainConfig, state: LearnerState, g
     per-turn discounts; `gather` collects their statistics over ranks."""
     rule = get_credit(cfg.credit)
     records, delta, metrics = reweight(records, extensions, gather)
-    returns = np.array([r["return"] for r in records], dtype=np.float64)
     shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
-    scores = episode_scores(returns, state)
+    scores = episode_scores(records, state)
     credit = rule.fn(CreditInputs(records, scores, delta, cfg.gamma, shift, scale,
                                   lambda t_mask: turn_discounts(records, t_mask, extensions), cfg))
     if state.normalizer is not None:  # after the rule, which reads the window before this update
-        state.normalizer.update(returns)
+        state.normalizer.update(r["return"] for r in records)
     metrics.update(credit.metrics)
     out = Scores(scores=scores, zero_var=torch.zeros(len(records), dtype=torch.bool))
     if rule.per_turn:
