@@ -644,7 +644,7 @@ def test_turn_credit_reads_the_environments_step_rewards_and_trains(in_project, 
     and logs its metrics; records whose rewards do not match their actions are refused."""
     from pipeline.core.config import load_section
     from pipeline.train import core_algos as A
-    from pipeline.train.advantages import turn_rewards
+    from pipeline.train.credit import turn_rewards
     from pipeline.train.batch import group_ids_of
     from pipeline.train.config import TrainConfig
     from pipeline.train.distributed import init_dist

@@ -1,13 +1,15 @@
 """From episode records to advantages: each episode's score (its return, normalised over recent episodes when
-`train.reward_norm_window` is on), the group baselines at episode or, with per-turn credit (`train.reward.credit:
-turn|event`, or `train.turn_credit`), turn level (:func:`score_episodes`), and the per-token advantages the policy
-loss reads (:func:`token_advantages`). The advantage estimator is the one `train.algorithm` names in the registry of
-:mod:`pipeline.train.estimators`; this module knows only its kind (a group baseline, or a critic whose value head
-the learner trains) and never its name. An extension may recompute the returns and set the per-turn discounts; see
-:mod:`pipeline.train.extensions.base`.
+`train.reward_norm_window` is on), the returns the credit rule `train.reward.credit` forms from them (per episode, or
+per turn from the environment's ``step_rewards``), the group baselines of those returns (:func:`score_episodes`),
+and the per-token advantages the policy loss reads (:func:`token_advantages`). The credit rule is the one the
+registry of :mod:`pipeline.train.credit` gives, the advantage estimator the one `train.algorithm` names in the
+registry of :mod:`pipeline.train.estimators`; this module knows only their kinds (a rule per episode or per turn; a
+group baseline, or a critic whose value head the learner trains) and never their names. An extension may recompute
+the returns and set the per-turn discounts; see :mod:`pipeline.train.extensions.base`.
 
-The maths itself is in :mod:`pipeline.train.core_algos` and the estimators; this module only arranges records into
-their inputs. It does no forward pass: a critic's values come from the learner (:mod:`pipeline.train.learner`).
+The maths itself is in :mod:`pipeline.train.core_algos`, the estimators and the credit rules; this module only
+arranges records into their inputs. It does no forward pass: a critic's values come from the learner
+(:mod:`pipeline.train.learner`).
 """
 
 from __future__ import annotations
@@ -18,43 +20,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.core.errors import AgentRLError
 from pipeline.train import core_algos as A
 from pipeline.train.batch import Batch, group_ids_of
 from pipeline.train.config import TrainConfig
+from pipeline.train.credit import CreditInputs, get_credit
 from pipeline.train.estimators import get_estimator
 from pipeline.train.sampling import LearnerState
 
 
-def turn_rewards(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each episode's per-turn rewards (the environment's ``step_rewards``), (episodes, turns), with an (episodes,
-    turns) mask of real turns. An episode whose rewards do not match its sampled actions (one per turn of the action
-    mask) is refused: its credit would land on the wrong tokens."""
-    per_ep = []
-    for r in records:
-        rewards = r.get("step_rewards")
-        n_turns = int(A.turn_ids(torch.tensor(r["action_mask"])).max()) + 1
-        if rewards is None or len(rewards) != n_turns:
-            raise AgentRLError(f"per-turn credit: episode of task {r.get('task_id')!r} has "
-                               f"{'no step_rewards' if rewards is None else f'{len(rewards)} step rewards'} for "
-                               f"{n_turns} sampled actions (rollout records carry one reward per action)")
-        per_ep.append([float(x) for x in rewards])
-    width = max(len(x) for x in per_ep)
-    out, mask = torch.zeros(len(per_ep), width), torch.zeros(len(per_ep), width)
-    for i, x in enumerate(per_ep):
-        out[i, : len(x)], mask[i, : len(x)] = torch.tensor(x), 1.0
-    return out, mask
-
-
 def episode_scores(records: list[dict], state: LearnerState) -> torch.Tensor:
     """(episodes,) the score each episode's advantage starts from: its return R, normalised when reward
-    normalisation is on (which then takes these returns into its window)."""
+    normalisation is on (with the window before this update: :func:`score_episodes` takes these returns into it once
+    the credit rule has read the normaliser)."""
     returns = np.array([r["return"] for r in records], dtype=np.float64)
-    if state.normalizer is not None:
-        scores = state.normalizer.normalize(returns)
-        state.normalizer.update(returns)
-    else:
-        scores = returns
+    scores = state.normalizer.normalize(returns) if state.normalizer is not None else returns
     return torch.tensor(scores, dtype=torch.float32)
 
 
@@ -62,15 +41,14 @@ def episode_scores(records: list[dict], state: LearnerState) -> torch.Tensor:
 class Scores:
     """The episode-level outcome of :func:`score_episodes`; tensors are indexed by episode (the records' order)."""
 
-    scores: torch.Tensor  # (episodes,) return or normalised return
+    scores: torch.Tensor  # (episodes,) the score: with a per-episode credit rule its one column (the normalised
+    #                       return for `episode`), else the normalised return
     zero_var: torch.Tensor  # (episodes,) bool: the episode's group has all-equal scores (group baselines only)
-    episode_adv: torch.Tensor | None = None  # (episodes,) group baseline advantage (without turn credit)
-    turn_adv: torch.Tensor | None = None  # (episodes, turns) group baseline per turn (with turn credit)
-    turn_rewards: torch.Tensor | None = None  # (episodes, turns) environment rewards (a critic with turn credit)
+    episode_adv: torch.Tensor | None = None  # (episodes,) group baseline advantage (per-episode credit)
+    turn_adv: torch.Tensor | None = None  # (episodes, turns) group baseline per turn (per-turn credit)
+    turn_rewards: torch.Tensor | None = None  # (episodes, turns) normalised reward at each turn's end (per turn)
     turn_mask: torch.Tensor | None = None  # (episodes, turns) 1 on real turns
-    turn_gammas: torch.Tensor | None = None  # (episodes, turns) discount after each turn (an extension's)
-    shift: float = 0.0  # the reward normaliser's affine map before this batch: r' = (r − shift) / scale
-    scale: float = 1.0
+    turn_gammas: torch.Tensor | None = None  # (episodes, turns) discount after each turn (None: train.gamma)
     metrics: dict = field(default_factory=dict)  # turn_credit/*, credit/* and reward/* figures
 
 
@@ -96,38 +74,34 @@ def turn_discounts(records: list[dict], t_mask: torch.Tensor, extensions) -> tup
 
 
 def score_episodes(records: list[dict], cfg: TrainConfig, state: LearnerState, gather=None, extensions=()) -> Scores:
-    """Scores and, for group baselines, episode- or turn-level advantages of one update's records (with ``group``).
-    `extensions` may recompute the returns and set per-turn discounts; `gather` collects their statistics over
-    ranks."""
-    credit = cfg.credit
+    """Scores and, for group baselines, episode- or turn-level advantages of one update's records (with ``group``),
+    from the returns of the credit rule `train.reward.credit`. `extensions` may recompute the returns and set
+    per-turn discounts; `gather` collects their statistics over ranks."""
+    rule = get_credit(cfg.credit)
     records, delta, metrics = reweight(records, extensions, gather)
-    if credit != "episode":  # before episode_scores, which updates the normaliser after using it
-        t_rewards, t_mask = turn_rewards(records)
-        if delta is not None:  # the recomputed return's difference goes on each episode's last turn
-            last = t_mask.sum(1).long() - 1
-            t_rewards[torch.arange(len(records)), last] += torch.tensor(delta, dtype=t_rewards.dtype)
-        shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
-        t_gammas, credit_metrics = turn_discounts(records, t_mask, extensions)
-        metrics.update(credit_metrics)
-        t_returns = (A.stepwise_discounted_returns(t_rewards, t_gammas) if t_gammas is not None
-                     else A.discounted_returns(t_rewards, cfg.gamma))
-    out = Scores(scores=episode_scores(records, state), zero_var=torch.zeros(len(records), dtype=torch.bool))
-    groups = group_ids_of(records)
-    if credit != "episode":
-        out.turn_rewards, out.turn_mask, out.shift, out.scale = t_rewards, t_mask, shift, scale
-        out.turn_gammas = t_gammas
+    shift, scale = state.normalizer.affine() if state.normalizer is not None else (0.0, 1.0)
+    scores = episode_scores(records, state)
+    credit = rule.fn(CreditInputs(records, scores, delta, cfg.gamma, shift, scale,
+                                  lambda t_mask: turn_discounts(records, t_mask, extensions), cfg))
+    if state.normalizer is not None:  # after the rule, which reads the window before this update
+        state.normalizer.update(r["return"] for r in records)
+    metrics.update(credit.metrics)
+    out = Scores(scores=scores, zero_var=torch.zeros(len(records), dtype=torch.bool))
+    if rule.per_turn:
+        out.turn_rewards, out.turn_mask, out.turn_gammas = credit.rewards, credit.mask, credit.gammas
+        metrics["turn_credit/turns_per_episode"] = float(credit.mask.sum(1).mean())
+    else:
+        out.scores = credit.rewards[:, 0]
     est = get_estimator(cfg.algorithm)
-    if not est.critic and credit != "episode":
-        out.turn_adv, out.zero_var = est.fn((t_returns - shift) / scale * t_mask, t_mask, groups)
-        spread = (out.turn_adv.masked_fill(t_mask == 0, -math.inf).amax(1)
-                  - out.turn_adv.masked_fill(t_mask == 0, math.inf).amin(1))
-        metrics.update({"turn_credit/turns_per_episode": float(t_mask.sum(1).mean()),
-                        "turn_credit/adv_spread_within_episode": float(spread.mean())})
-    elif not est.critic:  # the episode's score is its one "turn"
-        adv, out.zero_var = est.fn(out.scores[:, None], torch.ones(len(records), 1), groups)
-        out.episode_adv = adv[:, 0]
-    elif credit != "episode":  # a critic: GAE reads the turn rewards
-        metrics["turn_credit/turns_per_episode"] = float(t_mask.sum(1).mean())
+    if not est.critic:
+        adv, out.zero_var = est.fn(credit.returns, credit.mask, group_ids_of(records))
+        if rule.per_turn:
+            out.turn_adv = adv
+            spread = (adv.masked_fill(credit.mask == 0, -math.inf).amax(1)
+                      - adv.masked_fill(credit.mask == 0, math.inf).amin(1))
+            metrics["turn_credit/adv_spread_within_episode"] = float(spread.mean())
+        else:
+            out.episode_adv = adv[:, 0]
     out.metrics = metrics
     return out
 
@@ -141,11 +115,8 @@ def token_advantages(cfg: TrainConfig, sc: Scores, batch: Batch,
         return sc.turn_adv[batch.episode[:, None], batch.turn.clamp(min=0)] * batch.mask, None
     if not est.critic:
         return sc.episode_adv[batch.episode][:, None] * batch.mask, None
-    if sc.turn_rewards is not None:  # each turn's reward on its last token; the normaliser's shift on the last turn
-        t_mask = sc.turn_mask
-        last = (t_mask.cumsum(1) == t_mask.sum(1, keepdim=True)) & (t_mask > 0)
-        rewards = A.turn_token_rewards((sc.turn_rewards - sc.shift * last.float()) / sc.scale, batch.episode,
-                                       batch.turn, batch.mask)
+    if sc.turn_rewards is not None:  # per-turn credit: each turn's reward on its last token
+        rewards = A.turn_token_rewards(sc.turn_rewards, batch.episode, batch.turn, batch.mask)
         if sc.turn_gammas is not None:  # per-turn discounts: each turn's on its last action token
             gamma = A.turn_end_discounts(sc.turn_gammas, batch.episode, batch.turn, batch.mask, cfg.gamma)
     else:

@@ -105,9 +105,15 @@ class RewardConfig(PhaseConfig):
     thresholds: dict[str, float] = Field(default_factory=lambda: {"safety": -0.01, "efficiency": -0.25}, description="lagrange: constraint mean x_j ≥ b_j per component (safety, efficiency, user_experience); components not listed are not in the return.")
     lambda_lr: float = Field(1.0, gt=0, le=1000, description="lagrange: dual step η of λ_j ← clip(λ_j − η·(mean_j − b_j), 0, lambda_max).")
     lambda_max: float = Field(10.0, gt=0, le=1000, description="lagrange: upper bound of every λ_j (projection).")
-    credit: Literal["episode", "turn", "event"] = Field("episode", description="'episode': the return on the last action; 'turn': discounted return from each turn on (train.gamma per turn; train.turn_credit: true is the same); 'event': the discount event_gamma applies at turns with a key event instead of at every turn.")
+    credit: str = Field("episode", description="The credit rule, by its name in the registry of pipeline/train/credit.py: 'episode': the return on the last action; 'turn': discounted return from each turn on (train.gamma per turn; train.turn_credit: true is the same); 'event': the discount event_gamma applies at turns with a key event instead of at every turn; or a user's `module:function` or entry point of the group agentrl.credit (docs/rl-options.md).")
     event_gamma: float = Field(0.9, gt=0, le=1, description="event: discount γ_e applied after a turn that carries a key event.")
     events: list[str] = Field(default_factory=lambda: ["write", "subgoal_done"], min_length=1, description="event: what counts as a key event: 'write' (a call of a tool that writes) and names a record's step_events carry (e.g. subgoal_done).")
+
+    @field_validator("credit")
+    @classmethod
+    def _check_credit(cls, v: str) -> str:
+        _credit_rule(v)
+        return v
 
     @field_validator("thresholds")
     @classmethod
@@ -218,10 +224,11 @@ class TrainConfig(PhaseConfig):
                                  f"train.reward.weighting={self.reward.weighting!r} would have weighted differently: "
                                  f"use weighting 'fixed', or a group baseline (grpo/rloo), whose replayed episodes "
                                  f"keep the advantage they were trained with")
-            if self.credit != "episode":
-                raise ValueError("train.sampling.replay with a critic (ppo) works with episode credit only: per-turn "
-                                 "or event credit would need each replayed episode's turn rewards and discounts "
-                                 "re-derived; use grpo/rloo (their per-turn advantages are stored) or replay off")
+            if _credit_rule(self.credit).per_turn:
+                raise ValueError(f"train.sampling.replay with a critic (ppo) works with per-episode credit only: "
+                                 f"the per-turn credit {self.credit!r} would need each replayed episode's turn "
+                                 f"rewards and discounts re-derived; use grpo/rloo (their per-turn advantages are "
+                                 f"stored), credit 'episode' or replay off")
         return self
 
     @property
@@ -240,3 +247,15 @@ def _estimator(name: str):
         return get_estimator(name)
     except AgentRLError as exc:
         raise ValueError(str(exc).removeprefix("train.algorithm: ")) from None
+
+
+def _credit_rule(name: str):
+    """The registered credit rule `name` gives (:func:`pipeline.train.credit.get_credit`), its error as the ValueError
+    of a config field. Imported here, not at the top, so that this module stays the package's leaf."""
+    from pipeline.core.errors import AgentRLError
+    from pipeline.train.credit import get_credit
+
+    try:
+        return get_credit(name)
+    except AgentRLError as exc:
+        raise ValueError(str(exc).removeprefix("train.reward.credit: ")) from None

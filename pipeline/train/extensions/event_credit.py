@@ -10,7 +10,7 @@ for what follows it. Events (`events`): ``write``, a call of a tool marked `writ
 decision is the key, not its outcome), and any name a record's ``step_events`` (one list of names per step) carries,
 e.g. ``subgoal_done``. With PPO the discount γ_e is applied in GAE at the last action token of an event turn.
 
-The kernel's per-turn credit asks this extension for the discounts
+The credit rule ``event`` (the per-turn rule of :mod:`pipeline.train.credit`) asks this extension for the discounts
 (:meth:`pipeline.train.extensions.base.Extension.turn_discounts`); the metrics are ``credit/event_turns_per_episode``
 and ``credit/events_<name>_per_episode``.
 """

@@ -17,7 +17,8 @@ Decisions:
 - **Advantage of a replayed episode.** grpo/rloo: the advantage stored with it (its group is gone; its group-relative
   standing is what it was), per turn with `turn_credit`. PPO: recomputed by GAE with today's value head (its TD
   errors change as V does), from its return normalised with the normaliser's current window (replayed returns do
-  not enter the window again); PPO with per-turn or event credit is refused (by :class:`pipeline.train.config.TrainConfig`).
+  not enter the window again); PPO with a per-turn credit rule (turn, event) is refused (by
+  :class:`pipeline.train.config.TrainConfig`).
 - **Importance weight of the priority sampling**, w_i = (N·p(i))^(−β_is) / max_j w_j over the episodes drawn this
   update (Schaul et al. 2016). It multiplies the replayed rows' loss weights (new rows weigh 1); the policy loss is a
   weighted mean, so w_i sets a replayed row's share relative to the other rows and the step size is not shrunk.
