@@ -35,7 +35,9 @@ learn, so the sampled tokens per episode differ a little between arms; the table
 Equal work, not equal time: every repetition of an arm runs ``--warmup`` steps (left out: first-call costs) and then
 ``--steps`` timed ones. The arms alternate (a, b, c, a, b, c, ...) ``--reps`` times in one invocation, so a change of
 the machine's load falls on all of them. Per arm: episodes/s and sampled tokens/s over the timed steps of each
-repetition (min / median / max over repetitions), and the split of a step between rollout (the engine's ``run``;
+repetition (min / median / max over repetitions), the same per CPU second of the child process (all its threads:
+less exposed to other jobs on a shared machine than the wall clock; the goal is judged on the wall clock), and the
+split of a step between rollout (the engine's ``run``;
 TRL: the ``rollout_func`` call) and learning (the rest of the step: advantages, padding, forward, backward,
 optimizer step, TRL's logging). ``--profile`` runs each arm once more under cProfile after the timed repetitions
 (not counted) and prints the functions with the most time of their own.
@@ -133,6 +135,9 @@ def rep_figures(steps: list[dict]) -> dict:
             "rollout_s": rollout / len(steps), "learn_s": (total - rollout) / len(steps),
             "learn_tokens_per_s": sum(s["sampled_tokens"] * s["rows_learned"] / s["episodes"] for s in steps)
             / max(1e-9, total - rollout),
+            "episodes_per_cpu_s": eps / sum(s["step_cpu_s"] for s in steps),
+            "learn_cpu_s": sum(s["step_cpu_s"] - s["rollout_cpu_s"] for s in steps) / len(steps),
+            "rollout_cpu_s": sum(s["rollout_cpu_s"] for s in steps) / len(steps),
             "tokens_per_episode": toks / eps, "rows_learned": sum(s["rows_learned"] for s in steps) / len(steps),
             "success": sum(s["success"] for s in steps) / len(steps)}
 
@@ -161,6 +166,8 @@ def ratios(summary: dict) -> dict:
                 "episodes_per_s": sp["episodes_per_s"]["median"] / st["episodes_per_s"]["median"],
                 "tokens_per_s": sp["tokens_per_s"]["median"] / st["tokens_per_s"]["median"],
                 "learn_speed": st["learn_s"]["median"] / sp["learn_s"]["median"],
+                "episodes_per_cpu_s": sp["episodes_per_cpu_s"]["median"] / st["episodes_per_cpu_s"]["median"],
+                "learn_cpu_speed": st["learn_cpu_s"]["median"] / sp["learn_cpu_s"]["median"],
                 "rollout_speed": st["rollout_s"]["median"] / sp["rollout_s"]["median"]}
     return out
 
@@ -179,15 +186,17 @@ def table(summary: dict, rat: dict) -> list[str]:
     fmt = lambda s, f: "/".join(format(s[k], f) for k in ("min", "median", "max"))  # noqa: E731
     lines = [f"{'arm':12s} {'episodes/s min/med/max':>24s} {'tokens/s min/med/max':>22s} {'rollout s':>9s} "
              f"{'learn s':>8s} {'rollout %':>9s} {'tok/ep':>7s} {'rows learned':>12s} {'learn tok/s':>11s} "
-             f"{'success':>7s} {'peak MiB':>8s}"]
+             f"{'success':>7s} {'peak MiB':>8s} {'ep/cpu-s':>8s} {'learn cpu s':>11s}"]
     for arm, s in summary.items():
         med = {k: v["median"] for k, v in s.items() if isinstance(v, dict)}
         lines.append(f"{arm:12s} {fmt(s['episodes_per_s'], '.2f'):>24s} {fmt(s['tokens_per_s'], '.0f'):>22s} "
                      f"{med['rollout_s']:9.2f} {med['learn_s']:8.2f} {100 * med['rollout_s'] / med['step_s']:8.0f}% "
                      f"{med['tokens_per_episode']:7.1f} {med['rows_learned']:12.1f} {med['learn_tokens_per_s']:11.0f} "
-                     f"{med['success']:7.3f} {s['peak_mib']:8.0f}")
+                     f"{med['success']:7.3f} {s['peak_mib']:8.0f} {med['episodes_per_cpu_s']:8.2f} "
+                     f"{med['learn_cpu_s']:11.2f}")
     lines.append("(rollout s, learn s: per step, medians; learn tok/s: sampled tokens in the rows the learner "
-                 "forwarded per second of learning)")
+                 "forwarded per second of learning; ep/cpu-s and learn cpu s: per CPU second of the process, all its "
+                 "threads, which a loaded machine disturbs less than the wall clock)")
     for arm, s in summary.items():
         if "prepare_s" in s:
             prep, opt, learn = (s[k]["median"] for k in ("prepare_s", "optimizer_s", "learn_s"))
@@ -195,7 +204,8 @@ def table(summary: dict, rat: dict) -> list[str]:
                          f"{opt:.2f} s optimizer step, {learn - prep - opt:.2f} s forward, backward and the rest")
     for key, r in rat.items():
         lines.append(f"{key}: episodes/s {r['episodes_per_s']:.2f}x, tokens/s {r['tokens_per_s']:.2f}x; learning "
-                     f"{r['learn_speed']:.2f}x as fast, rollout {r['rollout_speed']:.2f}x")
+                     f"{r['learn_speed']:.2f}x as fast, rollout {r['rollout_speed']:.2f}x; per CPU second: episodes "
+                     f"{r['episodes_per_cpu_s']:.2f}x, learning {r['learn_cpu_speed']:.2f}x")
     g = goal(rat)
     if g:
         lines.append(g)

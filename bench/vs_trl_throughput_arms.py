@@ -6,7 +6,8 @@ this project's :class:`~pipeline.policy.rollout.RolloutEngine`, so its generatio
 
 Every arm plays the same plan (:func:`make_plan`): the same tasks and episode seeds at every step, ``warmup`` steps
 and then ``steps`` timed ones. OUT gets one row per step: seconds in rollout and in the whole step, episodes, sampled
-tokens (mask 1), rows the learner forwarded. Why each setting is what it is: bench/vs_trl_throughput.py.
+tokens (mask 1), rows the learner forwarded; and the process's CPU seconds (``time.process_time``, all its threads)
+in rollout and in the whole step. Why each setting is what it is: bench/vs_trl_throughput.py.
 """
 
 from __future__ import annotations
@@ -82,13 +83,14 @@ def project_arm(spec: dict, arm: str, profiler) -> tuple[list[dict], dict]:
     for u, (ep_tasks, seeds) in enumerate(plan):
         if profiler is not None and u == spec["warmup"]:
             profiler.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         records = loop.rollout.run(ep_tasks, seeds, greedy=False, policy_version=u)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         observe(loop, records, u)
         m = learn_or_drop(loop, records, u, 0)
-        t2 = time.perf_counter()
-        rows.append({"rollout_s": t1 - t0, "step_s": t2 - t0, "episodes": len(records),
+        t2, c2 = time.perf_counter(), time.process_time()
+        rows.append({"rollout_s": t1 - t0, "step_s": t2 - t0, "rollout_cpu_s": c1 - c0, "step_cpu_s": c2 - c0,
+                     "episodes": len(records),
                      "sampled_tokens": sampled(r["action_mask"] for r in records),
                      "rows_learned": int(m["train/rows_forwarded"]),
                      "success": sum(r["success"] for r in records) / len(records)})
@@ -171,10 +173,12 @@ def step_clock(rows: list[dict], timers: dict, stats: dict, profiler, warmup: in
     from transformers import TrainerCallback
 
     marks: list[float] = []
+    cpu_mark = [0.0]
 
     def close_step():
         if rows and "step_s" not in rows[-1]:
-            rows[-1].update(step_s=time.perf_counter() - marks.pop(), rows_learned=rows[-1]["episodes"], **timers)
+            rows[-1].update(step_s=time.perf_counter() - marks.pop(), step_cpu_s=time.process_time() - cpu_mark[0],
+                            rows_learned=rows[-1]["episodes"], **timers)
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -182,8 +186,9 @@ def step_clock(rows: list[dict], timers: dict, stats: dict, profiler, warmup: in
             if profiler is not None and state.global_step == warmup:
                 profiler.enable()
             marks.append(time.perf_counter())
+            cpu_mark[0] = time.process_time()
             rows.append({"successes_before": stats["successes"]})
-            timers.update(rollout_s=0.0, gen_score_s=0.0, optimizer_s=0.0)
+            timers.update(rollout_s=0.0, rollout_cpu_s=0.0, gen_score_s=0.0, optimizer_s=0.0)
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
             marks.append(time.perf_counter())
@@ -218,7 +223,7 @@ def trl_arm(spec: dict, arm: str, profiler) -> tuple[list[dict], dict]:
     dataset = Dataset.from_list([{"prompt": context[t.task_id]} for ep_tasks, _ in plan
                                  for t in ep_tasks[::cfg.group_size]])
     stats = {"episodes": 0, "successes": 0, "turns": 0, "rounds": 0}
-    timers = {"rollout_s": 0.0, "gen_score_s": 0.0, "optimizer_s": 0.0}
+    timers = {"rollout_s": 0.0, "rollout_cpu_s": 0.0, "gen_score_s": 0.0, "optimizer_s": 0.0}
 
     def next_episodes(prompts: list[str]) -> tuple[list, list[int]]:
         ep_tasks, seeds = plan[stats["rounds"]]
@@ -236,9 +241,10 @@ def trl_arm(spec: dict, arm: str, profiler) -> tuple[list[dict], dict]:
         play = engine_rollout_func(tok, runtime, env_cfg, rl_cfg, next_episodes, stats)
 
     def rollout_func(prompts, trainer):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = play(prompts, trainer)
         timers["rollout_s"] += time.perf_counter() - t0
+        timers["rollout_cpu_s"] += time.process_time() - c0
         rows[-1]["episodes"], rows[-1]["sampled_tokens"] = len(out["env_mask"]), sampled(out["env_mask"])
         rows[-1]["success"] = (stats["successes"] - rows[-1].pop("successes_before")) / len(out["env_mask"])
         return out

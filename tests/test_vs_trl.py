@@ -273,7 +273,7 @@ def test_throughput_without_trl_names_the_extra(tmp_path):
 
 def step(step_s, rollout_s, episodes=64, tokens=640, rows=64, success=0.5):
     return {"step_s": step_s, "rollout_s": rollout_s, "episodes": episodes, "sampled_tokens": tokens,
-            "rows_learned": rows, "success": success}
+            "rows_learned": rows, "success": success, "step_cpu_s": 2 * step_s, "rollout_cpu_s": 2 * rollout_s}
 
 
 def test_throughput_figures_spread_ratios_and_goal():
@@ -281,6 +281,7 @@ def test_throughput_figures_spread_ratios_and_goal():
     assert f["episodes_per_s"] == 16 and f["tokens_per_s"] == 160 and f["step_s"] == 4
     assert f["rollout_s"] == 2 and f["learn_s"] == 2 and f["tokens_per_episode"] == 10 and f["rows_learned"] == 48
     assert f["learn_tokens_per_s"] == pytest.approx((320 + 640) / 4)
+    assert f["episodes_per_cpu_s"] == 8 and f["learn_cpu_s"] == 4 and f["rollout_cpu_s"] == 4
     reps = lambda *times: [{"steps": [step(s, r)], "peak_mib": 100.0} for s, r in times]  # noqa: E731
     summary = vs_trl_throughput.summarize({"project": reps((2, 1), (4, 1), (3, 1)),
                                            "trl-engine": reps((6, 1), (5, 1), (8, 1))})
@@ -289,6 +290,7 @@ def test_throughput_figures_spread_ratios_and_goal():
     assert list(rat) == ["project / trl-engine"]
     assert rat["project / trl-engine"]["episodes_per_s"] == pytest.approx(6 / 3)
     assert rat["project / trl-engine"]["learn_speed"] == pytest.approx(5 / 2)
+    assert rat["project / trl-engine"]["episodes_per_cpu_s"] == pytest.approx(6 / 3)
     assert vs_trl_throughput.goal(rat) == "goal: project / trl-engine episodes/s >= 1.5x: 2.00x, met"
     slow = vs_trl_throughput.ratios(vs_trl_throughput.summarize({"project": reps((5, 1)), "trl-engine": reps((6, 1))}))
     assert vs_trl_throughput.goal(slow).endswith("1.20x, not met (short by 1.25x)")
@@ -316,6 +318,7 @@ def test_throughput_bench_runs_every_arm_on_a_tiny_project(tmp_path):
     for arm in arms:
         (steps,) = result["runs"][arm]
         assert len(steps) == 2 and all(s["episodes"] == 4 and 0 < s["rollout_s"] < s["step_s"] for s in steps)
+        assert all(0 < s["rollout_cpu_s"] < s["step_cpu_s"] for s in steps)
         assert result["summary"][arm]["episodes_per_s"]["min"] > 0 and result["profiles"][arm]
     first = {arm: result["runs"][arm][0][0] for arm in arms}
     assert first["trl-engine"]["sampled_tokens"] == first["project-all"]["sampled_tokens"]
