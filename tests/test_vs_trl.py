@@ -1,7 +1,9 @@
 """bench/vs_trl.py's pure parts: bad input is one ``error:`` line (a missing TRL names the extra to install), and
 the figures it prints from two validation curves (time to reach TRL's final success, the ratio against the goal),
-the evaluation schedule and the clock that leaves evaluations out. TRL itself is not run here: CI does not install
-the ``bench`` extra, and a run takes minutes (the bench is run by hand, docs/peers.md)."""
+the evaluation schedule and the clock that leaves evaluations out. bench/vs_trl_throughput.py: bad input, the figures
+and ratios it prints, and (marked slow, skipped where TRL is not installed: CI does not install the ``bench``
+extra) one whole run of every arm on a tiny project, whose TRL arm with the project's rollout engine must generate
+exactly what the project's learner generates. The learning comparison itself is run by hand (docs/peers.md)."""
 
 from __future__ import annotations
 
