@@ -183,33 +183,15 @@ def grpo_kwargs(spec: dict, cfg, max_new_tokens: int, bf16: bool) -> dict:
         bf16=bf16, max_steps=spec["max_steps"])
 
 
-def trl_arm(spec: dict) -> dict:
-    """TRL's GRPOTrainer: its defaults, except the values both arms share (see bench/vs_trl.py)."""
+def naive_rollout_func(tok, max_new_tokens: int, episodes_for, stats: dict):
+    """The TRL arm's ``rollout_func``: ``episodes_for(prompts)`` gives one
+    :class:`~pipeline.policy.episode_drivers.EnvEpisode` per prompt; `stats` counts episodes, successes and turns."""
     import torch
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import unwrap_model_for_generation
 
-    from pipeline.policy.episode_drivers import EnvEpisode
-    from pipeline.policy.model import load_policy, supports_bf16
     from pipeline.policy.tokenizer import CALL_CLOSE, EOS, encode_context, encode_observation, marker_ids
-    from pipeline.train.distributed import init_dist
 
-    env_cfg, rollout_cfg, cfg, runtime, tasks = load_project(spec)
-    dist = init_dist()
-    score = evaluator(spec, runtime, env_cfg, rollout_cfg, tasks["validation"], dist)
-    points = [start_point(spec, score)[0]]
-    model, tok, _ = load_policy(Path(spec["project"]) / "models" / "adapted")
-    model.train()
     ids = marker_ids(tok)
-    # a prompt is the environment's first context of a task (TRL's "standard", text-only format: the built-in
-    # tokenizer has no chat template); rollout_func gets the prompts only, so it finds the task by its prompt
-    task_of: dict[str, object] = {}
-    for t in tasks["train"]:
-        task_of.setdefault(EnvEpisode(runtime, env_cfg, t, 0).context, t)
-    dataset = Dataset.from_list([{"prompt": p} for p in task_of])
-    stats = {"episodes": 0, "successes": 0, "turns": 0, "seed": 0}
 
     def rollout_func(prompts: list[str], trainer) -> dict:
         """Play one episode per prompt in the project's environment, generating each action with TRL's own
@@ -218,11 +200,8 @@ def trl_arm(spec: dict) -> dict:
         (mask 1) and observation (``env_mask`` 0, left out of the loss) after the prompt, as TRL's tool loop
         builds it."""
         gen = trainer.generation_config.__class__(**trainer.generation_config.to_dict())
-        gen.eos_token_id, gen.max_new_tokens = [ids[CALL_CLOSE], ids[EOS]], rollout_cfg.max_new_tokens
-        eps = []
-        for p in prompts:
-            eps.append(EnvEpisode(runtime, env_cfg, task_of[p], stats["seed"]))
-            stats["seed"] += 1
+        gen.eos_token_id, gen.max_new_tokens = [ids[CALL_CLOSE], ids[EOS]], max_new_tokens
+        eps = episodes_for(prompts)
         prompt_ids = [encode_context(tok, e.context) for e in eps]
         comp, mask, records = [[] for _ in eps], [[] for _ in eps], [None] * len(eps)
         live = list(range(len(eps)))
@@ -260,6 +239,43 @@ def trl_arm(spec: dict) -> dict:
         stats["successes"] += sum(r["success"] for r in records)
         return {"prompt_ids": prompt_ids, "completion_ids": comp, "logprobs": None, "env_mask": mask,
                 "env_return": [r["return"] for r in records]}
+
+    return rollout_func
+
+
+def trl_arm(spec: dict) -> dict:
+    """TRL's GRPOTrainer: its defaults, except the values both arms share (see bench/vs_trl.py)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pipeline.policy.episode_drivers import EnvEpisode
+    from pipeline.policy.model import load_policy, supports_bf16
+    from pipeline.train.distributed import init_dist
+
+    env_cfg, rollout_cfg, cfg, runtime, tasks = load_project(spec)
+    dist = init_dist()
+    score = evaluator(spec, runtime, env_cfg, rollout_cfg, tasks["validation"], dist)
+    points = [start_point(spec, score)[0]]
+    model, tok, _ = load_policy(Path(spec["project"]) / "models" / "adapted")
+    model.train()
+    # a prompt is the environment's first context of a task (TRL's "standard", text-only format: the built-in
+    # tokenizer has no chat template); rollout_func gets the prompts only, so it finds the task by its prompt
+    task_of: dict[str, object] = {}
+    for t in tasks["train"]:
+        task_of.setdefault(EnvEpisode(runtime, env_cfg, t, 0).context, t)
+    dataset = Dataset.from_list([{"prompt": p} for p in task_of])
+    stats = {"episodes": 0, "successes": 0, "turns": 0, "seed": 0}
+
+    def episodes_for(prompts: list[str]) -> list:
+        """One episode per prompt: its task found by the prompt, seeds counted up over the run."""
+        eps = []
+        for p in prompts:
+            eps.append(EnvEpisode(runtime, env_cfg, task_of[p], stats["seed"]))
+            stats["seed"] += 1
+        return eps
+
+    rollout_func = naive_rollout_func(tok, rollout_cfg.max_new_tokens, episodes_for, stats)
 
     def env_reward(prompts, completions, env_return, **kwargs) -> list[float]:
         """The environment's verifier reward of each episode (its return, the reward the project trains on)."""

@@ -88,7 +88,7 @@ LONG_FIRST = ("test_flow", "test_adapt", "test_train", "test_foreign_model", "te
               "test_env_calendar", "test_foundation",
               "test_faults", "test_train_nodes", "test_replay", "test_served_check", "test_build_env",
               "test_scale_out", "test_task_generator", "test_inputs", "test_context_actions", "test_validation",
-              "test_drift", "test_snapshot", "test_estimators")
+              "test_drift", "test_snapshot", "test_estimators", "test_vs_trl")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

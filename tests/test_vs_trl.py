@@ -1,7 +1,9 @@
 """bench/vs_trl.py's pure parts: bad input is one ``error:`` line (a missing TRL names the extra to install), and
 the figures it prints from two validation curves (time to reach TRL's final success, the ratio against the goal),
-the evaluation schedule and the clock that leaves evaluations out. TRL itself is not run here: CI does not install
-the ``bench`` extra, and a run takes minutes (the bench is run by hand, docs/peers.md)."""
+the evaluation schedule and the clock that leaves evaluations out. bench/vs_trl_throughput.py: bad input, the figures
+and ratios it prints, and (marked slow, skipped where TRL is not installed: CI does not install the ``bench``
+extra) one whole run of every arm on a tiny project, whose TRL arm with the project's rollout engine must generate
+exactly what the project's learner generates. The learning comparison itself is run by hand (docs/peers.md)."""
 
 from __future__ import annotations
 
@@ -234,3 +236,102 @@ def test_table_lists_every_arm_and_compares_each_trl_arm(tmp_path):
 def test_table_without_a_project_arm_says_so():
     result = {"arms": {"trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (500, 20, 0.91))}, "comparison": {}}
     assert vs_trl.table(result)[-1].startswith("no project arm")
+
+
+# ------------------------------------------------------------------------------- bench/vs_trl_throughput.py
+import vs_trl_throughput  # noqa: E402
+
+
+def run_throughput(*args: str, hide_trl: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
+    code = ("import sys\n" + ("sys.modules['trl'] = None\n" if hide_trl else "") +
+            f"sys.path.insert(0, {str(BENCH)!r})\nimport vs_trl_throughput as b\nsys.exit(b.main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--reps", "0"], "--reps must be at least 1, got 0"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+    (["--arms", "project,ppo"], "--arms: unknown arm 'ppo'"),
+    (["--arms", "project,project"], "--arms: an arm named twice"),
+    (["--project", "/nonexistent/folder"], "--project /nonexistent/folder: params.yaml not found"),
+    (["--steps", "many"], "--steps: invalid int value"),
+])
+def test_throughput_bad_input_is_one_error_line(tmp_path, args, words):
+    out = tmp_path / "out.json"
+    proc = run_throughput("--project", str(fake_project(tmp_path / "p")), *args, "--json", str(out))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
+    assert proc.stdout == "" and not out.exists()
+
+
+def test_throughput_without_trl_names_the_extra(tmp_path):
+    proc = run_throughput("--project", str(fake_project(tmp_path / "p")), hide_trl=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: TRL is not installed") and proc.stderr.strip().endswith(
+        "pip install -e '.[bench]'") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def step(step_s, rollout_s, episodes=64, tokens=640, rows=64, success=0.5):
+    return {"step_s": step_s, "rollout_s": rollout_s, "episodes": episodes, "sampled_tokens": tokens,
+            "rows_learned": rows, "success": success, "step_cpu_s": 2 * step_s, "rollout_cpu_s": 2 * rollout_s}
+
+
+def test_throughput_figures_spread_ratios_and_goal():
+    f = vs_trl_throughput.rep_figures([step(4.0, 3.0, rows=32), step(4.0, 1.0)])
+    assert f["episodes_per_s"] == 16 and f["tokens_per_s"] == 160 and f["step_s"] == 4
+    assert f["rollout_s"] == 2 and f["learn_s"] == 2 and f["tokens_per_episode"] == 10 and f["rows_learned"] == 48
+    assert f["learn_tokens_per_s"] == pytest.approx((320 + 640) / 4)
+    assert f["episodes_per_cpu_s"] == 8 and f["learn_cpu_s"] == 4 and f["rollout_cpu_s"] == 4
+    reps = lambda *times: [{"steps": [step(s, r)], "peak_mib": 100.0} for s, r in times]  # noqa: E731
+    summary = vs_trl_throughput.summarize({"project": reps((2, 1), (4, 1), (3, 1)),
+                                           "trl-engine": reps((6, 1), (5, 1), (8, 1))})
+    assert summary["project"]["episodes_per_s"] == {"min": 16, "median": 64 / 3, "max": 32}
+    rat = vs_trl_throughput.ratios(summary)
+    assert list(rat) == ["project / trl-engine"]
+    assert rat["project / trl-engine"]["episodes_per_s"] == pytest.approx(6 / 3)
+    assert rat["project / trl-engine"]["learn_speed"] == pytest.approx(5 / 2)
+    assert rat["project / trl-engine"]["episodes_per_cpu_s"] == pytest.approx(6 / 3)
+    assert vs_trl_throughput.goal(rat) == "goal: project / trl-engine episodes/s >= 1.5x: 2.00x, met"
+    slow = vs_trl_throughput.ratios(vs_trl_throughput.summarize({"project": reps((5, 1)), "trl-engine": reps((6, 1))}))
+    assert vs_trl_throughput.goal(slow).endswith("1.20x, not met (short by 1.25x)")
+    lines = vs_trl_throughput.table(summary, rat)
+    assert lines[1].split()[:3] == ["project", "16.00/21.33/32.00", "160/213/320"] and lines[-1].startswith("goal:")
+
+
+@pytest.mark.slow
+def test_throughput_bench_runs_every_arm_on_a_tiny_project(tmp_path):
+    """The whole bench at a tiny size: every arm plays the same plan, the engine arm generates exactly what the
+    project's learner generates at the first step (same weights, tasks, seeds, temperature: generation held equal),
+    and the table, the JSON and the profiles come out."""
+    pytest.importorskip("trl")
+    from test_train import make_project
+
+    project = make_project(tmp_path / "p")
+    out = tmp_path / "tp.json"
+    arms = ["project-all", "trl-engine", "trl-naive"]
+    proc = run_throughput("--project", str(project), "--reps", "1", "--steps", "2", "--warmup", "0", "--arms",
+                          ",".join(arms), "--profile", "--json", str(out), timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result["summary"]) == arms and list(result["ratios"]) == ["project-all / trl-engine",
+                                                                         "project-all / trl-naive"]
+    for arm in arms:
+        (steps,) = result["runs"][arm]
+        assert len(steps) == 2 and all(s["episodes"] == 4 and 0 < s["rollout_s"] < s["step_s"] for s in steps)
+        assert all(0 < s["rollout_cpu_s"] < s["step_cpu_s"] for s in steps)
+        assert result["summary"][arm]["episodes_per_s"]["min"] > 0 and result["profiles"][arm]
+    first = {arm: result["runs"][arm][0][0] for arm in arms}
+    assert first["trl-engine"]["sampled_tokens"] == first["project-all"]["sampled_tokens"]
+    assert first["trl-engine"]["success"] == first["project-all"]["success"]
+    assert result["config"]["trl-engine"]["gradient_checkpointing"] is False
+    assert result["config"]["trl-engine"]["temperature"] == result["config"]["project-all"]["rollout_temperature"]
+    assert result["config"]["trl-engine"]["gradient_accumulation_steps"] == result["config"]["project-all"][
+        "micro_batches"]
+    assert result["goal"].startswith("goal: project-all / trl-engine episodes/s >= 1.5x: ")
+    assert 0 <= result["summary"]["trl-engine"]["optimizer_s"]["median"] < result["summary"]["trl-engine"][
+        "learn_s"]["median"] and "prepare_s" not in result["summary"]["project-all"]
+    assert any(line.startswith("trl-naive learning per step: ") for line in proc.stdout.splitlines())
+    assert any(line.startswith("project-all / trl-naive: episodes/s ") for line in proc.stdout.splitlines())
+    assert "profile of trl-engine" in proc.stdout
