@@ -26,15 +26,13 @@ or to the name of an entry point of the group :data:`GROUP` whose value is ``mod
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from pipeline.core.errors import AgentRLError
+from pipeline.train.named_functions import installed, resolve
 from pipeline.train import core_algos as A
 
 if TYPE_CHECKING:  # the config imports this module to validate `train.reward.credit`
@@ -91,13 +89,10 @@ def register_credit(name: str, *, per_turn: bool = True) -> Callable:
     return wrap
 
 
-def _installed() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
-
 
 def credit_names() -> list[str]:
     """The names `train.reward.credit` accepts besides ``module:function``: registered ones and entry points."""
-    return sorted({*CREDIT_RULES, *_installed()})
+    return sorted({*CREDIT_RULES, *installed(GROUP)})
 
 
 def get_credit(spec: str) -> CreditRule:
@@ -105,27 +100,8 @@ def get_credit(spec: str) -> CreditRule:
     Anything else raises one :class:`AgentRLError` that lists the known names."""
     if spec in CREDIT_RULES:
         return CREDIT_RULES[spec]
-    target = spec if ":" in spec else _installed().get(spec)
-    if target is None:
-        raise AgentRLError(f"train.reward.credit: unknown credit rule {spec!r}; choose one of "
-                           f"{', '.join(credit_names())}, or module:function")
-    fn = _function(target, spec)
-    registered = next((c for c in CREDIT_RULES.values() if c.fn is fn), None)  # keeps a registered `per_turn`
-    return CreditRule(spec, fn, registered.per_turn if registered else True)
-
-
-@functools.lru_cache(maxsize=None)
-def _function(target: str, spec: str) -> Callable:
-    """The function ``module:function`` names (imported once: the learner asks for it on every update)."""
-    module_name, _, attr = target.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except Exception as exc:  # the rule module's own import error, reported rather than raised through
-        raise AgentRLError(f"train.reward.credit: cannot import {module_name} for {spec!r} "
-                           f"({type(exc).__name__}: {str(exc)[:200]})") from None
-    if not callable(fn):
-        raise AgentRLError(f"train.reward.credit: {module_name} has no function {attr!r} ({spec!r})")
-    return fn
+    fn, registered = resolve(spec, "train.reward.credit", "credit rule", CREDIT_RULES, GROUP)
+    return CreditRule(spec, fn, registered.per_turn if registered else True)  # keeps a registered `per_turn`
 
 
 def turn_rewards(records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:

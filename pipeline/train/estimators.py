@@ -25,15 +25,12 @@ group :data:`GROUP` whose value is ``module:function``. ``docs/rl-options.md`` s
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Callable
 
 import torch
 
-from pipeline.core.errors import AgentRLError
+from pipeline.train.named_functions import installed, resolve
 from pipeline.train import core_algos as A
 
 GROUP = "agentrl.estimators"
@@ -59,13 +56,10 @@ def register_estimator(name: str, *, critic: bool = False) -> Callable:
     return wrap
 
 
-def _installed() -> dict[str, str]:
-    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
-
 
 def estimator_names() -> list[str]:
     """The names `train.algorithm` accepts besides ``module:function``: registered ones and installed entry points."""
-    return sorted({*ESTIMATORS, *_installed()})
+    return sorted({*ESTIMATORS, *installed(GROUP)})
 
 
 def get_estimator(spec: str) -> Estimator:
@@ -73,27 +67,8 @@ def get_estimator(spec: str) -> Estimator:
     Anything else raises one :class:`AgentRLError` that lists the known names."""
     if spec in ESTIMATORS:
         return ESTIMATORS[spec]
-    target = spec if ":" in spec else _installed().get(spec)
-    if target is None:
-        raise AgentRLError(f"train.algorithm: unknown advantage estimator {spec!r}; choose one of "
-                           f"{', '.join(estimator_names())}, or module:function")
-    fn = _function(target, spec)
-    registered = next((e for e in ESTIMATORS.values() if e.fn is fn), None)  # keeps a registered `critic`
-    return Estimator(spec, fn, registered.critic if registered else False)
-
-
-@functools.lru_cache(maxsize=None)
-def _function(target: str, spec: str) -> Callable:
-    """The function ``module:function`` names (imported once: the learner asks for it on every update)."""
-    module_name, _, attr = target.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except Exception as exc:  # the estimator module's own import error, reported rather than raised through
-        raise AgentRLError(f"train.algorithm: cannot import {module_name} for {spec!r} "
-                           f"({type(exc).__name__}: {str(exc)[:200]})") from None
-    if not callable(fn):
-        raise AgentRLError(f"train.algorithm: {module_name} has no function {attr!r} ({spec!r})")
-    return fn
+    fn, registered = resolve(spec, "train.algorithm", "advantage estimator", ESTIMATORS, GROUP)
+    return Estimator(spec, fn, registered.critic if registered else False)  # keeps a registered `critic`
 
 
 def _per_turn(episode_adv: torch.Tensor, scale: torch.Tensor, returns: torch.Tensor,
