@@ -176,12 +176,14 @@ def arm_order(key: str) -> tuple:
     return (0, 0.0) if key == "project" else (1, -float(key.split("=", 1)[1]))
 
 
-def require_trl() -> None:
+def require_trl() -> str:
+    """TRL's version; without TRL (or datasets) one BenchError that names the extra to install."""
     try:
-        import trl  # noqa: F401
         import datasets  # noqa: F401
+        import trl
     except ImportError as exc:
         raise BenchError(f"TRL is not installed ({exc}): pip install -e '.[bench]'") from None
+    return trl.__version__
 
 
 def marks(budget: float, evals: int) -> list[float]:

@@ -54,20 +54,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_trl import BenchError, Parser, require_trl  # noqa: E402  (the learning bench's input handling, shared)
+
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("vs_trl_throughput_arms.py")
 ARM_NAMES = ("project", "project-all", "trl-naive", "trl-engine")
 GOAL = 1.5  # the project's episodes/s at least 1.5x TRL's with generation held equal (trl-engine)
 NEEDED = ("params.yaml", "models/adapted/config.json", "data/tasks/train.jsonl", "data/env")
-
-
-class BenchError(Exception):
-    """Bad input: printed as one ``error:`` line, exit status 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise BenchError(message)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,15 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise BenchError(f"--project {args.project}: {name} not found (the bench needs params.yaml, "
                              f"models/adapted and data/; run `dvc repro adapt` there first)")
     return args
-
-
-def require_trl() -> str:
-    try:
-        import datasets  # noqa: F401
-        import trl
-    except ImportError as exc:
-        raise BenchError(f"TRL is not installed ({exc}): pip install -e '.[bench]'") from None
-    return trl.__version__
 
 
 def run_child(arm: str, spec: dict, tmp: Path, tag: str) -> dict:
