@@ -10,9 +10,11 @@ One run of :func:`retrain_flow`:
    workspace copies when they are those versions, else restored from the DVC cache (:mod:`flows.lineage`);
 3. runs the drift checks (:func:`pipeline.check_drift.main.check`) of the incoming tasks against that reference;
 4. drift found (``task_drift``, ``trajectory_drift`` or ``state_drift`` failed) or ``force``: runs the pipeline flow
-   with every stage forced from the first one that reads the new data (a DVC dep on the incoming folder or the
-   traffic snapshot's: ``reward_model`` in this graph) on (:func:`pipeline.core.graph.stages_from_first_reader`); the stages before it read
-   nothing new, so DVC leaves them up to date (the adapted model is not refitted on the same inputs), and the policy is
+   with every stage forced from the first one that reads the data that called for the retrain on
+   (:func:`pipeline.core.graph.stages_from_first_reader`): a DVC dep on the incoming folder for drift found
+   (``train`` in this graph), on the traffic snapshot's for a drift alarm (``reward_model``), on either when forced;
+   the stages before it read nothing new, so DVC leaves them up to date unless their own deps changed (the adapted
+   model is not refitted on the same inputs, nor the reward model on feedback it has already seen), and the policy is
    retrained and the deploy stage registers a challenger and runs the promotion gate (which reads the pipeline's own
    drift verdict on the same incoming data); otherwise nothing is retrained.
    A drift alarm of served traffic also retrains: when the traffic snapshot (``deploy.snapshot.out``, written by
@@ -246,8 +248,12 @@ def retrain_flow(project: str = ".", incoming: str = INCOMING, force: bool = Fal
             if alarm_found:
                 run.set_tags({ALARM_TAG: alarm["digest"]})
             logger.info("retraining: %s", reason)
-            # the first stage that reads the new data and every one after it (adapt reads none of it)
-            forced = stages_from_first_reader(root, [incoming_dir, root / snapshot_out], RETRAIN_FROM)
+            # the first stage that reads the data that called for the retrain, and every one after it: incoming
+            # tasks that drifted are read from `train` on, a traffic snapshot from `reward_model` on; a stage before
+            # it is still rerun by DVC if its own deps changed
+            triggers = ([incoming_dir] if drift_found or force else []) + \
+                ([root / snapshot_out] if alarm_found or force else [])
+            forced = stages_from_first_reader(root, triggers, RETRAIN_FROM)
             record["forced"] = forced
             result = pipeline_flow(params_path=str(params), force=forced, mlflow_parent_run_id=run.run_id)
             record["gate"] = result["gate"]

@@ -421,8 +421,8 @@ def test_scheduled_retraining_skips_undrifted_data_and_retrains_on_drift(trained
     assert "retrain: retrain (drift found (task_drift" in drifted.stdout
     record = runs(root, "retrain")[-1]
     assert record.data.tags["retrain.decision"] == "retrain" and record.data.metrics["retrain/drift_found"] == 1
-    statuses = stage_lines(drifted.stdout)  # forced from the first stage that reads the new data; adapt reads none
-    assert statuses == {"build_env": "up to date", "adapt": "up to date", "reward_model": "ran", "train": "ran",
+    statuses = stage_lines(drifted.stdout)  # forced from the first stage that reads the drifted incoming tasks
+    assert statuses == {"build_env": "up to date", "adapt": "up to date", "reward_model": "up to date", "train": "ran",
                         "evaluate": "ran", "check_drift": "ran", "deploy": "ran"}
     used = json.loads((root / "metrics" / "train.json").read_text())["incoming"]  # the retrain trained on the batch
     assert used["files"] == 1 and used["tasks"] > 0 and used["dropped_heldout_entities"] == 0
@@ -463,6 +463,9 @@ def test_a_drift_alarm_on_shifted_served_traffic_triggers_retraining_on_the_snap
     alarmed = agentrl(root, "schedule", "--once")
     assert alarmed.returncode == 0, alarmed.stdout[-3000:] + alarmed.stderr[-3000:]
     assert "retrain: retrain (drift alarm on served traffic (question_chars_ks" in alarmed.stdout
+    statuses = stage_lines(alarmed.stdout)  # forced from the first stage that reads the snapshot: the reward model's
+    assert statuses == {"build_env": "up to date", "adapt": "up to date", **dict.fromkeys(  # feedback
+        ("reward_model", "train", "evaluate", "check_drift", "deploy"), "ran")}
     record = runs(root, "retrain")[-1]
     assert record.data.tags["retrain.alarm_snapshot"] == manifest["digest"]
     assert record.data.metrics["retrain/drift_alarm"] == 1 and record.data.metrics["retrain/drift_found"] == 0

@@ -253,29 +253,32 @@ def test_two_deepspeed_ranks_train_and_report(project):
 
 
 @pytest.mark.slow
-def test_the_shared_memory_all_reduce_leaves_no_buffer_in_dev_shm():
-    """DeepSpeed's CPU all-reduce names one /dev/shm buffer per rank (about 66 MB of memory) and never removes it;
-    `init_dist` removes the name once every rank has mapped it. In a child process with the launcher's LOCAL_SIZE
-    (the buffer exists only when every rank is local): the buffer existed at the release, is gone after it, and the
-    all-reduce still works. The two-rank tests all-reduce every gradient through it after the release."""
+def test_a_rank_builds_no_shared_memory_op_and_leaves_nothing_in_dev_shm():
+    """DeepSpeed's CPU backend would build a C++ op and name one 66 MB /dev/shm buffer per rank, never removed, for its
+    inference all-reduce; `init_dist` makes it skip the op (pipeline.train.distributed.SHM_OP). In a child process with
+    the launcher's LOCAL_SIZE (without it the backend maps no buffer either way): the backend holds no op, no buffer
+    of the group is in /dev/shm, and both all-reduces still work. Before the change the buffer existed here."""
     code = """
 import os
 os.environ["LOCAL_SIZE"] = "1"
+from pathlib import Path
 import torch
 import pipeline.train.distributed as D
 from deepspeed import comm
-seen = []
-release = D.release_shm_name
-D.release_shm_name = lambda rank: (seen.append(D.shm_buffer_path(rank).exists()), release(rank))
+from deepspeed.comm import comm as backend
 D.init_dist()
-t = torch.arange(4.0)
+buffers = sorted(p.name for p in Path("/dev/shm").glob(
+    f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_*"))
+t, u = torch.arange(4.0), torch.ones(2)
 comm.inference_all_reduce(t)
-print("RESULT", seen, D.shm_buffer_path(0).exists(), t.tolist())
+comm.all_reduce(u)
+print("RESULT", backend.cdb.shm_comm_op, buffers, t.tolist(), u.tolist())
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "RESULT [True] False [0.0, 1.0, 2.0, 3.0]" in out.stdout
+    assert "RESULT None [] [0.0, 1.0, 2.0, 3.0] [1.0, 1.0]" in out.stdout, out.stdout[-3000:]
+    assert "deepspeed_shm_comm_op built successfully" not in out.stdout + out.stderr
 
 
 @pytest.mark.slow

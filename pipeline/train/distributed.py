@@ -2,7 +2,7 @@
 
 The training loop never reads ``LOCAL_RANK``/``RANK``; it asks a :class:`Dist`. Launched by the ``deepspeed`` launcher
 (``deepspeed --num_gpus N --module pipeline.train.worker``), each process is one rank: on this machine DeepSpeed picks
-its CPU accelerator by itself (gloo plus a shared-memory all-reduce it builds on first use); on GPUs the same code
+its CPU accelerator by itself (gloo; its shared-memory inference all-reduce is skipped, see SHM_OP); on GPUs the same code
 runs with NCCL, and with a hostfile (``deepspeed --hostfile hosts ...``) across nodes.
 
 Precision: where the accelerator is a GPU with bf16, the engine runs in bf16 (``"bf16": {"enabled": "auto"}`` in the
@@ -81,28 +81,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's CPU all-reduce (ops/csrc/cpu/comm/shm.cpp)
+# DeepSpeed's CPU backend builds a C++ op at its first initialisation on a machine (a compile of 20 s to a minute,
+# cached in ~/.cache/torch_extensions) and maps one 66 MB shared-memory buffer per rank in /dev/shm, which it never
+# removes, for one collective: `inference_all_reduce`, the all-reduce of its tensor-parallel inference layers. Training
+# reduces its gradients through torch.distributed (gloo on CPU) with or without that op, and nothing here runs
+# DeepSpeed inference, so the ranks mark the op unavailable before they initialise: no compiler is needed, nothing is
+# left in /dev/shm (a machine that ran the test suite a few dozen times had 16 GB of RAM in those buffers and swapped),
+# and `inference_all_reduce`, if anything called it, falls back to torch.distributed's all-reduce.
+SHM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py: ShareMemCommBuilder.NAME
 
 
-def shm_buffer_path(rank: int) -> Path:
-    """Where this group's shared-memory all-reduce buffer of `rank` is named: DeepSpeed's CPU backend creates one per
-    rank at initialisation, ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``."""
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return Path("/dev/shm") / f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
+def skip_shared_memory_op() -> None:
+    """Make DeepSpeed's CPU backend skip its shared-memory inference all-reduce (see SHM_OP)."""
+    import deepspeed.ops
 
-
-def release_shm_name(rank: int) -> None:
-    """Remove the name of this rank's shared-memory all-reduce buffer, once every rank has opened it.
-
-    DeepSpeed never unlinks these buffers (about 66 MB each): every run left one per rank in ``/dev/shm``, which is
-    memory, until a machine that ran the test suite a few dozen times had 16 GB of RAM in them and began to swap.
-    Unlinked after the group's first barrier, the mappings stay valid for the ranks that hold them and the memory goes
-    back when the last rank exits, killed or not. Nothing to do where the buffer does not exist (GPUs, or an
-    accelerator without the shared-memory op)."""
-    try:
-        shm_buffer_path(rank).unlink()
-    except FileNotFoundError:
-        pass
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False  # the dict its backend reads when it initialises
 
 
 def init_dist() -> Dist:
@@ -114,6 +107,7 @@ def init_dist() -> Dist:
     if alone:  # one process started directly (tests, `--num-ranks 1`)
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(free_port())})
+    skip_shared_memory_op()
     for attempt in range(5):
         if dist.is_initialized():
             break
@@ -124,8 +118,6 @@ def init_dist() -> Dist:
                 raise
             os.environ["MASTER_PORT"] = str(free_port())
     rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()  # every rank has mapped every other rank's shared-memory buffer: the names can go
-    release_shm_name(rank)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = "cpu"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
