@@ -243,6 +243,55 @@ def test_the_rollout_engine_completes_actions_with_the_foreign_model(tiny_dir, t
     assert ChatFormat(tok, TOOLS).context_ids(CONTEXT) == encode_context(tok, CONTEXT)
 
 
+def test_decoding_under_the_schemas_works_over_the_foreign_tokenizer(tiny_dir, tok):
+    """`rollout.constrain: schema` over the foreign tokenizer (byte-level BPE, its own special tokens, the protocol's
+    markers added): the grammar accepts the protocol's actions and refuses what breaks a schema, an action must open
+    with ``<call>``, and the untrained model sampling under the masks, token by token, writes whole calls that pass."""
+    from pipeline.envs.contract import ToolSpec
+    from pipeline.policy.constrain import CallConstraint, violations
+
+    specs = [ToolSpec(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in TOOLS]
+    model = build_policy(ModelConfig(base=str(tiny_dir), dtype="fp32"), tok).eval()
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    ids = marker_ids(tok)
+    constraint = CallConstraint(tok, vocab, ids["<call>"], ids["</call>"])
+    good = [encode_action(tok, A1), encode_action(tok, A2)]
+    bad = [encode_action(tok, '<call>lookup {"field": "price", "name": "Cedar Kettle"}</call>'),  # not the order
+           encode_action(tok, '<call>answer {"value": 19.5}</call>'),  # a number where the schema says string
+           encode_action(tok, '<call>search {"value": "x"}</call>')]  # no such tool
+    assert violations(constraint, specs, good) == [] and violations(constraint, specs, bad) == [0, 1, 2]
+
+    first = constraint.mask_(torch.zeros(1, vocab), [("start", specs, True)])  # the first token of an action
+    assert torch.isfinite(first[0]).nonzero().flatten().tolist() == [ids["<call>"]]
+    constraint.end("start")
+
+    # sampling: tools whose values are bounded (an enum, a one-digit integer), so that every call must close soon
+    closed = [ToolSpec("lookup", "d", {"type": "object", "properties": {"field": {"type": "string",
+                                                                                   "enum": ["price", "stock"]}},
+                                       "required": ["field"], "additionalProperties": False}),
+              ToolSpec("count", "d", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 9}},
+                                      "required": ["n"], "additionalProperties": False})]
+    gen = torch.Generator().manual_seed(0)
+    for seed in range(3):
+        written = encode_context(tok, CONTEXT)
+        prompt_len, starts = len(written), True
+        with torch.no_grad():
+            while len(written) - prompt_len < 40:
+                logits = model(torch.tensor([written])).logits[:, -1].float()
+                constraint.mask_(logits, [(seed, closed, starts)])
+                token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+                constraint.consume(seed, token)
+                written.append(token)
+                starts = False
+                if token == ids["</call>"]:
+                    break
+        action = written[prompt_len:]
+        assert action[-1] == ids["</call>"], tok.decode(action)  # the schema's call closed within 40 tokens
+        assert violations(constraint, closed, [action]) == [], tok.decode(action)
+    assert constraint.stats["dropped"] == 0 and constraint.stats["actions"] == 4
+
+
 # ------------------------------------------------------------------------------------------------ every phase (slow)
 @pytest.mark.services
 @pytest.mark.slow
