@@ -90,6 +90,7 @@ def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
                 "PREFECT_WORKER_QUERY_SECONDS": "2",  # the worker polls its pool every 2 s (default 10)
+                "PREFECT_RUNNER_POLL_FREQUENCY": "2",  # and `agentrl schedule`'s runner its deployment (default 10)
                 # the server's scheduler looks for schedules to fill every 2 s (default 60: a schedule created less
                 # than a minute before its first run would miss it)
                 "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"})
@@ -125,7 +126,9 @@ def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_
                      ("--no-prompt", "deploy", "--name", "nightly-retrain")):
             made = prefect(*args)
             assert made.returncode == 0, made.stdout + made.stderr
+        started = time.monotonic()
         inspected = json.loads(prefect("deployment", "inspect", name, "--output", "json").stdout)
+        cli_s = time.monotonic() - started  # what one `prefect` command takes on this machine now
         (step,) = inspected["pull_steps"]
         assert step["prefect.deployments.steps.set_working_directory"]["directory"] == str(root)  # runs in the project
         worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "agentrl"], cwd=tmp_path,
@@ -133,9 +136,10 @@ def test_the_retraining_deployment_runs_by_hand_when_served_and_on_a_worker_and_
         run = prefect("deployment", "run", name, "--watch", "--watch-timeout", "300", timeout=360)
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + run.stderr
 
-        # The schedule fires: one more schedule on the deployment, due a few seconds from now; the server's scheduler
-        # creates the run and the worker runs it to completion without anyone triggering it.
-        due = (datetime.now(timezone.utc) + timedelta(seconds=20)).replace(microsecond=0)
+        # The schedule fires: one more schedule on the deployment, due a few seconds from now (time for the command
+        # that creates it, three times over); the server's scheduler creates the run and the worker runs it to
+        # completion without anyone triggering it.
+        due = (datetime.now(timezone.utc) + timedelta(seconds=6 + 3 * cli_s)).replace(microsecond=0)
         made = prefect("deployment", "schedule", "create", name, "--interval", "3600", "--anchor-date",
                        due.isoformat(), "--timezone", "UTC")
         assert made.returncode == 0, made.stdout + made.stderr
