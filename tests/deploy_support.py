@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services import free_port, wait_http  # noqa: F401  (re-exported: tests import them from here)
+from services import SERVER_ENV, free_port, wait_http  # noqa: F401  (re-exported: tests import them from here)
 
 from pipeline.deploy.config import DeployConfig
 from pipeline.envs.config import EnvConfig
@@ -38,7 +38,7 @@ def mlflow_server(root: Path, port: int | None = None, started: list | None = No
            "--default-artifact-root", (root / "artifacts").as_uri(), "--no-serve-artifacts",
            "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV},
                             start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     if started is not None:

@@ -33,6 +33,11 @@ BIN = Path(sys.executable).parent
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 PG_USERS = ("postgres", "nobody")  # the unprivileged users, in order, that run the cluster when we are root
 
+# The environment of every `mlflow server` the tests start: no telemetry, and none of MLflow 3's GenAI job execution
+# (on by default: eight huey consumer processes beside each server, 14 s more CPU per start on the 2-core machine,
+# and a store folder in /dev/shm that the server never removes). Nothing here uses those jobs.
+SERVER_ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -188,7 +193,7 @@ def mlflow_server(backend: str, artifacts: str, root: Path, s3_endpoint: str | N
     (MLFLOW_S3_ENDPOINT_URL); clients need only HTTP to the server."""
     port = free_port()
     root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = {**os.environ, **SERVER_ENV}
     if s3_endpoint:
         env.update({**S3_KEYS, "MLFLOW_S3_ENDPOINT_URL": s3_endpoint})
     cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", backend, "--artifacts-destination", artifacts,

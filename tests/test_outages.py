@@ -154,6 +154,26 @@ def outputs(project: Path) -> dict:
             "best_update": metrics["best_update"], "curve": curve}
 
 
+@pytest.mark.services
+def test_the_tests_mlflow_server_runs_no_job_consumers_and_leaves_nothing_in_dev_shm(tmp_path):
+    """The `mlflow server` the tests start (tests/services.py SERVER_ENV) is the server and its one worker: MLflow 3's
+    GenAI job execution, on by default, would start eight huey consumers beside it and leave its store folder in
+    /dev/shm after it stops, on every start in the suite."""
+    import time
+
+    from deploy_support import mlflow_server
+
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    servers: list = []
+    with mlflow_server(tmp_path / "store", started=servers):
+        time.sleep(2)  # job consumers start after the server answers
+        assert len(descendants(servers[0].pid)) == 2  # `mlflow server` and its uvicorn worker
+    left = {p for p in (set(shm.iterdir()) if shm.is_dir() else set()) - before
+            if p.is_dir() and any(f.name.endswith(".mlflow-huey-store") for f in p.iterdir())}
+    assert not left, left
+
+
 @pytest.mark.slow
 @pytest.mark.services
 def test_a_tracking_server_lost_during_train_is_one_line_and_the_run_finishes(tmp_path):
