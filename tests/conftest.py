@@ -65,6 +65,35 @@ def fixed_seeds():
     yield
 
 
+@pytest.fixture
+def installed_package(tmp_path, monkeypatch):
+    """A function that installs a one-module package on this process's path as an installed distribution would be:
+    ``install(package, source, group, entries)`` writes ``<package>/__init__.py`` holding `source` and a dist-info
+    folder whose entry points of `group` are `entries` (name -> ``module:function``), so importlib.metadata finds
+    them. The modules are forgotten afterwards."""
+    import importlib
+    import sys
+
+    made = []
+
+    def install(package: str, source: str, group: str, entries: dict[str, str]) -> None:
+        site = tmp_path / "site"
+        (site / package).mkdir(parents=True)
+        (site / package / "__init__.py").write_text(source)
+        info = site / f"{package}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: 0.1\n")
+        lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
+        (info / "entry_points.txt").write_text(f"[{group}]\n{lines}")
+        monkeypatch.syspath_prepend(str(site))
+        importlib.invalidate_caches()
+        made.append(package)
+
+    yield install
+    for package in made:
+        sys.modules.pop(package, None)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module's tests on one torch thread (restored afterwards): tiny matrices gain nothing from a second

@@ -5,8 +5,6 @@ scoring, by the config's rules and by a real tiny training run."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 
 import numpy as np
 import pytest
@@ -227,22 +225,12 @@ def test_a_registered_rule_keeps_its_kind_and_the_config_reads_it(monkeypatch):
         config("ppo", f"{HERE}:outcome_per_turn", **replay)
 
 
-def test_a_rule_of_an_installed_entry_point_is_found(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    (site / "agentrl_outcome").mkdir(parents=True)
-    (site / "agentrl_outcome" / "__init__.py").write_text(f"from {HERE} import outcome_per_turn\n")
-    info = site / "agentrl_outcome-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: agentrl-outcome\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[agentrl.credit]\noutcome = agentrl_outcome:outcome_per_turn\n")
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
-    try:
-        assert "outcome" in C.credit_names()
-        assert C.get_credit("outcome").fn is outcome_per_turn
-        assert config("rloo", "outcome").credit == "outcome"
-    finally:
-        sys.modules.pop("agentrl_outcome", None)
+def test_a_rule_of_an_installed_entry_point_is_found(installed_package):
+    installed_package("agentrl_outcome", f"from {HERE} import outcome_per_turn\n", "agentrl.credit",
+                      {"outcome": "agentrl_outcome:outcome_per_turn"})
+    assert "outcome" in C.credit_names()
+    assert C.get_credit("outcome").fn is outcome_per_turn
+    assert config("rloo", "outcome").credit == "outcome"
 
 
 @pytest.mark.slow

@@ -4,8 +4,6 @@ an entry point of the group agentrl.estimators, used by the kernel's scoring and
 
 from __future__ import annotations
 
-import importlib
-import sys
 
 import pytest
 import torch
@@ -148,23 +146,12 @@ def test_a_user_estimator_scores_the_kernels_records():
     assert sc.episode_adv.tolist() == [0.5, -0.5, 0.0, 1.0, -1.0, 0.0] and sc.turn_adv is None
 
 
-def test_an_estimator_of_an_installed_entry_point_is_found(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    (site / "agentrl_median").mkdir(parents=True)
-    (site / "agentrl_median" / "__init__.py").write_text(
-        f"from {HERE} import median_baseline\n")
-    info = site / "agentrl_median-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: agentrl-median\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[agentrl.estimators]\nmedian = agentrl_median:median_baseline\n")
-    monkeypatch.syspath_prepend(str(site))
-    importlib.invalidate_caches()
-    try:
-        assert "median" in E.estimator_names()
-        assert E.get_estimator("median").fn is median_baseline
-        assert parse_section(TrainConfig, {"algorithm": "median"}, "p:train").algorithm == "median"
-    finally:
-        sys.modules.pop("agentrl_median", None)
+def test_an_estimator_of_an_installed_entry_point_is_found(installed_package):
+    installed_package("agentrl_median", f"from {HERE} import median_baseline\n", "agentrl.estimators",
+                      {"median": "agentrl_median:median_baseline"})
+    assert "median" in E.estimator_names()
+    assert E.get_estimator("median").fn is median_baseline
+    assert parse_section(TrainConfig, {"algorithm": "median"}, "p:train").algorithm == "median"
 
 
 @pytest.mark.slow

@@ -89,7 +89,6 @@ def register_credit(name: str, *, per_turn: bool = True) -> Callable:
     return wrap
 
 
-
 def credit_names() -> list[str]:
     """The names `train.reward.credit` accepts besides ``module:function``: registered ones and entry points."""
     return sorted({*CREDIT_RULES, *installed(GROUP)})

@@ -56,7 +56,6 @@ def register_estimator(name: str, *, critic: bool = False) -> Callable:
     return wrap
 
 
-
 def estimator_names() -> list[str]:
     """The names `train.algorithm` accepts besides ``module:function``: registered ones and installed entry points."""
     return sorted({*ESTIMATORS, *installed(GROUP)})
