@@ -127,14 +127,45 @@ def informal(task: dict, quoted: bool = True) -> str:
     return frames[draw % len(frames)].format(**fill)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--project", default=".")
     ap.add_argument("--policies", default="models/adapted,models/policy")
     ap.add_argument("--limit", type=int, default=0, help="the first N test tasks only (0: all)")
-    args = ap.parse_args()
-    os.chdir(args.project)
+    args = ap.parse_args(argv)
+    from pipeline.core.errors import AgentRLError
 
+    problem = _check(Path(args.project), args.policies.split(","), args.limit)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    here = os.getcwd()
+    os.chdir(args.project)
+    try:
+        _run(args)
+    except AgentRLError as exc:  # a project the checks let through but a phase's reader refuses
+        print(f"error: {args.project}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        os.chdir(here)
+    return 0
+
+
+def _check(project: Path, policies: list[str], limit: int) -> str | None:
+    """What stops the bench before it loads anything, as the text of one error line; None when nothing does. The
+    bench only reads the project."""
+    if limit < 0:
+        return f"--limit {limit}: expected 0 (all test tasks) or a positive number"
+    for need in ("params.yaml", "data/env", "data/tasks/test.jsonl"):
+        if not (project / need).exists():
+            return f"{project}: no {need} (run the pipeline's build_env there first)"
+    for policy in policies:
+        if not (project / policy / "policy.json").is_file():
+            return f"--policies: {project / policy} is not a saved policy (no policy.json)"
+    return None
+
+
+def _run(args) -> None:
     from pipeline.core.config import load_section
     from pipeline.core.jsonl import read_jsonl
     from pipeline.envs.config import EnvConfig
@@ -147,8 +178,9 @@ def main() -> None:
     env_cfg = load_section(EnvConfig, "env", "params.yaml")
     roll = load_section(RolloutConfig, "rollout", "params.yaml")
     if env_cfg.name != "shop":
-        sys.exit(f"error: {args.project}/params.yaml: env.name is {env_cfg.name!r}; the informal questions are the "
-                 f"default world's (shop)")
+        from pipeline.core.errors import AgentRLError
+        raise AgentRLError(f"params.yaml: env.name is {env_cfg.name!r}; the informal questions are the default "
+                           f"world's (shop)")
     runtime = open_environment(env_cfg.name, "data/env")
     records = read_jsonl("data/tasks/test.jsonl", "test tasks")
     records = records[: args.limit] if args.limit else records
@@ -186,4 +218,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

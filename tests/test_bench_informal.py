@@ -1,5 +1,6 @@
-"""bench/informal_wording.py: the informal questions carry each task's values, come in both quotings, and are never
-a question the training grammar can write."""
+"""bench/informal_wording.py: the informal questions carry each task's values, come in both quotings, are never a
+question the training grammar can write, and are the same on every machine (known answers); bad input is one error
+line and the project is only read."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ def test_every_family_has_frames_and_every_question_carries_its_task_values(test
     assert set(informal.FRAMES) == set(FAMILIES) and {t["family"] for t in test_tasks} == set(FAMILIES)
     for task in test_tasks:
         quoted, bare = informal.informal(task), informal.informal(task, quoted=False)
-        assert quoted == informal.informal(task)  # the same question every run
         slots = informal.slots(task)
         for name in slots["names"] + ([slots["supplier"]] if "supplier" in slots else []):
             assert f'"{name}"' in quoted and name in bare and f'"{name}"' not in bare
@@ -46,9 +46,53 @@ def test_no_informal_question_is_one_the_training_grammar_writes(test_tasks):
         s = informal.slots(task)  # the grammar's slots of the task, from its plan
         slots = {"p": s["names"][0] if s["names"] else "", "q": s["names"][1] if len(s["names"]) > 1 else "",
                  "s": s.get("supplier", ""), "n": s.get("n", ""), "field": s.get("field", ""),
-                 "f": FIELD_WORDS.get(s.get("field"), ""), "unit": s.get("unit", ""), "u": UNIT_WORDS.get(s.get("unit"), "")}
+                 "f": FIELD_WORDS.get(s.get("field"), ""), "unit": s.get("unit", ""),
+                 "u": UNIT_WORDS.get(s.get("unit"), "")}
         forms = {q.lower() for q in surface_forms(task["family"], slots, TEMPLATES[task["family"]],
                                                   list(TRAIN_TEMPLATES[:4]))}
         assert len(forms) >= 200
         for q in (informal.informal(task), informal.informal(task, quoted=False)):
             assert q.lower() not in forms
+
+
+def test_known_answers_for_one_task_in_both_quotings():
+    task = {"task_id": "test-000003", "family": "lookup_convert",
+            "plan": [{"tool": "lookup", "params": {"name": "Bright Compass", "field": "weight_kg"}},
+                     {"tool": "convert", "params": {"value": "{0}", "from": "kg", "to": "g"}},
+                     {"tool": "answer", "params": {"value": "{1}"}}]}
+    assert informal.informal(task) == 'whats "Bright Compass" weigh in g'
+    assert informal.informal(task, quoted=False) == "whats Bright Compass weigh in g"
+
+
+def _project(root: Path, env: str = "shop") -> Path:
+    (root / "data" / "env").mkdir(parents=True)
+    (root / "data" / "tasks").mkdir()
+    (root / "data" / "tasks" / "test.jsonl").write_text("")
+    (root / "models" / "policy").mkdir(parents=True)
+    (root / "models" / "policy" / "policy.json").write_text("{}")
+    (root / "params.yaml").write_text(f"env:\n  name: {env}\n  max_steps: 8\n  max_policy_chars: 2048\n"
+                                      f"  max_action_chars: 256\nrollout:\n  max_new_tokens: 48\n")
+    return root
+
+
+@pytest.mark.parametrize("case, args, expected", [
+    ("no project", ["--project", "{root}/nowhere"], "error: {root}/nowhere: no params.yaml (run the pipeline's "
+                                                     "build_env there first)"),
+    ("negative limit", ["--project", "{root}", "--limit", "-1"], "error: --limit -1: expected 0 (all test tasks) or "
+                                                                  "a positive number"),
+    ("no such policy", ["--project", "{root}", "--policies", "models/adapted"],
+     "error: --policies: {root}/models/adapted is not a saved policy (no policy.json)"),
+])
+def test_bad_input_is_one_error_line_before_anything_loads(tmp_path, capsys, case, args, expected):
+    root = _project(tmp_path / "p")
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert informal.main([a.format(root=root) for a in args]) == 2, case
+    assert capsys.readouterr().err.strip().splitlines() == [expected.format(root=root)]
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # it only reads
+
+
+def test_a_project_of_another_world_is_one_error_line(tmp_path, capsys):
+    root = _project(tmp_path / "p", env="calendar")
+    assert informal.main(["--project", str(root), "--policies", "models/policy"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {root}: params.yaml: env.name is 'calendar'; the informal questions are the default world's (shop)"]
