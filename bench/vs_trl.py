@@ -1,82 +1,51 @@
-"""This project's RL phase against TRL's ``GRPOTrainer``, side by side on this machine, in one run.
+"""Learning, like for like: this project's RL against TRL's ``GRPOTrainer``, pure RL against pure RL, over a
+learning-rate sweep with seeds, with the project's default recipe as a third arm.
 
-    python bench/vs_trl.py [--budget 540] [--evals 6] [--eval-tasks 200] [--project .] [--json OUT]
-                           [--plot docs/img/vs_trl.png] [--arms project,trl] [--trl-lr LR] [--reuse-json EARLIER]
+    python bench/vs_trl.py --project DIR [--steps 30] [--evals 3] [--eval-tasks 400] [--lrs 2e-5,5e-5,1e-4,2e-4]
+                           [--seeds 0,1,2] [--arms project-rl,trl,project-default] [--json OUT] [--plot PNG]
 
-Needs TRL (``pip install -e '.[bench]'``: trl and datasets, an optional extra; the product does not import them),
-and a project folder holding ``params.yaml``, ``models/adapted`` and ``data/`` (run ``dvc repro adapt`` first).
-Prints validation success against training wall time for both arms, the time each arm takes to reach TRL's final
-validation success, their ratio against the goal (this project in at most 1/3 of TRL's time), episodes/s, peak
-memory and final success; writes the plot and, with ``--json``, every figure. Writes nothing else outside a
-temporary folder.
+Needs TRL (``pip install -e '.[bench]'``: trl and datasets, an optional extra; the product does not import them)
+and a project folder holding ``params.yaml``, ``models/adapted`` and ``data/`` (``dvc repro adapt`` there). Prints
+each run's curve as it ends, then per arm and learning rate the final test success of the raw weights and of the
+WiSE-FT average with a 95 % interval, the curves against training wall time, and the goal's verdict; writes the plot
+and, with ``--json``, every figure. ``--json`` is also the bench's memory: runs already in it (same settings) are kept
+and not run again, so an interrupted sweep goes on where it stopped. Writes nothing else outside a temporary folder.
 
-``--trl-lr`` sets the TRL arm's learning rate (default: the shared ``train.lr``; TRL's own default is 1e-6), so a
-reader can see whether the shared rate handicaps TRL. ``--arms trl`` runs the TRL arm alone; ``--reuse-json`` (any
-number of times) adds the arms of earlier ``--json`` results to the table and the plot, each marked as reused and
-named by where it came from, so variants run one at a time end on one plot. A TRL arm is named by its learning rate
-(``trl lr=2e-05``); an arm both run and reused, or reused from two files, or an earlier result with another budget or
-evaluation schedule, is an error, not a silent choice. Reused arms were measured at another time, under the load
-their own run printed; the table says which rows they are. Without a project arm (run or reused) there are no
-time-to-reach figures, only the curves.
+The arms (bench/vs_trl_arms.py; every run a child process of its own, one after the other, one rank):
 
-What both arms share:
+- ``project-rl``: this project's learner (:func:`pipeline.train.loop.setup` and the loop's own steps: RLOO,
+  DeepSpeed), pure RL: no behaviour cloning, no expert-guided groups, no KL reference, and zero-variance groups kept
+  in the loss as TRL keeps them (their advantage is 0, their tokens count in the token mean).
+- ``trl``: TRL 1.16's ``GRPOTrainer``, with ``scale_rewards="none"`` (advantage: return minus the group's mean) and
+  ``loss_type="dapo"`` (the loss averaged over every action token of the step's batch, the project's
+  ``train.loss_agg`` token-mean). Its ``rollout_func`` plays the episodes with this project's rollout engine on the
+  model TRL trains (bench/vs_trl_shared.py), the fastest multi-turn generation TRL can be given here.
+- ``project-default``: the train stage's recipe as ``params.yaml`` sets it (behaviour cloning on demonstrations,
+  expert-guided groups, zero-variance groups left out, failure-weighted levels and goal sampling, its own
+  ``train.lr``), labelled as such: it is not pure RL, and it does not play the plan.
 
-- **Start**: the committed adapted model ``models/adapted`` (a Llama causal LM with the built-in byte-level BPE
-  tokenizer, no chat template), loaded by :func:`pipeline.policy.model.load_policy`, in fp32 weights with bf16
-  autocast where the CPU supports bf16 (our learner's "auto" on CPU; TRL's ``bf16=True`` is the same autocast).
-- **Tasks and world**: the shop environment of the project folder, training split ``data/tasks/train.jsonl``.
-  (The project arm leaves out ``train.incoming_tasks``: TRL gets the training split alone.)
-- **Reward**: the environment's verifier reward the train stage learns from (each episode's return under
-  ``env.reward``).
-- **Group and batch**: ``train.group_size`` (8) rollouts per task = TRL's ``num_generations``; 8 tasks x 8 rollouts
-  = 64 episodes per optimizer step in both (TRL: ``per_device_train_batch_size`` 8, ``gradient_accumulation_steps``
-  8, so one generation round of 64 feeds one optimizer step); learning rate ``train.lr``; at most
-  ``rollout.max_new_tokens`` (48) tokens per action (TRL's ``max_completion_length``, applied per turn).
-- **Budget and clock**: ``--budget`` seconds of training wall clock per arm, each arm in its own child process
-  (peak RSS is that process's own), one after the other, one process each (the project arm with
-  ``train.num_ranks`` 1: both arms on the same threads). The clock starts before each arm builds its trainer
-  (DeepSpeed engine, TRL's Trainer) and stops while an evaluation runs: evaluation time is excluded from both arms.
-- **Evaluator**: the train stage's validation, :func:`pipeline.train.validation.evaluate_greedy` with the project's
-  rollout engine, greedy, on the first ``--eval-tasks`` validation tasks with the validation seeds, at the adapted
-  model (t = 0, the same point for both) and at the first optimizer step after each of ``--evals`` equal marks of
-  the budget (the last mark is the budget, the arm's final point). The project arm's scored policy is what its
-  validation scores and keeps (the WiSE-FT ensemble, ``train.merge_alpha``); TRL's is its trained model.
+Like for like between ``project-rl`` and ``trl``, run by run: the same start (``models/adapted``), the same plan
+(``train.tasks_per_update`` training tasks per step drawn from the run's seed, each played ``train.group_size``
+times with the same episode seeds: both arms' first batch is the same episodes), the same rollout engine sampling at
+``train.rollout_temperature`` (the learner's log-probabilities at that temperature in both), fp32 weights with bf16
+autocast, ``train.micro_batches`` accumulation steps per optimizer step, the learning rate with
+``train.lr_warmup_steps`` linear warm-up and then constant, clipping at ``train.max_grad_norm``, AdamW without weight
+decay, one on-policy step per batch (the PPO ratio is 1 in both), no reference model. What differs is the trainer
+(advantages, loss, backward, optimizer step) and one constant: RLOO's leave-one-out baseline makes the project's
+advantages G/(G-1) = 8/7 of TRL's, as a learning rate 8/7 higher would; the sweep covers it.
 
-The project arm is the train stage as ``params.yaml`` configures it (RLOO, behaviour-cloning anchor and expert-guided
-groups on demonstrations, rollout temperature 0.7, WiSE-FT), driven through :func:`pipeline.train.loop.train` with
-updates unbounded, early stopping and periodic checkpoints off, and a validation hook that evaluates on the
-schedule above.
+Equal work: every run plays ``--steps`` optimizer steps. After each of ``--evals`` equal marks of them the run's
+clock stops and the policy is scored greedy on the first ``--eval-tasks`` test tasks with the evaluate stage's seeds,
+twice: its raw weights, and the WiSE-FT average ``adapted + train.merge_alpha x (trained - adapted)`` that the train
+stage keeps (scoring the same for every arm). The clock counts training wall time: trainer construction, rollouts
+and learning, not evaluations. The adapted model is scored once (``start``) and begins every curve.
 
-The TRL arm is TRL 1.16's GRPO with its defaults (loss ``dapo``, ``beta`` 0, ``epsilon`` 0.2, rewards scaled by the
-group's std, temperature 1.0, gradient checkpointing, linear learning-rate decay) except the shared values above;
-``max_steps`` 10000 only bounds its schedule (the budget stops it, so the decay is negligible).
-**Multi-turn route: ``rollout_func``, not ``environment_factory``.** ``environment_factory`` cannot play this
-environment faithfully with TRL 1.16 on this model: (1) TRL's tool loop (``GRPOTrainer._tool_call_loop``,
-``trl/trainer/grpo_trainer.py`` line 1957, ``while idxs_with_tool and iteration_num <
-self.max_tool_calling_iterations``) ends an episode only when the model writes no tool call, while here the
-environment ends it (the ``answer`` tool, ``env.max_steps``) and pays its verifier reward then; (2) it renders and
-parses tool calls through a chat template with tools and a response parser (``supports_tool_calling``, line 650;
-``parse_response``), which the built-in tokenizer does not have, and the adapted model was trained on the
-protocol's text (``<call>tool {json}</call>`` / ``<obs>...</obs>``), not on any template's tool-call syntax: a
-template written for the bench would have to reproduce that text and a parser for it, i.e. re-implement the
-protocol inside Jinja, and any difference from the trained format would handicap TRL; (3) the environment folds
-turns older than ``env.history_window`` into a ``State:`` line, a rewrite of the context that an append-only
-conversation cannot express. So TRL's documented custom-rollout hook plays the project's own environment
-(:class:`pipeline.policy.episode_drivers.EnvEpisode`, the engine's episode driver): each turn generates with TRL's
-own generation path (``unwrap_model_for_generation`` and ``model.generate`` under the trainer's generation config,
-batched over the running episodes, stopping at ``</call>`` or eos), the prompt is the environment's context encoded
-as the project encodes it (TRL's "standard" text format), observations go into the completion with ``env_mask`` 0
-(out of the loss, as TRL masks tool results) and the reward function returns the environment's return. One
-difference remains: TRL's completion keeps the whole history verbatim where the environment would fold it after
-``env.history_window`` (6) turns, which an episode of at most ``env.max_steps`` (8) actions rarely reaches.
-``completions/clipped_ratio`` in TRL's log reads 1 because a completion ends with an action's ``</call>``, not eos;
-``mask_truncated_completions`` is off by default, so nothing is masked for it.
-
-What limits the comparison: the machine's load (printed at start and end; other jobs share the cores); one seed
-per arm; validation on ``--eval-tasks`` tasks (the standard error of a success rate near 0.9 on 200 tasks is about
-0.02, so curves that differ by less are ties); the arms differ in algorithm and recipe (the project's arm uses
-demonstrations, TRL's does not), so this compares the two trainers as each is meant to be used, not one
-algorithm implemented twice.
+Figures: per arm and learning rate, the final success averaged over seeds with a 95 % interval (bootstrap over the
+test tasks, the same resampled tasks for every seed: the interval of the task sample; the seeds' spread is printed
+beside it as min-max), mean training seconds and episodes/s; curves (mean over seeds against mean training seconds).
+The goal, for each scoring: the best TRL run's final success (over learning rates) is the target; TRL's time is the
+first mark at which that TRL curve reaches it, the project's is the earliest such mark over its learning rates; goal
+met when project / TRL <= 1/3.
 """
 
 from __future__ import annotations
@@ -91,15 +60,13 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = Path(__file__).resolve().with_name("vs_trl_arms.py")
-GOAL_RATIO = 1 / 3  # goal: this project reaches TRL's final validation success in at most 1/3 of TRL's time
-TRL_MAX_STEPS = 10_000  # bounds TRL's learning-rate schedule only; the budget stops training
-PEAK_WRAPPER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-                "print('PEAK_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-                "sys.exit(rc)")
-ARM_NAMES = ("project", "trl")
-NEEDED = ("params.yaml", "models/adapted/config.json", "data/tasks/train.jsonl", "data/tasks/validation.jsonl",
+CHILD = Path(__file__).resolve().with_name("vs_trl_arms.py")
+GOAL_RATIO = 1 / 3  # the project's pure-RL arm reaches the best TRL arm's final success in <= 1/3 of TRL's time
+ARM_NAMES = ("project-rl", "trl", "project-default")
+SCORINGS = ("raw", "wise")
+NEEDED = ("params.yaml", "models/adapted/config.json", "data/tasks/train.jsonl", "data/tasks/test.jsonl",
           "data/env")
+SETTINGS = ("steps", "evals", "eval_tasks", "project")  # what a kept run must share with this invocation
 
 
 class BenchError(Exception):
@@ -111,29 +78,41 @@ class Parser(argparse.ArgumentParser):
         raise BenchError(message)
 
 
+def number_list(flag: str, text: str, kind) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise BenchError(f"{flag}: {text!r} is not a comma-separated list of {kind.__name__}s") from None
+    if not values or len(set(values)) != len(values):
+        raise BenchError(f"{flag}: {'nothing named' if not values else 'a value named twice'} in {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = Parser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=540.0, help="training seconds per arm (evaluation excluded)")
-    ap.add_argument("--evals", type=int, default=6, help="evaluations per arm after t = 0, at equal marks")
-    ap.add_argument("--eval-tasks", type=int, default=200, help="validation tasks per evaluation")
     ap.add_argument("--project", type=Path, default=REPO, help="folder with params.yaml, models/adapted, data/")
-    ap.add_argument("--json", type=Path, default=None, help="write every figure to this file")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (equal work)")
+    ap.add_argument("--evals", type=int, default=3, help="evaluations per run, at equal marks of the steps")
+    ap.add_argument("--eval-tasks", type=int, default=400, help="test tasks per evaluation")
+    ap.add_argument("--lrs", default="2e-5,5e-5,1e-4,2e-4", help="learning rates of the pure-RL arms")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of every arm")
+    ap.add_argument("--arms", default=",".join(ARM_NAMES), help=f"comma-separated: {', '.join(ARM_NAMES)}")
+    ap.add_argument("--json", type=Path, default=None, help="every figure; runs already in it are kept")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "vs_trl.png")
-    ap.add_argument("--arms", default="project,trl", help="comma-separated arms to run: project, trl")
-    ap.add_argument("--trl-lr", type=float, default=None,
-                    help="the TRL arm's learning rate (default: the shared train.lr; TRL's own default is 1e-6)")
-    ap.add_argument("--reuse-json", type=Path, action="append", default=[],
-                    help="an earlier --json result whose arms join this one's table and plot (repeatable)")
     args = ap.parse_args(argv)
-    args.arms = parse_arms(args.arms)
-    if args.trl_lr is not None and not (args.trl_lr > 0 and math.isfinite(args.trl_lr)):
-        raise BenchError(f"--trl-lr must be a positive learning rate, got {args.trl_lr:g}")
-    if args.trl_lr is not None and "trl" not in args.arms:
-        raise BenchError("--trl-lr sets the trl arm's learning rate, but --arms leaves that arm out")
-    if not args.budget > 0:
-        raise BenchError(f"--budget must be a positive number of seconds, got {args.budget:g}")
-    if args.evals < 1:
-        raise BenchError(f"--evals must be at least 1, got {args.evals}")
+    args.arms = number_list("--arms", args.arms, str)
+    bad = [a for a in args.arms if a not in ARM_NAMES]
+    if bad:
+        raise BenchError(f"--arms: unknown arm {bad[0]!r} (a comma-separated list of {', '.join(ARM_NAMES)})")
+    args.lrs, args.seeds = number_list("--lrs", args.lrs, float), number_list("--seeds", args.seeds, int)
+    if not all(lr > 0 and math.isfinite(lr) for lr in args.lrs):
+        raise BenchError(f"--lrs: every learning rate must be positive, got {args.lrs}")
+    if any(s < 0 for s in args.seeds):
+        raise BenchError(f"--seeds: seeds are non-negative, got {args.seeds}")
+    if args.steps < 1:
+        raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    if not 1 <= args.evals <= args.steps:
+        raise BenchError(f"--evals must be between 1 and --steps ({args.steps}), got {args.evals}")
     if args.eval_tasks < 1:
         raise BenchError(f"--eval-tasks must be at least 1, got {args.eval_tasks}")
     for name in NEEDED:
@@ -143,18 +122,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def parse_arms(text: str) -> list[str]:
-    """``--arms``: a comma-separated, non-empty subset of the arms, run in the order ``project``, ``trl``."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in ARM_NAMES]
-    if bad or not names:
-        raise BenchError(f"--arms: {'unknown arm ' + repr(bad[0]) if bad else 'no arm named'} "
-                         f"(a comma-separated list of {', '.join(ARM_NAMES)})")
-    return [n for n in ARM_NAMES if n in names]
+def require_trl() -> str:
+    """TRL's version; without TRL (or datasets) one BenchError that names the extra to install."""
+    try:
+        import datasets  # noqa: F401  (TRL's GRPOTrainer takes a datasets.Dataset)
+        import trl
+    except ImportError as exc:
+        raise BenchError(f"TRL is not installed ({exc}): pip install -e '.[bench]'") from None
+    return trl.__version__
 
 
-def shared_lr(project: Path) -> float:
-    """The project's ``train.lr``, the learning rate both arms share unless ``--trl-lr`` says otherwise."""
+def default_lr(project: Path) -> float:
+    """The project's ``train.lr``: the default recipe's learning rate."""
     from pipeline.core.config import ConfigError, load_section
     from pipeline.core.errors import AgentRLError
     from pipeline.train.config import TrainConfig
@@ -165,228 +144,233 @@ def shared_lr(project: Path) -> float:
         raise BenchError(f"--project {project}: {exc}") from None
 
 
-def make_spec(args: argparse.Namespace, trl_lr: float) -> dict:
-    """What each arm's child process reads: the project, the evaluation schedule, and the TRL arm's settings."""
-    return {"project": str(args.project.resolve()), "marks": marks(args.budget, args.evals),
-            "eval_tasks": args.eval_tasks, "max_steps": TRL_MAX_STEPS, "trl_lr": trl_lr}
+def marks(steps: int, evals: int) -> list[int]:
+    """The steps after which a run is scored: `evals` equal marks, the last at `steps`."""
+    return sorted({round(steps * (k + 1) / evals) for k in range(evals)})
 
 
-def arm_order(key: str) -> tuple:
-    """The project first, then the TRL arms from the highest learning rate down."""
-    return (0, 0.0) if key == "project" else (1, -float(key.split("=", 1)[1]))
+def run_key(arm: str, lr: float, seed: int) -> str:
+    return f"{arm} lr={lr:g} seed={seed}"
 
 
-def require_trl() -> str:
-    """TRL's version; without TRL (or datasets) one BenchError that names the extra to install."""
+def schedule(arms: list[str], lrs: list[float], seeds: list[int], recipe_lr: float) -> list[tuple[str, float, int]]:
+    """Every run, in the order they run: seed by seed, each learning rate's pure-RL arms side by side (a change of
+    the machine's load falls on both), then the default recipe at its own rate."""
+    runs = []
+    for seed in seeds:
+        for lr in lrs:
+            runs += [(a, lr, seed) for a in ("project-rl", "trl") if a in arms]
+        if "project-default" in arms:
+            runs.append(("project-default", recipe_lr, seed))
+    return runs
+
+
+def load_kept(path: Path | None, settings: dict) -> dict:
+    """The runs of an earlier invocation with the same settings (``--json``); another setting is an error, not a
+    silent mix of curves that are not comparable."""
+    if path is None or not path.exists():
+        return {}
     try:
-        import datasets  # noqa: F401
-        import trl
-    except ImportError as exc:
-        raise BenchError(f"TRL is not installed ({exc}): pip install -e '.[bench]'") from None
-    return trl.__version__
+        old = json.loads(path.read_text())
+        same = {k: old["settings"][k] for k in SETTINGS} == {k: settings[k] for k in SETTINGS}
+        runs = old["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"--json {path}: exists and is not a result of this bench ({type(exc).__name__}: {exc})"
+                         ) from None
+    if not same:
+        raise BenchError(f"--json {path}: holds runs with other settings ("
+                         + ", ".join(f"{k} {old['settings'][k]} here {settings[k]}" for k in SETTINGS
+                                     if old["settings"][k] != settings[k]) + "); name another file")
+    return runs
 
 
-def marks(budget: float, evals: int) -> list[float]:
-    """Evaluation marks in training seconds; the last is the budget."""
-    return [budget * (k + 1) / evals for k in range(evals)]
+def run_child(arm: str, spec: dict, tmp: Path) -> dict:
+    """One run in a child process; its curve and final outcomes."""
+    folder = Path(tempfile.mkdtemp(dir=tmp))
+    spec_path, out = folder / "spec.json", folder / "out.json"
+    spec_path.write_text(json.dumps({**spec, "tmp": str(folder)}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRL_EXPERIMENTAL_SILENCE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(CHILD), arm, str(spec_path), str(out)], cwd=spec["project"], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise SystemExit(f"run {spec['name']} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out.read_text())
 
 
-def time_to_reach(points: list[dict], target: float) -> float | None:
-    """The training time of the first point whose validation success is at least `target` (points in time order);
-    None when no point reaches it."""
-    for p in points:
-        if p["success"] >= target - 1e-12:
-            return p["t"]
-    return None
+def bootstrap_interval(outcomes: list[list[int]], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % interval of the mean success over seeds and tasks, resampling the tasks (the same resample for every
+    seed: the runs share their test tasks)."""
+    import numpy as np
+
+    m = np.asarray(outcomes, dtype=float)  # seeds x tasks
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, m.shape[1], size=(n_boot, m.shape[1]))
+    means = m[:, idx].mean(axis=(0, 2))
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
-def compare(project: dict, trl: dict) -> dict:
-    """The figures of the two arms' results (``points`` each, in time order): TRL's final success as the target,
-    each arm's time to reach it, their ratio and whether the goal is met (None when it cannot be judged)."""
-    target = trl["points"][-1]["success"]
-    start = trl["points"][0]["success"]
-    reach = {"project": time_to_reach(project["points"], target), "trl": time_to_reach(trl["points"], target)}
-    best = max(p["success"] for p in trl["points"])  # a second reading, less exposed to one noisy final point
-    reach_best = {"project": time_to_reach(project["points"], best), "trl": time_to_reach(trl["points"], best)}
-    out = {"target": target, "start": start, "time_to_target_s": reach, "ratio": None, "goal_met": None,
-           "goal": f"project time to TRL's final validation success <= {GOAL_RATIO:.2f} x TRL's",
-           "trl_best": best, "time_to_trl_best_s": reach_best}
-    if target <= start:
-        low = {k: min((p["success"] for p in a["points"][1:]), default=start)
-               for k, a in (("project", project), ("trl", trl))}
-        out["verdict"] = (f"not measurable: TRL's final validation success {target:.3f} is not above the start "
-                          f"{start:.3f} (both arms hold it at t = 0); lowest point after the start: project "
-                          f"{low['project']:.3f}, TRL {low['trl']:.3f}")
-    elif reach["project"] is None:
-        out.update(goal_met=False, verdict=f"goal not met: the project did not reach {target:.3f} within the budget")
+def summarize(runs: dict, start: dict) -> dict:
+    """Per arm and learning rate (``"trl lr=2e-05"``): for each scoring, the final success over seeds with its
+    interval and the seeds' finals; the mean curve (start first); mean training seconds and episodes/s."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs.values():
+        groups.setdefault(f"{r['arm']} lr={r['lr']:g}", []).append(r)
+    out = {}
+    for name, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["seed"])
+        g = {"arm": rs[0]["arm"], "lr": rs[0]["lr"], "seeds": [r["seed"] for r in rs],
+             "train_s": sum(r["points"][-1]["t"] for r in rs) / len(rs),
+             "episodes_per_s": sum(r["points"][-1]["episodes"] / r["points"][-1]["t"] for r in rs) / len(rs)}
+        steps = [p["step"] for p in rs[0]["points"]]
+        g["curve"] = [{"step": 0, "t": 0.0, **{s: start["points"][0][s] for s in SCORINGS}}] + [
+            {"step": st, "t": sum(r["points"][i]["t"] for r in rs) / len(rs),
+             **{s: sum(r["points"][i][s] for r in rs) / len(rs) for s in SCORINGS}} for i, st in enumerate(steps)]
+        for s in SCORINGS:
+            finals = [sum(r["final"][s]) / len(r["final"][s]) for r in rs]
+            g[s] = {"final": sum(finals) / len(finals), "seeds": finals,
+                    "interval": bootstrap_interval([r["final"][s] for r in rs])}
+        out[name] = g
+    return dict(sorted(out.items(), key=lambda kv: (ARM_NAMES.index(kv[1]["arm"]), kv[1]["lr"])))
+
+
+def time_to_reach(curve: list[dict], scoring: str, target: float) -> float | None:
+    """Training seconds of the first point of a mean curve at or above `target`; None if none is."""
+    return next((p["t"] for p in curve if p[scoring] >= target - 1e-12), None)
+
+
+def goal(summary: dict, scoring: str) -> dict | None:
+    """The goal's figures for one scoring: the best TRL group's final success as the target, TRL's and the
+    project's (earliest over its learning rates) time to reach it, their ratio and the verdict."""
+    trl = {k: g for k, g in summary.items() if g["arm"] == "trl"}
+    proj = {k: g for k, g in summary.items() if g["arm"] == "project-rl"}
+    if not trl or not proj:
+        return None
+    best = max(trl, key=lambda k: trl[k][scoring]["final"])
+    target = trl[best][scoring]["final"]
+    t_trl = time_to_reach(trl[best]["curve"], scoring, target)
+    reach = {k: time_to_reach(g["curve"], scoring, target) for k, g in proj.items()}
+    hits = {k: t for k, t in reach.items() if t is not None}
+    first = min(hits, key=hits.get) if hits else None
+    out = {"scoring": scoring, "target": target, "best_trl": best, "trl_s": t_trl, "project_group": first,
+           "project_s": hits.get(first), "ratio": None, "met": False}
+    if t_trl == 0.0:
+        out["verdict"] = f"not measurable: TRL's best final ({target:.3f}) is not above the start"
+    elif first is None:
+        out["verdict"] = f"not met: no project-rl learning rate reached {target:.3f} within the steps"
     else:
-        ratio = reach["project"] / reach["trl"]
-        met = ratio <= GOAL_RATIO
-        out.update(ratio=ratio, goal_met=met,
-                   verdict=f"project / TRL time to {target:.3f}: {ratio:.2f}x (goal <= {GOAL_RATIO:.2f}x: "
-                           f"{'met' if met else 'not met'})")
+        ratio = hits[first] / t_trl
+        out.update(ratio=ratio, met=ratio <= GOAL_RATIO,
+                   verdict=f"{'met' if ratio <= GOAL_RATIO else 'not met'}: {ratio:.2f}x (goal <= {GOAL_RATIO:.2f}x)")
     return out
 
 
-def table(result: dict) -> list[str]:
-    """One row per arm (an arm reused from an earlier run is marked ``*``), then each TRL arm's comparison with the
-    project arm: time to reach TRL's final success, the ratio against the goal, episodes/s and memory."""
-    arms, comp = result["arms"], result["comparison"]
-    lines = [f"{'arm':16s} {'start':>6s} {'final':>6s} {'lowest':>6s} {'best':>6s} {'updates':>8s} {'episodes':>9s} "
-             f"{'episodes/s':>11s} {'peak MiB':>9s}"]
-    for name, a in arms.items():
-        s, mark = [p["success"] for p in a["points"]], "*" if "reused_from" in a else ""
-        lines.append(f"{name + mark:16s} {s[0]:6.3f} {s[-1]:6.3f} {min(s[1:] or s):6.3f} {max(s):6.3f} "
-                     f"{a['points'][-1]['update']:8d} {a['episodes']:9d} "
-                     f"{a['episodes'] / max(1e-9, a['train_s']):11.2f} {a['peak_mib']:9.0f}")
-    if any("reused_from" in a for a in arms.values()):
-        lines.append("* reused from an earlier run (" + ", ".join(sorted({a["reused_from"] for a in arms.values()
-                                                                          if "reused_from" in a})) + ")")
-    if not comp:
-        lines.append("no project arm (run it, or --reuse-json a result that has one): no time-to-reach figures")
-    p = arms.get("project")
-    for name, c in comp.items():
-        t, reach, rb = arms[name], c["time_to_target_s"], c["time_to_trl_best_s"]
-        speed = (p["episodes"] / p["train_s"]) / (t["episodes"] / t["train_s"])
-        lines.append(f"project vs {name}: episodes/s {speed:.2f}x, peak memory {p['peak_mib'] / t['peak_mib']:.2f}x; "
-                     f"time to TRL's final {c['target']:.3f}: project {fmt_s(reach['project'])}, TRL "
-                     f"{fmt_s(reach['trl'])}; to TRL's best {c['trl_best']:.3f}: project {fmt_s(rb['project'])}, "
-                     f"TRL {fmt_s(rb['trl'])}")
-        lines.append(f"  {c['verdict']}")
-    if comp:
-        lines.append(f"goal: {next(iter(comp.values()))['goal']}")
+def table(summary: dict, goals: list[dict]) -> list[str]:
+    lines = [f"{'arm':24s} {'seeds':>5s} {'raw final [95% CI] (seeds min-max)':>38s} "
+             f"{'wise final [95% CI] (seeds min-max)':>38s} {'train s':>8s} {'ep/s':>6s}"]
+    for name, g in summary.items():
+        cells = [f"{g[s]['final']:.3f} [{g[s]['interval'][0]:.3f}, {g[s]['interval'][1]:.3f}] "
+                 f"({min(g[s]['seeds']):.3f}-{max(g[s]['seeds']):.3f})" for s in SCORINGS]
+        lines.append(f"{name:24s} {len(g['seeds']):5d} {cells[0]:>38s} {cells[1]:>38s} {g['train_s']:8.0f} "
+                     f"{g['episodes_per_s']:6.2f}")
+    for name, g in summary.items():
+        lines.append(f"  {name} curve (mean over seeds): " + ", ".join(
+            f"step {p['step']} {p['t']:.0f}s {p['raw']:.3f}/{p['wise']:.3f}" for p in g["curve"]))
+    for gl in goals:
+        fmt = lambda t: "never" if t is None else f"{t:.0f} s"  # noqa: E731
+        lines.append(f"goal ({gl['scoring']}): target {gl['target']:.3f} ({gl['best_trl']}'s final); TRL reaches it "
+                     f"at {fmt(gl['trl_s'])}, project-rl at {fmt(gl['project_s'])}"
+                     + (f" ({gl['project_group']})" if gl["project_group"] else "") + f": {gl['verdict']}")
     return lines
 
 
-def fmt_s(t: float | None) -> str:
-    return "never" if t is None else f"{t:.0f} s"
-
-
-def plot(result: dict, path: Path) -> None:
+def plot(summary: dict, path: Path, eval_tasks: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
-    for name, a in result["arms"].items():
-        label = ("this project (train stage)" if name == "project" else
-                 f"TRL GRPOTrainer, lr {a['config']['learning_rate']:g}")
-        pts = a["points"]
-        ax.plot([p["t"] for p in pts], [p["success"] for p in pts], marker="o", label=label)
-    start = next(iter(result["arms"].values()))["points"][0]["success"]
-    ax.axhline(start, color="grey", linestyle="--", linewidth=0.8, label="adapted model (t = 0)")
-    ax.set_xlabel("training wall clock, s (evaluation excluded)")
-    ax.set_ylabel(f"validation success ({result['eval_tasks']} tasks)")
-    ax.set_title(f"Validation success vs training time ({result['budget_s']:.0f} s budget per arm)", fontsize=10)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100, sharey=True)
+    styles = {"project-rl": "-", "trl": "--", "project-default": ":"}
+    for ax, s in zip(axes, SCORINGS):
+        for name, g in summary.items():
+            c = g["curve"]
+            ax.plot([p["t"] for p in c], [p[s] for p in c], styles[g["arm"]], marker="o", markersize=3,
+                    label=f"{name} ({len(g['seeds'])} seeds)")
+        ax.set_title(f"{'raw weights' if s == 'raw' else 'WiSE-FT average'}: test success ({eval_tasks} tasks)",
+                     fontsize=10)
+        ax.set_xlabel("training wall clock, s (mean over seeds; evaluation excluded)")
+    axes[0].set_ylabel("success, mean over seeds")
+    axes[1].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
 
 
-def run_arm(name: str, spec: dict, tmp: Path) -> dict:
-    """One arm in a child process (under a wrapper that reads the child's peak RSS)."""
-    (tmp / name).mkdir()
-    spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.json"
-    spec_path.write_text(json.dumps({**spec, "tmp": str(tmp / name)}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "TRL_EXPERIMENTAL_SILENCE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-c", PEAK_WRAPPER, sys.executable, str(ARMS), name, str(spec_path), str(out)]
-    proc = subprocess.run(cmd, cwd=spec["project"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
-    progress = [line for line in proc.stderr.splitlines() if line.startswith(f"{name}: ")]
-    for line in progress:
-        print("  " + line)
-    if proc.returncode != 0 or not out.is_file():
-        raise SystemExit(f"arm {name} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    result = json.loads(out.read_text())
-    result["peak_mib"] = int(proc.stderr.rsplit("PEAK_KB ", 1)[1].split()[0]) / 1024
-    return result
-
-
-def trl_key(lr: float) -> str:
-    """A TRL arm's name in a result: its learning rate tells the variants apart."""
-    return f"trl lr={lr:g}"
-
-
-def arm_keys(result: dict) -> dict:
-    """A result's arms by name (``project``, ``trl lr=...``). A result written before ``--trl-lr`` existed names its
-    TRL arm ``trl``; its learning rate is in its configuration."""
-    return {(trl_key(a["config"]["learning_rate"]) if k == "trl" else k): a for k, a in result["arms"].items()}
-
-
-def load_reused(paths: list[Path], args: argparse.Namespace, running: list[str]) -> dict:
-    """The arms of earlier results (``--reuse-json``), each marked with the file it came from. An earlier result
-    with another budget, evaluation count or evaluation size, or two sources of one arm, is an error: their curves
-    would not be comparable, or one would silently win."""
-    reused: dict = {}
-    for path in paths:
-        try:
-            old = json.loads(path.read_text())
-            same = (old["budget_s"], old["evals"], old["eval_tasks"]) == (args.budget, args.evals, args.eval_tasks)
-            arms = arm_keys(old)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise BenchError(f"--reuse-json {path}: not a result of this bench ({type(exc).__name__}: {exc})") from None
-        if not same:
-            raise BenchError(f"--reuse-json {path}: budget {old['budget_s']:g} s, {old['evals']} evaluations on "
-                             f"{old['eval_tasks']} tasks, this run {args.budget:g} s, {args.evals} on "
-                             f"{args.eval_tasks}: the curves would not be comparable")
-        for key, arm in arms.items():
-            if key in reused or key in running:
-                raise BenchError(f"--reuse-json {path}: arm {key!r} is also "
-                                 f"{'run here' if key in running else 'in ' + reused[key]['reused_from']}")
-            reused[key] = {**arm, "reused_from": arm.get("reused_from", str(path))}
-    return reused
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        require_trl()
-        trl_lr = args.trl_lr if args.trl_lr is not None else shared_lr(args.project)
-        names = {"project": "project", "trl": trl_key(trl_lr)}
-        reused = load_reused(args.reuse_json, args, [names[a] for a in args.arms])
+        version = require_trl()
+        recipe_lr = default_lr(args.project)
+        settings = {"steps": args.steps, "evals": args.evals, "eval_tasks": args.eval_tasks,
+                    "project": str(args.project.resolve())}
+        runs = load_kept(args.json, settings)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import trl
-
     load0 = os.getloadavg()
-    print(f"this project vs TRL {trl.__version__} GRPOTrainer: arms {', '.join(names[a] for a in args.arms)}, "
-          f"{args.budget:.0f} s of training per arm, {args.evals} evaluations on {args.eval_tasks} validation tasks; "
-          f"{os.cpu_count()} CPUs, load average at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
-    if reused:
-        print("reused from earlier runs: " + ", ".join(f"{k} ({a['reused_from']})" for k, a in reused.items()))
-    spec = make_spec(args, trl_lr)
-    arms = dict(reused)
+    todo = schedule(args.arms, args.lrs, args.seeds, recipe_lr)
+    print(f"this project vs TRL {version} GRPOTrainer, learning: {len(todo)} runs of {args.steps} steps "
+          f"({len([k for k in runs if k in {run_key(*r) for r in todo}])} kept from {args.json}), scored after steps "
+          f"{marks(args.steps, args.evals)} on {args.eval_tasks} test tasks; {os.cpu_count()} CPUs, load average "
+          f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    spec = {**settings, "marks": marks(args.steps, args.evals)}
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"settings": settings, "trl": version, "runs": runs}, indent=1))
+
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as t:
-        for name in args.arms:
-            print(f"arm {names[name]}:", flush=True)
-            arms[names[name]] = run_arm(name, spec, Path(t))
-    arms = dict(sorted(arms.items(), key=lambda kv: arm_order(kv[0])))
-    load1 = os.getloadavg()
-    result = {"budget_s": args.budget, "evals": args.evals, "eval_tasks": args.eval_tasks, "trl": trl.__version__,
-              "load_start": load0, "load_end": load1, "arms": arms}
-    result["comparison"] = ({k: compare(arms["project"], a) for k, a in arms.items() if k != "project"}
-                            if "project" in arms else {})
-    if args.json:  # first: the figures survive whatever goes wrong below
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        if "start" not in runs:
+            runs["start"] = {**run_child("start", {**spec, "name": "start", "seed": 0, "lr": 0.0}, Path(t)),
+                             "seed": 0, "lr": 0.0}
+            save()
+        print(f"start (models/adapted): {runs['start']['points'][0]['raw']:.3f}", flush=True)
+        for arm, lr, seed in todo:
+            key = run_key(arm, lr, seed)
+            if key in runs:
+                continue
+            r = run_child(arm, {**spec, "name": key, "lr": lr, "seed": seed}, Path(t))
+            runs[key] = {**r, "lr": lr, "seed": seed, "load": os.getloadavg()[0]}
+            save()
+            print(f"{key}: " + ", ".join(f"step {p['step']} {p['t']:.0f}s {p['raw']:.3f}/{p['wise']:.3f}"
+                                         for p in r["points"]) + f" (load {os.getloadavg()[0]:.2f})", flush=True)
+    wanted = {run_key(*r) for r in todo}
+    summary = summarize({k: r for k, r in runs.items() if k in wanted}, runs["start"])
+    goals = [g for g in (goal(summary, s) for s in SCORINGS) if g is not None]
+    if args.json:
+        result = json.loads(args.json.read_text()) if args.json.exists() else {}
+        args.json.write_text(json.dumps({**result, "settings": settings, "trl": version, "runs": runs,
+                                         "summary": summary, "goals": goals}, indent=1))
     print("configuration (why: bench/vs_trl.py docstring):")
-    for name, a in arms.items():
-        print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in a["config"].items()))
-    for name, a in arms.items():
-        print(f"  {name} curve: " + ", ".join(f"{p['t']:.0f}s {p['success']:.3f}" for p in a["points"]))
-    for line in table(result):
+    for arm in args.arms:
+        r = next((r for k, r in runs.items() if k in wanted and r.get("arm") == arm), None)
+        if r is not None:
+            print(f"  {arm}: " + ", ".join(f"{k}={v}" for k, v in r["config"].items() if k not in ("lr", "seed",
+                                                                                                 "learning_rate")))
+    for line in table(summary, goals):
         print(line)
+    load1 = os.getloadavg()
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    plot(result, args.plot)
+    plot(summary, args.plot, args.eval_tasks)
     print(f"plot: {args.plot}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

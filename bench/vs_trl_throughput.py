@@ -15,7 +15,7 @@ The arms (bench/vs_trl_throughput_arms.py, each repetition of each arm in a chil
   (``train.skip_zero_variance_groups``; TRL forwards them with advantage 0).
 - ``project-all``: the same, learning every group as TRL does (not in the default arms; the table's "rows learned"
   says how much the skip saves).
-- ``trl-naive``: TRL 1.16's ``GRPOTrainer`` with bench/vs_trl.py's ``rollout_func`` (TRL's generation path,
+- ``trl-naive``: TRL 1.16's ``GRPOTrainer`` with bench/vs_trl_shared.py's naive ``rollout_func`` (TRL's generation path,
   ``model.generate`` re-encoding each running episode at every turn): what a TRL user who writes the obvious
   multi-turn loop gets.
 - ``trl-engine``: the same trainer with a ``rollout_func`` that calls this project's rollout engine on the model TRL

@@ -1,10 +1,10 @@
 """The arms of bench/vs_trl_throughput.py, one per child process (``python bench/vs_trl_throughput_arms.py ARM SPEC
 OUT``): ``project`` (this project's learner, rollouts by its engine), ``project-all`` (the same, learning every group
-as TRL does), ``trl-naive`` (TRL's ``GRPOTrainer`` with bench/vs_trl_arms.py's ``rollout_func``: ``model.generate``
+as TRL does), ``trl-naive`` (TRL's ``GRPOTrainer`` with bench/vs_trl_shared.py's naive ``rollout_func``: ``model.generate``
 re-encoding each episode every turn) and ``trl-engine`` (TRL's ``GRPOTrainer`` with a ``rollout_func`` that calls
 this project's :class:`~pipeline.policy.rollout.RolloutEngine`, so its generation is arm ``project``'s code).
 
-Every arm plays the same plan (:func:`make_plan`): the same tasks and episode seeds at every step, ``warmup`` steps
+Every arm plays the same plan (:func:`vs_trl_shared.make_plan`): the same tasks and episode seeds at every step, ``warmup`` steps
 and then ``steps`` timed ones. OUT gets one row per step: seconds in rollout and in the whole step, episodes, sampled
 tokens (mask 1), rows the learner forwarded; and the process's CPU seconds (``time.process_time``, all its threads)
 in rollout and in the whole step. Why each setting is what it is: bench/vs_trl_throughput.py.
@@ -12,7 +12,6 @@ in rollout and in the whole step. Why each setting is what it is: bench/vs_trl_t
 
 from __future__ import annotations
 
-import contextlib
 import cProfile
 import io
 import json
@@ -24,43 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vs_trl_arms import load_project, naive_rollout_func  # noqa: E402
+from vs_trl_shared import (engine_rollout_func, grpo_args, load_project, make_plan, naive_rollout_func,  # noqa: E402
+                           pure_rl, rl_rollout, sampled)
 
 ARMS = ("project", "project-all", "trl-naive", "trl-engine")
-
-
-def make_plan(tasks: list, cfg, n_steps: int, seed: int) -> list[tuple[list, list[int]]]:
-    """Per step, the episodes' tasks (``tasks_per_update`` distinct training tasks drawn without replacement, each
-    ``group_size`` times in a row, as the train loop lays them out) and their seeds; the same in every arm."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed, 56_001])
-    plan = []
-    for s in range(n_steps):
-        pick = rng.choice(len(tasks), size=cfg.tasks_per_update, replace=False)
-        ep_tasks = [tasks[int(i)] for i in pick for _ in range(cfg.group_size)]
-        plan.append((ep_tasks, [seed * 1_000_003 + s * 7919 + k for k in range(len(ep_tasks))]))
-    return plan
-
-
-def pure_rl(cfg, arm: str):
-    """The train config with the recipe's aids off (behaviour cloning, expert-guided groups, KL to a reference) and
-    one rank: the work of an RL step and nothing else. ``project-all`` also learns zero-variance groups."""
-    update = {"bc_coef": 0.0, "guide_failed_groups": False, "kl_coef": 0.0, "num_ranks": 1, "incoming_tasks": None,
-              "production_tasks": None}
-    if arm == "project-all":
-        update["skip_zero_variance_groups"] = False
-    return cfg.model_copy(update=update)
-
-
-def rl_rollout(rollout_cfg, cfg):
-    """The rollout config RL samples with (``train.rollout_temperature`` where set), as the train loop uses it."""
-    t = cfg.rollout_temperature
-    return rollout_cfg if t is None else rollout_cfg.model_copy(update={"temperature": t})
-
-
-def sampled(records_or_masks) -> int:
-    return sum(sum(m) for m in records_or_masks)
 
 
 # ----------------------------------------------------------------------------------------------------- project arm
@@ -72,7 +38,8 @@ def project_arm(spec: dict, arm: str, profiler) -> tuple[list[dict], dict]:
 
     env_cfg, rollout_cfg, cfg, runtime, tasks = load_project(spec)
     project = Path(spec["project"])
-    cfg = pure_rl(cfg, arm).model_copy(update={"deepspeed_config": str(project / cfg.deepspeed_config)})
+    cfg = pure_rl(cfg, arm == "project-all").model_copy(
+        update={"deepspeed_config": str(project / cfg.deepspeed_config)})
     plan = make_plan(tasks["train"], cfg, spec["warmup"] + spec["steps"], cfg.seed)
     dist = init_dist()
     loop = setup(cfg, env_cfg, rl_rollout(rollout_cfg, cfg), policy_dir=project / "models" / "adapted",
@@ -102,70 +69,6 @@ def project_arm(spec: dict, arm: str, profiler) -> tuple[list[dict], dict]:
 
 
 # --------------------------------------------------------------------------------------------------------- TRL arms
-@contextlib.contextmanager
-def plain_forward(model):
-    """The model's own ``forward`` for the duration. With TRL's ``bf16=True`` accelerate wraps ``forward`` in bf16
-    autocast (and casts its outputs to fp32), so every forward of the model runs under it, generation included; the
-    rollout engine applies its own precision policy (``rollout.dtype``: fp32 decode steps here, bf16 only for chunk
-    prefills where that is faster), and the project's arm runs it that way, so the engine arm does too."""
-    wrapped, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
-    if wrapped is None or original is None:
-        yield model
-        return
-    model.forward = original
-    try:
-        yield model
-    finally:
-        model.forward = wrapped
-
-
-def engine_rollout_func(tok, runtime, env_cfg, rollout_cfg, next_episodes, stats: dict):
-    """A ``rollout_func`` that plays the episodes with this project's rollout engine (KV cache kept across turns,
-    shared prompt prefix, continuous batching) on the model TRL trains. The engine's record becomes TRL's fields:
-    the first prompt is ``prompt_ids``, the rest of the token stream ``completion_ids`` with the action mask as
-    ``env_mask`` (observations 0). An episode whose context the environment re-based (a fold; a new token segment)
-    keeps the re-based prompt inside its completion, masked 0, as TRL's append-only completion can only hold it.
-    The engine runs on the model's own forward (:func:`plain_forward`), as in the project's arm."""
-    from trl.models.utils import unwrap_model_for_generation
-
-    from pipeline.policy.rollout import RolloutEngine
-
-    def rollout_func(prompts: list[str], trainer) -> dict:
-        ep_tasks, seeds = next_episodes(prompts)
-        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                         generation_kwargs=trainer.generation_kwargs,
-                                         gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs
-                                         ) as m, plain_forward(m):
-            records = RolloutEngine(m, tok, runtime, env_cfg, rollout_cfg).run(
-                ep_tasks, seeds, greedy=False, policy_version=trainer.state.global_step)
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": [],
-               "env_return": [r["return"] for r in records]}
-        for r in records:
-            p = r["action_mask"].index(1) if 1 in r["action_mask"] else len(r["token_ids"]) - 1
-            out["prompt_ids"].append(r["token_ids"][:p])
-            out["completion_ids"].append(r["token_ids"][p:])
-            out["env_mask"].append(r["action_mask"][p:])
-        stats["episodes"] += len(records)
-        stats["successes"] += sum(r["success"] for r in records)
-        return out
-
-    return rollout_func
-
-
-def grpo_args(spec: dict, cfg, rl_cfg, n_steps: int) -> dict:
-    """``GRPOConfig``'s arguments: TRL's defaults except the work both arms share (bench/vs_trl_throughput.py)."""
-    from pipeline.policy.model import supports_bf16
-
-    return dict(
-        output_dir=str(Path(spec["tmp"]) / "trl"), use_cpu=True, report_to="none", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=cfg.seed, learning_rate=cfg.lr, max_steps=n_steps,
-        lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.lr_warmup_steps,
-        num_generations=cfg.group_size, per_device_train_batch_size=cfg.tasks_per_update * cfg.group_size
-        // cfg.micro_batches, gradient_accumulation_steps=cfg.micro_batches, shuffle_dataset=False,
-        max_completion_length=rl_cfg.max_new_tokens, temperature=rl_cfg.temperature, bf16=supports_bf16(),
-        gradient_checkpointing=False, max_grad_norm=cfg.max_grad_norm)
-
-
 def step_clock(rows: list[dict], timers: dict, stats: dict, profiler, warmup: int):
     """A ``TrainerCallback`` that adds one row per optimizer step to `rows`, with `timers` (reset each step) and the
     step's seconds: from one ``on_step_begin`` to the next (the last: to the end of training), so TRL's logging and
@@ -212,7 +115,7 @@ def trl_arm(spec: dict, arm: str, profiler) -> tuple[list[dict], dict]:
     from pipeline.policy.model import load_policy
 
     env_cfg, rollout_cfg, cfg, runtime, tasks = load_project(spec)
-    cfg, rl_cfg = pure_rl(cfg, arm), rl_rollout(rollout_cfg, cfg)
+    cfg, rl_cfg = pure_rl(cfg, arm == "project-all"), rl_rollout(rollout_cfg, cfg)
     n_steps = spec["warmup"] + spec["steps"]
     plan = make_plan(tasks["train"], cfg, n_steps, cfg.seed)
     context = {}  # a task's first context (TRL's prompt, the "standard" text format)

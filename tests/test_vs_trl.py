@@ -1,9 +1,9 @@
-"""bench/vs_trl.py's pure parts: bad input is one ``error:`` line (a missing TRL names the extra to install), and
-the figures it prints from two validation curves (time to reach TRL's final success, the ratio against the goal),
-the evaluation schedule and the clock that leaves evaluations out. bench/vs_trl_throughput.py: bad input, the figures
-and ratios it prints, and (marked slow, skipped where TRL is not installed: CI does not install the ``bench``
-extra) one whole run of every arm on a tiny project, whose TRL arm with the project's rollout engine must generate
-exactly what the project's learner generates. The learning comparison itself is run by hand (docs/peers.md)."""
+"""bench/vs_trl.py's pure parts: bad input is one ``error:`` line (a missing TRL names the extra to install), the
+order of the sweep's runs, the evaluation marks, kept runs and their settings, the intervals, the summary per arm and
+learning rate and the goal's verdict; bench/vs_trl_throughput.py: bad input, the figures and ratios it prints. Marked
+slow and skipped where TRL is not installed (CI does not install the ``bench`` extra): each bench run whole on a tiny
+project, where the TRL arm driven by the project's rollout engine must generate exactly what the project's learner
+generates at the first step. The comparisons themselves are run by hand (docs/peers.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,14 +19,11 @@ sys.path.insert(0, str(BENCH))
 
 import vs_trl  # noqa: E402
 import vs_trl_arms  # noqa: E402
-
-
-def curve(*pairs):
-    return {"points": [{"t": t, "success": s} for t, s in pairs]}
+import vs_trl_shared  # noqa: E402
 
 
 def fake_project(root: Path) -> Path:
-    """A folder with every path the bench checks for (their contents are never read before TRL is imported)."""
+    """A folder with every path the benches check for (their contents are never read before TRL is imported)."""
     for name in vs_trl.NEEDED:
         p = root / name
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -35,33 +31,36 @@ def fake_project(root: Path) -> Path:
     return root
 
 
-def run_bench(*args: str, hide_trl: bool = False) -> subprocess.CompletedProcess:
+def run_bench(*args: str, hide_trl: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
     code = ("import sys\n" + ("sys.modules['trl'] = None\n" if hide_trl else "") +
             f"sys.path.insert(0, {str(BENCH)!r})\nimport vs_trl\nsys.exit(vs_trl.main(sys.argv[1:]))")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--budget", "0"], "--budget must be a positive number of seconds"),
-    (["--budget", "soon"], "--budget: invalid float value"),
-    (["--evals", "0"], "--evals must be at least 1"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--steps", "soon"], "--steps: invalid int value"),
+    (["--evals", "0"], "--evals must be between 1 and --steps (30), got 0"),
+    (["--steps", "4", "--evals", "5"], "--evals must be between 1 and --steps (4), got 5"),
     (["--eval-tasks", "-3"], "--eval-tasks must be at least 1"),
-    (["--project", "/nonexistent/folder"], "params.yaml not found"),
+    (["--lrs", "0"], "--lrs: every learning rate must be positive, got [0.0]"),
+    (["--lrs", "1e-4,nan"], "--lrs: every learning rate must be positive"),
+    (["--lrs", "fast"], "--lrs: 'fast' is not a comma-separated list of floats"),
+    (["--lrs", "1e-4,1e-4"], "--lrs: a value named twice in '1e-4,1e-4'"),
+    (["--seeds", "0,-1"], "--seeds: seeds are non-negative, got [0, -1]"),
+    (["--seeds", ","], "--seeds: nothing named in ','"),
+    (["--arms", "project-rl,ppo"], "--arms: unknown arm 'ppo' (a comma-separated list of project-rl, trl, "
+                                   "project-default)"),
+    (["--project", "/nonexistent/folder"], "--project /nonexistent/folder: params.yaml not found"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["--arms", "project,ppo"], "--arms: unknown arm 'ppo' (a comma-separated list of project, trl)"),
-    (["--arms", ","], "--arms: no arm named"),
-    (["--trl-lr", "0"], "--trl-lr must be a positive learning rate, got 0"),
-    (["--trl-lr", "nan"], "--trl-lr must be a positive learning rate, got nan"),
-    (["--trl-lr", "fast"], "--trl-lr: invalid float value"),
-    (["--arms", "project", "--trl-lr", "1e-6"], "--trl-lr sets the trl arm's learning rate, but --arms leaves"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, args, words):
-    out = tmp_path / "out.json"
-    proc = run_bench(*args, "--json", str(out), "--plot", str(tmp_path / "p.png"))
+    out, png = tmp_path / "out.json", tmp_path / "p.png"
+    proc = run_bench("--project", str(fake_project(tmp_path / "p")), *args, "--json", str(out), "--plot", str(png))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], proc.stderr
-    assert proc.stdout == "" and not out.exists() and not (tmp_path / "p.png").exists()
+    assert proc.stdout == "" and not out.exists() and not png.exists()
 
 
 def test_project_folder_without_the_adapted_model_names_it(tmp_path):
@@ -82,160 +81,159 @@ def test_missing_trl_is_one_line_naming_the_extra(tmp_path):
     assert lines[0].endswith("pip install -e '.[bench]'")
 
 
-def test_time_to_reach_is_the_first_point_at_or_above_the_target():
-    pts = curve((0, 0.80), (60, 0.84), (120, 0.83), (180, 0.86))["points"]
-    assert vs_trl.time_to_reach(pts, 0.84) == 60  # the first, not a later one
-    assert vs_trl.time_to_reach(pts, 0.85) == 180
-    assert vs_trl.time_to_reach(pts, 0.80) == 0
-    assert vs_trl.time_to_reach(pts, 0.9) is None
+def test_marks_are_equal_shares_of_the_steps_ending_at_the_last():
+    assert vs_trl.marks(30, 3) == [10, 20, 30]
+    assert vs_trl.marks(4, 4) == [1, 2, 3, 4]
+    assert vs_trl.marks(7, 1) == [7]
+    assert vs_trl.marks(10, 4) == [2, 5, 8, 10]
 
 
-def test_compare_ratio_and_goal():
-    trl = curve((0, 0.80), (200, 0.82), (600, 0.85))
-    met = vs_trl.compare(curve((0, 0.80), (100, 0.83), (190, 0.86), (600, 0.9)), trl)
-    assert met["target"] == 0.85 and met["time_to_target_s"] == {"project": 190, "trl": 600}
-    assert met["ratio"] == pytest.approx(190 / 600) and met["goal_met"] is True
-    assert "met" in met["verdict"] and "not met" not in met["verdict"]
-    late = vs_trl.compare(curve((0, 0.80), (300, 0.85)), trl)
-    assert late["ratio"] == pytest.approx(0.5) and late["goal_met"] is False and "not met" in late["verdict"]
-    never = vs_trl.compare(curve((0, 0.80), (600, 0.84)), trl)
-    assert never["ratio"] is None and never["goal_met"] is False and "did not reach" in never["verdict"]
-    # TRL's best point, a second reading
-    assert met["trl_best"] == 0.85 and met["time_to_trl_best_s"] == {"project": 190, "trl": 600}
+def test_schedule_runs_each_rates_pure_rl_arms_side_by_side_then_the_recipe():
+    runs = vs_trl.schedule(["trl", "project-rl", "project-default"], [1e-4, 2e-4], [0, 1], 3e-4)
+    assert runs == [("project-rl", 1e-4, 0), ("trl", 1e-4, 0), ("project-rl", 2e-4, 0), ("trl", 2e-4, 0),
+                    ("project-default", 3e-4, 0),
+                    ("project-rl", 1e-4, 1), ("trl", 1e-4, 1), ("project-rl", 2e-4, 1), ("trl", 2e-4, 1),
+                    ("project-default", 3e-4, 1)]
+    assert vs_trl.schedule(["trl"], [1e-4], [5], 3e-4) == [("trl", 1e-4, 5)]
+    assert vs_trl.run_key("trl", 2e-05, 1) == "trl lr=2e-05 seed=1"
 
 
-def test_compare_is_not_measurable_when_trl_ends_at_or_below_the_start():
-    out = vs_trl.compare(curve((0, 0.85), (100, 0.9)), curve((0, 0.85), (300, 0.88), (600, 0.84)))
-    assert out["goal_met"] is None and out["ratio"] is None and out["verdict"].startswith("not measurable")
-    assert out["verdict"].endswith("lowest point after the start: project 0.900, TRL 0.840")
-    assert out["trl_best"] == 0.88 and out["time_to_trl_best_s"] == {"project": 100, "trl": 300}
-
-
-def test_schedule_marks_end_at_the_budget_and_fire_once_each():
-    assert vs_trl.marks(600, 4) == [150, 300, 450, 600]
-    s = vs_trl_arms.Schedule([10, 20, 30])
-    assert [s.due(t) for t in (5, 12, 15)] == [False, True, False]
-    assert s.due(31) and not s.due(32)  # one update past two marks: one evaluation
-    assert s.over(30) and not s.over(29.9)
-
-
-def test_clock_leaves_paused_time_out(monkeypatch):
-    now = iter([100.0, 110.0, 110.0, 150.0, 150.0, 165.0])
-    monkeypatch.setattr(vs_trl_arms.time, "perf_counter", lambda: next(now))
-    c = vs_trl_arms.Clock()  # starts at 100
-    assert c.elapsed() == 10.0  # 110
-    c.pause()  # 110
-    c.resume()  # 150: 40 s of evaluation
-    assert c.elapsed() == 10.0  # 150
-    assert c.elapsed() == 25.0  # 165
-
-
-# ------------------------------------------------------------------------------------- --arms, --trl-lr, --reuse-json
-def test_arms_selects_what_runs_in_a_fixed_order(tmp_path):
-    root = str(fake_project(tmp_path / "p"))
-    assert vs_trl.parse_args(["--project", root]).arms == ["project", "trl"]
-    assert vs_trl.parse_args(["--project", root, "--arms", "trl"]).arms == ["trl"]
-    assert vs_trl.parse_args(["--project", root, "--arms", " trl, project "]).arms == ["project", "trl"]
-    assert vs_trl.parse_args(["--project", root, "--arms", "project"]).arms == ["project"]
-
-
-TRAIN = SimpleNamespace(lr=2e-4, seed=3, group_size=8, tasks_per_update=8)
-
-
-def test_trl_lr_reaches_the_grpo_config_arguments(tmp_path):
-    args = vs_trl.parse_args(["--project", str(fake_project(tmp_path / "p")), "--arms", "trl", "--trl-lr", "1e-6"])
-    spec = vs_trl.make_spec(args, args.trl_lr) | {"tmp": str(tmp_path)}
-    kw = vs_trl_arms.grpo_kwargs(spec, TRAIN, 48, False)
-    assert kw["learning_rate"] == 1e-6
-    # the shared values stay as they were
-    assert (kw["num_generations"], kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"],
-            kw["max_completion_length"], kw["seed"]) == (8, 8, 8, 48, 3)
-    # a spec without one (written before the flag existed) falls back to the shared train.lr
-    assert vs_trl_arms.grpo_kwargs({**spec, "trl_lr": None}, TRAIN, 48, False)["learning_rate"] == 2e-4
-
-
-def test_grpo_config_takes_the_arguments(tmp_path):
-    """Where TRL is installed (the bench extra): TRL's own config class accepts the arguments and keeps the rate."""
-    trl = pytest.importorskip("trl")
-    spec = {"tmp": str(tmp_path), "max_steps": 10, "trl_lr": 2e-5}
-    assert trl.GRPOConfig(**vs_trl_arms.grpo_kwargs(spec, TRAIN, 48, False)).learning_rate == 2e-5
-
-
-def test_default_trl_lr_is_the_projects_train_lr(tmp_path):
+def test_the_recipes_rate_is_the_projects_train_lr(tmp_path):
     (tmp_path / "params.yaml").write_text("train:\n  lr: 3.0e-4\n")
-    assert vs_trl.shared_lr(tmp_path) == 3e-4
+    assert vs_trl.default_lr(tmp_path) == 3e-4
     (tmp_path / "params.yaml").write_text("train:\n  lr: -1\n")
     with pytest.raises(vs_trl.BenchError, match=f"--project {tmp_path}: .*lr"):
-        vs_trl.shared_lr(tmp_path)
+        vs_trl.default_lr(tmp_path)
 
 
-def arm(lr=None, *points):
-    a = {"points": [{"t": t, "update": u, "success": s} for t, u, s in points], "episodes": 64 * points[-1][1],
-         "train_s": points[-1][0], "peak_mib": 1000.0, "config": {} if lr is None else {"learning_rate": lr}}
-    return a
+SETTINGS = {"steps": 30, "evals": 3, "eval_tasks": 400, "project": "/p"}
 
 
-def result_file(path: Path, arms: dict, budget=540.0) -> Path:
-    path.write_text(json.dumps({"budget_s": budget, "evals": 6, "eval_tasks": 200, "arms": arms}))
-    return path
-
-
-def bench_args(tmp_path, *extra):
-    return vs_trl.parse_args(["--project", str(fake_project(tmp_path / "p")), *extra])
-
-
-def test_reused_arms_are_named_by_learning_rate_and_marked(tmp_path):
-    old = result_file(tmp_path / "old.json", {"project": arm(None, (0, 0, 0.9), (500, 50, 0.93)),
-                                              "trl": arm(2e-4, (0, 0, 0.9), (500, 20, 0.85))})
-    reused = vs_trl.load_reused([old], bench_args(tmp_path, "--arms", "trl"), ["trl lr=1e-06"])
-    assert list(reused) == ["project", "trl lr=0.0002"]  # a result from before --trl-lr names its TRL arm "trl"
-    assert {a["reused_from"] for a in reused.values()} == {str(old)}
-    # reused again from a result that already reused it: the first source is kept
-    newer = result_file(tmp_path / "newer.json", {**reused, "trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (500, 20, 0.9))})
-    again = vs_trl.load_reused([newer], bench_args(tmp_path), ["trl lr=2e-05"])
-    assert again["project"]["reused_from"] == str(old) and again["trl lr=1e-06"]["reused_from"] == str(newer)
-
-
-@pytest.mark.parametrize("case, words", [
-    ("runs", "arm 'trl lr=0.0002' is also run here"),
-    ("twice", "arm 'project' is also in"),
-    ("budget", "budget 300 s, 6 evaluations on 200 tasks, this run 540 s, 6 on 200: the curves would not be "
-               "comparable"),
-    ("garbage", "not a result of this bench (JSONDecodeError"),
-    ("missing", "not a result of this bench (FileNotFoundError"),
+@pytest.mark.parametrize("content, words", [
+    ({"settings": {**SETTINGS, "steps": 20}, "runs": {}}, "holds runs with other settings (steps 20 here 30)"),
+    ({"runs": {}}, "exists and is not a result of this bench (KeyError"),
+    ("{not json", "exists and is not a result of this bench (JSONDecodeError"),
 ])
-def test_reuse_json_conflicts_and_bad_files_are_errors(tmp_path, case, words):
-    arms = {"project": arm(None, (0, 0, 0.9), (500, 50, 0.93)), "trl": arm(2e-4, (0, 0, 0.9), (500, 20, 0.85))}
-    f = result_file(tmp_path / "r.json", arms, budget=300.0 if case == "budget" else 540.0)
-    paths = {"twice": [f, result_file(tmp_path / "r2.json", {"project": arms["project"]})],
-             "garbage": [tmp_path / "g.json"], "missing": [tmp_path / "none.json"]}.get(case, [f])
-    (tmp_path / "g.json").write_text("{not json")
-    running = ["trl lr=0.0002"] if case == "runs" else []
+def test_kept_runs_need_the_same_settings(tmp_path, content, words):
+    f = tmp_path / "r.json"
+    f.write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(vs_trl.BenchError) as err:
-        vs_trl.load_reused(paths, bench_args(tmp_path), running)
-    assert words in str(err.value) and str(paths[-1] if case != "runs" else f) in str(err.value)
+        vs_trl.load_kept(f, SETTINGS)
+    assert words in str(err.value) and str(f) in str(err.value)
 
 
-def test_table_lists_every_arm_and_compares_each_trl_arm(tmp_path):
-    arms = {"project": arm(None, (0, 0, 0.9), (100, 10, 0.92), (500, 50, 0.93)) | {"reused_from": "old.json"},
-            "trl lr=0.0002": arm(2e-4, (0, 0, 0.9), (100, 4, 0.82), (500, 20, 0.85)) | {"reused_from": "old.json"},
-            "trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (100, 4, 0.9), (500, 20, 0.91))}
-    arms = dict(sorted(arms.items(), key=lambda kv: vs_trl.arm_order(kv[0])))
-    assert list(arms) == ["project", "trl lr=0.0002", "trl lr=1e-06"]
-    result = {"arms": arms, "comparison": {k: vs_trl.compare(arms["project"], a) for k, a in arms.items()
-                                           if k != "project"}}
-    lines = vs_trl.table(result)
-    assert [ln[:16].strip() for ln in lines[1:4]] == ["project*", "trl lr=0.0002*", "trl lr=1e-06"]
-    assert lines[3].split()[2:6] == ["0.900", "0.910", "0.900", "0.910"]  # start, final, lowest, best
-    assert "* reused from an earlier run (old.json)" in lines
-    assert any(ln.startswith("project vs trl lr=1e-06:") and "time to TRL's final 0.910: project 100 s, TRL 500 s"
-               in ln for ln in lines)
-    assert "  project / TRL time to 0.910: 0.20x (goal <= 0.33x: met)" in lines
+def test_kept_runs_come_back_and_a_missing_file_keeps_none(tmp_path):
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"settings": SETTINGS, "runs": {"trl lr=0.0001 seed=0": {"arm": "trl"}}}))
+    assert vs_trl.load_kept(f, SETTINGS) == {"trl lr=0.0001 seed=0": {"arm": "trl"}}
+    assert vs_trl.load_kept(tmp_path / "none.json", SETTINGS) == {} and vs_trl.load_kept(None, SETTINGS) == {}
 
 
-def test_table_without_a_project_arm_says_so():
-    result = {"arms": {"trl lr=1e-06": arm(1e-6, (0, 0, 0.9), (500, 20, 0.91))}, "comparison": {}}
-    assert vs_trl.table(result)[-1].startswith("no project arm")
+def test_bootstrap_interval_brackets_the_mean_and_collapses_without_spread():
+    assert vs_trl.bootstrap_interval([[1] * 50, [1] * 50]) == (1.0, 1.0)
+    lo, hi = vs_trl.bootstrap_interval([[1, 0] * 100, [1, 1, 0, 0] * 50])
+    assert lo < 0.5 < hi and hi - lo < 2 * 1.96 * (0.25 / 200) ** 0.5 + 0.02  # about the binomial interval
+    assert vs_trl.bootstrap_interval([[1, 0] * 100]) == vs_trl.bootstrap_interval([[1, 0] * 100])
+
+
+def run(arm, lr, seed, curve, n=10):
+    """A run whose points are (t, raw, wise) after steps 10, 20, ...; its final outcomes give the last point's
+    rates on n tasks."""
+    points = [{"step": 10 * (i + 1), "t": t, "episodes": 640 * (i + 1), "raw": r, "wise": w}
+              for i, (t, r, w) in enumerate(curve)]
+    last = points[-1]
+    final = {s: [1] * round(last[s] * n) + [0] * (n - round(last[s] * n)) for s in ("raw", "wise")}
+    return {"arm": arm, "lr": lr, "seed": seed, "points": points, "final": final}
+
+
+START = {"points": [{"step": 0, "t": 0.0, "raw": 0.5, "wise": 0.5}]}
+
+
+def test_summary_averages_seeds_per_arm_and_rate():
+    runs = {"a": run("trl", 1e-4, 0, [(100, 0.6, 0.5), (200, 0.8, 0.6)]),
+            "b": run("trl", 1e-4, 1, [(120, 0.6, 0.5), (220, 0.6, 0.6)]),
+            "c": run("project-rl", 1e-4, 0, [(50, 0.7, 0.6), (100, 0.9, 0.7)])}
+    s = vs_trl.summarize(runs, START)
+    assert list(s) == ["project-rl lr=0.0001", "trl lr=0.0001"]  # project first, then TRL, by rate
+    g = s["trl lr=0.0001"]
+    assert g["seeds"] == [0, 1] and g["raw"]["seeds"] == [0.8, 0.6] and g["raw"]["final"] == pytest.approx(0.7)
+    assert g["curve"][0] == {"step": 0, "t": 0.0, "raw": 0.5, "wise": 0.5}
+    assert g["curve"][1] == {"step": 10, "t": 110.0, "raw": pytest.approx(0.6), "wise": pytest.approx(0.5)}
+    assert g["train_s"] == 210.0 and g["episodes_per_s"] == pytest.approx((1280 / 200 + 1280 / 220) / 2)
+    lo, hi = g["raw"]["interval"]
+    assert lo <= 0.7 <= hi
+
+
+def test_goal_times_the_best_trl_final_for_each_scoring():
+    runs = {"t1": run("trl", 1e-4, 0, [(100, 0.6, 0.6), (200, 0.7, 0.6), (300, 0.8, 0.6)]),
+            "t2": run("trl", 2e-4, 0, [(100, 0.7, 0.55), (200, 0.7, 0.55), (300, 0.7, 0.55)]),
+            "p1": run("project-rl", 1e-4, 0, [(40, 0.6, 0.5), (80, 0.8, 0.5), (120, 0.9, 0.5)]),
+            "p2": run("project-rl", 2e-4, 0, [(40, 0.7, 0.5), (80, 0.75, 0.5), (120, 0.8, 0.5)])}
+    s = vs_trl.summarize(runs, START)
+    raw = vs_trl.goal(s, "raw")
+    assert raw["target"] == pytest.approx(0.8) and raw["best_trl"] == "trl lr=0.0001" and raw["trl_s"] == 300
+    assert raw["project_s"] == 80 and raw["project_group"] == "project-rl lr=0.0001"  # the earliest over rates
+    assert raw["ratio"] == pytest.approx(80 / 300) and raw["met"] and raw["verdict"].startswith("met: 0.27x")
+    wise = vs_trl.goal(s, "wise")  # TRL reaches 0.6 at 100 s; no project rate does
+    assert wise["target"] == pytest.approx(0.6) and wise["trl_s"] == 100 and not wise["met"]
+    assert wise["verdict"] == "not met: no project-rl learning rate reached 0.600 within the steps"
+    flat = vs_trl.summarize({"t": run("trl", 1e-4, 0, [(100, 0.5, 0.5)]),
+                             "p": run("project-rl", 1e-4, 0, [(50, 0.6, 0.6)])}, START)
+    assert vs_trl.goal(flat, "raw")["verdict"].startswith("not measurable")
+    assert vs_trl.goal(vs_trl.summarize({"t": runs["t1"]}, START), "raw") is None  # no project arm: no verdict
+    lines = vs_trl.table(s, [raw, wise])
+    assert lines[1].split()[:4] == ["project-rl", "lr=0.0001", "1", "0.900"]
+    assert lines[-2].startswith("goal (raw): target 0.800 (trl lr=0.0001's final); TRL reaches it at 300 s, "
+                                "project-rl at 80 s (project-rl lr=0.0001): met: 0.27x")
+
+
+@pytest.mark.slow
+def test_trl_is_set_to_the_projects_estimator(tmp_path):
+    """Where TRL is installed (the bench extra): TRL's own config class takes the arguments, with the estimator that
+    matches the project's (mean-centred advantages, token-mean loss) and the shared work."""
+    trl = pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(lr=5e-5, seed=3, group_size=8, tasks_per_update=8, micro_batches=4, lr_warmup_steps=10,
+                          max_grad_norm=1.0)
+    rl = SimpleNamespace(max_new_tokens=48, temperature=0.7)
+    c = trl.GRPOConfig(**vs_trl_shared.grpo_args({"tmp": str(tmp_path)}, cfg, rl, 30, **vs_trl_arms.TRL_ESTIMATOR))
+    assert (c.scale_rewards, c.loss_type, c.learning_rate, c.warmup_steps, c.temperature) == ("none", "dapo", 5e-5,
+                                                                                             10, 0.7)
+    assert (c.per_device_train_batch_size, c.gradient_accumulation_steps, c.num_generations) == (16, 4, 8)
+    assert c.gradient_checkpointing is False and c.beta == 0.0 and c.max_steps == 30
+
+
+@pytest.mark.slow
+def test_learning_bench_runs_every_arm_on_a_tiny_project(tmp_path):
+    """The whole bench at a tiny size: every arm's curve and final outcomes, the pure-RL arms' first batch the same
+    episodes (same start, plan, seeds and engine), and a second invocation keeps every run."""
+    pytest.importorskip("trl")
+    from test_train import make_project
+
+    project = make_project(tmp_path / "p")
+    out, png = tmp_path / "l.json", tmp_path / "l.png"
+    args = ["--project", str(project), "--steps", "2", "--evals", "2", "--eval-tasks", "6", "--lrs", "1e-3",
+            "--seeds", "0", "--json", str(out), "--plot", str(png)]
+    proc = run_bench(*args, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert set(runs) == {"start", "project-rl lr=0.001 seed=0", "trl lr=0.001 seed=0",
+                         "project-default lr=0.01 seed=0"}
+    for key, r in runs.items():
+        if key != "start":
+            assert [p["step"] for p in r["points"]] == [1, 2] and len(r["final"]["raw"]) == 6
+            assert 0 < r["points"][0]["t"] <= r["points"][1]["t"] and len(r["rollout_success"]) == 2
+    assert runs["trl lr=0.001 seed=0"]["rollout_success"][0] == runs["project-rl lr=0.001 seed=0"][
+        "rollout_success"][0]
+    assert runs["trl lr=0.001 seed=0"]["config"]["loss_type"] == "dapo"
+    assert runs["project-rl lr=0.001 seed=0"]["config"]["skip_zero_variance_groups"] is False
+    assert [g["arm"] for g in result["summary"].values()] == ["project-rl", "trl", "project-default"]
+    assert png.stat().st_size > 0
+    again = run_bench(*args, timeout=300)
+    assert again.returncode == 0 and "(3 kept from" in again.stdout
+    assert json.loads(out.read_text())["summary"] == result["summary"]
 
 
 # ------------------------------------------------------------------------------- bench/vs_trl_throughput.py
