@@ -45,7 +45,8 @@ test tasks, the same resampled tasks for every seed: the interval of the task sa
 beside it as min-max), mean training seconds and episodes/s; curves (mean over seeds against mean training seconds).
 The goal, for each scoring: the best TRL run's final success (over learning rates) is the target; TRL's time is the
 first mark at which that TRL curve reaches it, the project's is the earliest such mark over its learning rates; goal
-met when project / TRL <= 1/3.
+met when project / TRL <= 1/3. A target inside the start's 95 % interval is "not measurable": no TRL rate learned
+measurably, and timing who first reaches a point within noise of the start would time the noise.
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--arms", default=",".join(ARM_NAMES), help=f"comma-separated: {', '.join(ARM_NAMES)}")
     ap.add_argument("--json", type=Path, default=None, help="every figure; runs already in it are kept")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "vs_trl.png")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: the figures of the named runs already in --json (the rest listed as not run)")
     args = ap.parse_args(argv)
+    if args.report and (args.json is None or not args.json.is_file()):
+        raise BenchError(f"--report reads the runs of --json, and {args.json or 'no --json'} is not a file")
     args.arms = number_list("--arms", args.arms, str)
     bad = [a for a in args.arms if a not in ARM_NAMES]
     if bad:
@@ -242,9 +247,10 @@ def time_to_reach(curve: list[dict], scoring: str, target: float) -> float | Non
     return next((p["t"] for p in curve if p[scoring] >= target - 1e-12), None)
 
 
-def goal(summary: dict, scoring: str) -> dict | None:
+def goal(summary: dict, scoring: str, start_interval: tuple[float, float]) -> dict | None:
     """The goal's figures for one scoring: the best TRL group's final success as the target, TRL's and the
-    project's (earliest over its learning rates) time to reach it, their ratio and the verdict."""
+    project's (earliest over its learning rates) time to reach it, their ratio and the verdict. A target inside the
+    start's 95 % interval is no target: reaching it first would time noise, so the verdict is "not measurable"."""
     trl = {k: g for k, g in summary.items() if g["arm"] == "trl"}
     proj = {k: g for k, g in summary.items() if g["arm"] == "project-rl"}
     if not trl or not proj:
@@ -256,11 +262,13 @@ def goal(summary: dict, scoring: str) -> dict | None:
     hits = {k: t for k, t in reach.items() if t is not None}
     first = min(hits, key=hits.get) if hits else None
     out = {"scoring": scoring, "target": target, "best_trl": best, "trl_s": t_trl, "project_group": first,
-           "project_s": hits.get(first), "ratio": None, "met": False}
-    if t_trl == 0.0:
-        out["verdict"] = f"not measurable: TRL's best final ({target:.3f}) is not above the start"
+           "project_s": hits.get(first), "ratio": None, "met": None}
+    lo, hi = start_interval
+    if target <= hi:
+        out["verdict"] = (f"not measurable: TRL's best final {target:.3f} is inside the start's 95 % interval "
+                          f"[{lo:.3f}, {hi:.3f}]: no TRL rate learned measurably")
     elif first is None:
-        out["verdict"] = f"not met: no project-rl learning rate reached {target:.3f} within the steps"
+        out.update(met=False, verdict=f"not met: no project-rl learning rate reached {target:.3f} within the steps")
     else:
         ratio = hits[first] / t_trl
         out.update(ratio=ratio, met=ratio <= GOAL_RATIO,
@@ -314,11 +322,12 @@ def plot(summary: dict, path: Path, eval_tasks: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        version = require_trl()
+        version = None if args.report else require_trl()  # a report needs no TRL: its runs are in --json
         recipe_lr = default_lr(args.project)
         settings = {"steps": args.steps, "evals": args.evals, "eval_tasks": args.eval_tasks,
                     "project": str(args.project.resolve())}
         runs = load_kept(args.json, settings)
+        version = version or json.loads(args.json.read_text()).get("trl")
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -335,12 +344,18 @@ def main(argv: list[str] | None = None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"settings": settings, "trl": version, "runs": runs}, indent=1))
 
+    missing = [run_key(*r) for r in todo if run_key(*r) not in runs]
+    if args.report:
+        if missing:
+            print(f"not run yet ({len(missing)}): " + ", ".join(missing))
+        todo = []
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as t:
-        if "start" not in runs:
+        if "start" not in runs and todo:
             runs["start"] = {**run_child("start", {**spec, "name": "start", "seed": 0, "lr": 0.0}, Path(t)),
                              "seed": 0, "lr": 0.0}
             save()
-        print(f"start (models/adapted): {runs['start']['points'][0]['raw']:.3f}", flush=True)
+        if "start" in runs:
+            print(f"start (models/adapted): {runs['start']['points'][0]['raw']:.3f}", flush=True)
         for arm, lr, seed in todo:
             key = run_key(arm, lr, seed)
             if key in runs:
@@ -350,9 +365,13 @@ def main(argv: list[str] | None = None) -> int:
             save()
             print(f"{key}: " + ", ".join(f"step {p['step']} {p['t']:.0f}s {p['raw']:.3f}/{p['wise']:.3f}"
                                          for p in r["points"]) + f" (load {os.getloadavg()[0]:.2f})", flush=True)
-    wanted = {run_key(*r) for r in todo}
+    wanted = {run_key(*r) for r in schedule(args.arms, args.lrs, args.seeds, recipe_lr)} & set(runs)
+    if not wanted or "start" not in runs:
+        print("no run to report")
+        return 0
     summary = summarize({k: r for k, r in runs.items() if k in wanted}, runs["start"])
-    goals = [g for g in (goal(summary, s) for s in SCORINGS) if g is not None]
+    start_interval = bootstrap_interval([runs["start"]["final"]["raw"]])
+    goals = [g for g in (goal(summary, s, start_interval) for s in SCORINGS) if g is not None]
     if args.json:
         result = json.loads(args.json.read_text()) if args.json.exists() else {}
         args.json.write_text(json.dumps({**result, "settings": settings, "trl": version, "runs": runs,

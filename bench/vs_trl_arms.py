@@ -117,14 +117,12 @@ def run_config(spec: dict, default: bool):
 # ------------------------------------------------------------------------------------------------------ start point
 def start_arm(spec: dict) -> dict:
     from pipeline.policy.model import load_policy
-    from pipeline.train.distributed import init_dist
+    from pipeline.train.distributed import Dist
 
     env_cfg, rollout_cfg, cfg, runtime, tasks = load_project(spec)
     model, tok, _ = load_policy(Path(spec["project"]) / "models" / "adapted")
-    dist = init_dist()
-    scorer = Scorer(spec, tok, runtime, env_cfg, rollout_cfg, tasks["test"], dist, model, cfg.merge_alpha)
+    scorer = Scorer(spec, tok, runtime, env_cfg, rollout_cfg, tasks["test"], Dist(), model, cfg.merge_alpha)
     raw = scorer.outcomes(model.eval())
-    dist.close()
     return {"points": [{"step": 0, "t": 0.0, "episodes": 0, "raw": sum(raw) / len(raw), "wise": sum(raw) / len(raw)}],
             "final": {"raw": raw, "wise": raw}, "config": {}, "rollout_success": []}
 
@@ -195,7 +193,7 @@ def trl_arm(spec: dict) -> dict:
 
     from pipeline.policy.episode_drivers import EnvEpisode
     from pipeline.policy.model import load_policy
-    from pipeline.train.distributed import init_dist
+    from pipeline.train.distributed import Dist
 
     env_cfg, rollout_cfg, cfg, runtime, tasks = run_config(spec, default=False)
     rl_cfg = rl_rollout(rollout_cfg, cfg)
@@ -217,7 +215,9 @@ def trl_arm(spec: dict) -> dict:
         stats["before"] = stats["successes"]
         return ep_tasks, seeds
 
-    dist = init_dist()
+    # the evaluator's group of one, without a process group: with one initialised (and the rank variables set)
+    # accelerate would take the run for a distributed one
+    dist = Dist()
     clock = Clock()
     model, tok, _ = load_policy(Path(spec["project"]) / "models" / "adapted")
     clock.pause()
@@ -252,7 +252,6 @@ def trl_arm(spec: dict) -> dict:
                           args=args, train_dataset=dataset, processing_class=tok, rollout_func=rollout_func,
                           callbacks=[Marks()])
     trainer.train()
-    dist.close()
     config = {k: getattr(args, k) for k in ("loss_type", "scale_rewards", "learning_rate", "warmup_steps",
                                             "lr_scheduler_type", "num_generations", "per_device_train_batch_size",
                                             "gradient_accumulation_steps", "temperature", "bf16",

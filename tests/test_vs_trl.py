@@ -143,10 +143,11 @@ def run(arm, lr, seed, curve, n=10):
               for i, (t, r, w) in enumerate(curve)]
     last = points[-1]
     final = {s: [1] * round(last[s] * n) + [0] * (n - round(last[s] * n)) for s in ("raw", "wise")}
-    return {"arm": arm, "lr": lr, "seed": seed, "points": points, "final": final}
+    return {"arm": arm, "lr": lr, "seed": seed, "points": points, "final": final, "config": {"lr": lr}}
 
 
-START = {"points": [{"step": 0, "t": 0.0, "raw": 0.5, "wise": 0.5}]}
+START = {"points": [{"step": 0, "t": 0.0, "raw": 0.5, "wise": 0.5}], "final": {"raw": [1, 0] * 50, "wise": [1, 0] * 50}}
+NARROW = (0.45, 0.55)  # a start interval for the goal
 
 
 def test_summary_averages_seeds_per_arm_and_rate():
@@ -165,26 +166,55 @@ def test_summary_averages_seeds_per_arm_and_rate():
 
 
 def test_goal_times_the_best_trl_final_for_each_scoring():
-    runs = {"t1": run("trl", 1e-4, 0, [(100, 0.6, 0.6), (200, 0.7, 0.6), (300, 0.8, 0.6)]),
+    runs = {"t1": run("trl", 1e-4, 0, [(100, 0.6, 0.7), (200, 0.7, 0.7), (300, 0.8, 0.7)]),
             "t2": run("trl", 2e-4, 0, [(100, 0.7, 0.55), (200, 0.7, 0.55), (300, 0.7, 0.55)]),
             "p1": run("project-rl", 1e-4, 0, [(40, 0.6, 0.5), (80, 0.8, 0.5), (120, 0.9, 0.5)]),
             "p2": run("project-rl", 2e-4, 0, [(40, 0.7, 0.5), (80, 0.75, 0.5), (120, 0.8, 0.5)])}
     s = vs_trl.summarize(runs, START)
-    raw = vs_trl.goal(s, "raw")
+    raw = vs_trl.goal(s, "raw", NARROW)
     assert raw["target"] == pytest.approx(0.8) and raw["best_trl"] == "trl lr=0.0001" and raw["trl_s"] == 300
     assert raw["project_s"] == 80 and raw["project_group"] == "project-rl lr=0.0001"  # the earliest over rates
     assert raw["ratio"] == pytest.approx(80 / 300) and raw["met"] and raw["verdict"].startswith("met: 0.27x")
-    wise = vs_trl.goal(s, "wise")  # TRL reaches 0.6 at 100 s; no project rate does
-    assert wise["target"] == pytest.approx(0.6) and wise["trl_s"] == 100 and not wise["met"]
-    assert wise["verdict"] == "not met: no project-rl learning rate reached 0.600 within the steps"
-    flat = vs_trl.summarize({"t": run("trl", 1e-4, 0, [(100, 0.5, 0.5)]),
-                             "p": run("project-rl", 1e-4, 0, [(50, 0.6, 0.6)])}, START)
-    assert vs_trl.goal(flat, "raw")["verdict"].startswith("not measurable")
-    assert vs_trl.goal(vs_trl.summarize({"t": runs["t1"]}, START), "raw") is None  # no project arm: no verdict
+    wise = vs_trl.goal(s, "wise", NARROW)  # TRL reaches 0.7 at 100 s; no project rate does
+    assert wise["target"] == pytest.approx(0.7) and wise["trl_s"] == 100 and wise["met"] is False
+    assert wise["verdict"] == "not met: no project-rl learning rate reached 0.700 within the steps"
+    # a target inside the start's interval times noise: not measurable, whoever reaches it first
+    noisy = vs_trl.goal(s, "raw", (0.4, 0.85))
+    assert noisy["met"] is None and noisy["ratio"] is None and noisy["verdict"] == (
+        "not measurable: TRL's best final 0.800 is inside the start's 95 % interval [0.400, 0.850]: no TRL rate "
+        "learned measurably")
+    assert vs_trl.goal(vs_trl.summarize({"t": runs["t1"]}, START), "raw", NARROW) is None  # no project arm
     lines = vs_trl.table(s, [raw, wise])
     assert lines[1].split()[:4] == ["project-rl", "lr=0.0001", "1", "0.900"]
     assert lines[-2].startswith("goal (raw): target 0.800 (trl lr=0.0001's final); TRL reaches it at 300 s, "
                                 "project-rl at 80 s (project-rl lr=0.0001): met: 0.27x")
+
+
+def test_report_prints_the_kept_runs_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    """``--report`` reads --json alone (no TRL needed): the table of the named runs it holds, the others listed as
+    not run; without a --json file it is one error line."""
+    project = fake_project(tmp_path / "p")
+    (project / "params.yaml").write_text("train:\n  lr: 2.0e-4\n")
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    settings = {"steps": 30, "evals": 3, "eval_tasks": 10, "project": str(project.resolve())}
+    runs = {"start": START, "trl lr=0.0001 seed=0": run("trl", 1e-4, 0, [(100, 0.6, 0.6), (200, 0.7, 0.7),
+                                                                          (300, 0.8, 0.6)]),
+            "project-rl lr=0.0001 seed=0": run("project-rl", 1e-4, 0, [(40, 0.8, 0.5), (80, 0.8, 0.5),
+                                                                        (120, 0.9, 0.6)])}
+    out.write_text(json.dumps({"settings": settings, "trl": "1.16.0", "runs": runs}))
+    args = ["--project", str(project), "--eval-tasks", "10", "--lrs", "1e-4", "--seeds", "0,1", "--json", str(out),
+            "--plot", str(png), "--report"]
+    monkeypatch.setitem(sys.modules, "trl", None)  # a report imports no TRL
+    assert vs_trl.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("not run yet (4): project-default lr=0.0002 seed=0, project-rl lr=0.0001 seed=1, "
+                        "trl lr=0.0001 seed=1, project-default lr=0.0002 seed=1")
+    assert any(ln.startswith("goal (raw): target 0.800 (trl lr=0.0001's final); TRL reaches it at 300 s, project-rl "
+                             "at 40 s") for ln in lines)
+    assert set(json.loads(out.read_text())["runs"]) == set(runs) and png.stat().st_size > 0
+    out.unlink()
+    assert vs_trl.main(args) == 2
+    assert capsys.readouterr().err.strip() == f"error: --report reads the runs of --json, and {out} is not a file"
 
 
 @pytest.mark.slow
