@@ -295,19 +295,25 @@ def table(summary: dict, goals: list[dict]) -> list[str]:
     return lines
 
 
-def plot(summary: dict, path: Path, eval_tasks: int) -> None:
+def plot(summary: dict, path: Path, eval_tasks: int, start_interval: tuple[float, float]) -> None:
+    """Mean curves, one panel per scoring: a learning rate's colour is the same in both pure-RL arms (the project
+    solid, TRL dashed), the default recipe dotted black; the grey band is the start's 95 % interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=100, sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100, sharey=True)
+    rates = sorted({g["lr"] for g in summary.values() if g["arm"] != "project-default"})
+    colour = {lr: plt.get_cmap("viridis")(i / max(1, len(rates) - 1) * 0.9) for i, lr in enumerate(rates)}
     styles = {"project-rl": "-", "trl": "--", "project-default": ":"}
     for ax, s in zip(axes, SCORINGS):
+        ax.axhspan(*start_interval, color="grey", alpha=0.15, label="start, 95 % interval")
         for name, g in summary.items():
             c = g["curve"]
             ax.plot([p["t"] for p in c], [p[s] for p in c], styles[g["arm"]], marker="o", markersize=3,
-                    label=f"{name} ({len(g['seeds'])} seeds)")
+                    color="black" if g["arm"] == "project-default" else colour[g["lr"]],
+                    label=f"{name} ({len(g['seeds'])} seed{'s' if len(g['seeds']) > 1 else ''})")
         ax.set_title(f"{'raw weights' if s == 'raw' else 'WiSE-FT average'}: test success ({eval_tasks} tasks)",
                      fontsize=10)
         ax.set_xlabel("training wall clock, s (mean over seeds; evaluation excluded)")
@@ -386,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     load1 = os.getloadavg()
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    plot(summary, args.plot, args.eval_tasks)
+    plot(summary, args.plot, args.eval_tasks, start_interval)
     print(f"plot: {args.plot}")
     return 0
 
