@@ -3,13 +3,15 @@ learning-rate sweep with seeds, with the project's default recipe as a third arm
 
     python bench/vs_trl.py --project DIR [--steps 30] [--evals 3] [--eval-tasks 400] [--lrs 2e-5,5e-5,1e-4,2e-4]
                            [--seeds 0,1,2] [--arms project-rl,trl,project-default] [--json OUT] [--plot PNG]
+                           [--report]
 
 Needs TRL (``pip install -e '.[bench]'``: trl and datasets, an optional extra; the product does not import them)
 and a project folder holding ``params.yaml``, ``models/adapted`` and ``data/`` (``dvc repro adapt`` there). Prints
 each run's curve as it ends, then per arm and learning rate the final test success of the raw weights and of the
 WiSE-FT average with a 95 % interval, the curves against training wall time, and the goal's verdict; writes the plot
 and, with ``--json``, every figure. ``--json`` is also the bench's memory: runs already in it (same settings) are kept
-and not run again, so an interrupted sweep goes on where it stopped. Writes nothing else outside a temporary folder.
+and not run again, so an interrupted sweep goes on where it stopped; ``--report`` runs nothing and prints the figures
+of the named runs it holds (no TRL needed). Writes nothing else outside a temporary folder.
 
 The arms (bench/vs_trl_arms.py; every run a child process of its own, one after the other, one rank):
 
