@@ -8,10 +8,12 @@ learning-rate sweep with seeds, with the project's default recipe as a third arm
 Needs TRL (``pip install -e '.[bench]'``: trl and datasets, an optional extra; the product does not import them)
 and a project folder holding ``params.yaml``, ``models/adapted`` and ``data/`` (``dvc repro adapt`` there). Prints
 each run's curve as it ends, then per arm and learning rate the final test success of the raw weights and of the
-WiSE-FT average with a 95 % interval, the curves against training wall time, and the goal's verdict; writes the plot
-and, with ``--json``, every figure. ``--json`` is also the bench's memory: runs already in it (same settings) are kept
-and not run again, so an interrupted sweep goes on where it stopped; ``--report`` runs nothing and prints the figures
-of the named runs it holds (no TRL needed). Writes nothing else outside a temporary folder.
+WiSE-FT average with a 95 % interval, the curves against training wall time, and the goal's verdict; writes, with
+``--json``, every figure and the plot beside it (``--plot`` names another file). ``--json`` is also the bench's
+memory: runs already in it are kept and not run again, so an interrupted sweep goes on where it stopped, if they share
+this invocation's settings and inputs (a digest of the adapted weights and the task files: a project re-adapted
+since is an error, not a mix); ``--report`` runs nothing and prints the figures of the named runs it holds (no TRL
+needed). Writes nothing else outside a temporary folder.
 
 The arms (bench/vs_trl_arms.py; every run a child process of its own, one after the other, one rank):
 
@@ -54,22 +56,25 @@ measurably, and timing who first reaches a point within noise of the start would
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_trl_shared import REPO, run_child  # noqa: E402
+
 CHILD = Path(__file__).resolve().with_name("vs_trl_arms.py")
 GOAL_RATIO = 1 / 3  # the project's pure-RL arm reaches the best TRL arm's final success in <= 1/3 of TRL's time
 ARM_NAMES = ("project-rl", "trl", "project-default")
 SCORINGS = ("raw", "wise")
 NEEDED = ("params.yaml", "models/adapted/config.json", "data/tasks/train.jsonl", "data/tasks/test.jsonl",
           "data/env")
-SETTINGS = ("steps", "evals", "eval_tasks", "project")  # what a kept run must share with this invocation
+SETTINGS = ("steps", "evals", "eval_tasks", "project", "inputs")  # what a kept run must share with this invocation
+INPUTS = ("models/adapted/*.safetensors", "data/tasks/train.jsonl", "data/tasks/test.jsonl")  # their digest: "inputs"
 
 
 class BenchError(Exception):
@@ -101,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2", help="seeds of every arm")
     ap.add_argument("--arms", default=",".join(ARM_NAMES), help=f"comma-separated: {', '.join(ARM_NAMES)}")
     ap.add_argument("--json", type=Path, default=None, help="every figure; runs already in it are kept")
-    ap.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "vs_trl.png")
+    ap.add_argument("--plot", type=Path, default=None, help="the curves' plot (default: beside --json, as .png)")
     ap.add_argument("--report", action="store_true",
                     help="run nothing: the figures of the named runs already in --json (the rest listed as not run)")
     args = ap.parse_args(argv)
@@ -156,6 +161,19 @@ def marks(steps: int, evals: int) -> list[int]:
     return sorted({round(steps * (k + 1) / evals) for k in range(evals)})
 
 
+def inputs_digest(project: Path) -> str:
+    """A digest of what a run starts from and is scored on (the adapted weights, the training and test tasks): kept
+    runs of a project whose model or tasks have since changed are not mixed with new ones."""
+    h = hashlib.sha256()
+    for pattern in INPUTS:
+        for f in sorted(project.glob(pattern)):
+            h.update(f"{f.relative_to(project)}\0".encode())
+            with f.open("rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
 def run_key(arm: str, lr: float, seed: int) -> str:
     return f"{arm} lr={lr:g} seed={seed}"
 
@@ -179,32 +197,16 @@ def load_kept(path: Path | None, settings: dict) -> dict:
         return {}
     try:
         old = json.loads(path.read_text())
-        same = {k: old["settings"][k] for k in SETTINGS} == {k: settings[k] for k in SETTINGS}
+        kept = {k: old["settings"].get(k) for k in SETTINGS}
         runs = old["runs"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"--json {path}: exists and is not a result of this bench ({type(exc).__name__}: {exc})"
                          ) from None
-    if not same:
+    if kept != {k: settings[k] for k in SETTINGS}:
         raise BenchError(f"--json {path}: holds runs with other settings ("
-                         + ", ".join(f"{k} {old['settings'][k]} here {settings[k]}" for k in SETTINGS
-                                     if old["settings"][k] != settings[k]) + "); name another file")
+                         + ", ".join(f"{k} {kept[k]} here {settings[k]}" for k in SETTINGS if kept[k] != settings[k])
+                         + "); name another file")
     return runs
-
-
-def run_child(arm: str, spec: dict, tmp: Path) -> dict:
-    """One run in a child process; its curve and final outcomes."""
-    folder = Path(tempfile.mkdtemp(dir=tmp))
-    spec_path, out = folder / "spec.json", folder / "out.json"
-    spec_path.write_text(json.dumps({**spec, "tmp": str(folder)}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "TRL_EXPERIMENTAL_SILENCE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(CHILD), arm, str(spec_path), str(out)], cwd=spec["project"], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        raise SystemExit(f"run {spec['name']} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out.read_text())
 
 
 def bootstrap_interval(outcomes: list[list[int]], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         version = None if args.report else require_trl()  # a report needs no TRL: its runs are in --json
         recipe_lr = default_lr(args.project)
         settings = {"steps": args.steps, "evals": args.evals, "eval_tasks": args.eval_tasks,
-                    "project": str(args.project.resolve())}
+                    "project": str(args.project.resolve()), "inputs": inputs_digest(args.project)}
         runs = load_kept(args.json, settings)
         version = version or json.loads(args.json.read_text()).get("trl")
     except BenchError as exc:
@@ -359,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         todo = []
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as t:
         if "start" not in runs and todo:
-            runs["start"] = {**run_child("start", {**spec, "name": "start", "seed": 0, "lr": 0.0}, Path(t)),
+            runs["start"] = {**run_child(CHILD, "start", {**spec, "name": "start", "seed": 0, "lr": 0.0},
+                                         Path(t) / "start", "run start"),
                              "seed": 0, "lr": 0.0}
             save()
         if "start" in runs:
@@ -368,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             key = run_key(arm, lr, seed)
             if key in runs:
                 continue
-            r = run_child(arm, {**spec, "name": key, "lr": lr, "seed": seed}, Path(t))
+            r = run_child(CHILD, arm, {**spec, "name": key, "lr": lr, "seed": seed},
+                          Path(t) / key.replace(" ", "_"), f"run {key}")
             runs[key] = {**r, "lr": lr, "seed": seed, "load": os.getloadavg()[0]}
             save()
             print(f"{key}: " + ", ".join(f"step {p['step']} {p['t']:.0f}s {p['raw']:.3f}/{p['wise']:.3f}"
@@ -394,8 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     load1 = os.getloadavg()
     print(f"load average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    plot(summary, args.plot, args.eval_tasks, start_interval)
-    print(f"plot: {args.plot}")
+    png = args.plot or (args.json.with_suffix(".png") if args.json else None)
+    if png is None:
+        print("plot: none (name --plot or --json)")
+    else:
+        plot(summary, png, args.eval_tasks, start_interval)
+        print(f"plot: {png}")
     return 0
 
 

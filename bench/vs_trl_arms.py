@@ -9,9 +9,11 @@
 A learning run plays ``steps`` optimizer steps and, after each step in ``marks``, stops its clock and scores the
 policy twice on the first ``eval_tasks`` test tasks with the evaluate stage's seeds, greedy: its raw weights and the
 WiSE-FT average ``adapted + merge_alpha * (trained - adapted)``. OUT gets ``{"points": [{"step", "t", "episodes",
-"raw", "wise"}, ...], "final": {"raw": [...], "wise": [...]}, "config": {...}, "rollout_success": [...]}``: ``t`` is
-training wall clock (trainer construction included, evaluations excluded), ``final`` every test task's success at
-the last mark (the bench's intervals resample them). Why each setting is what it is: bench/vs_trl.py's docstring.
+"raw", "wise"}, ...], "final": {"raw": [...], "wise": [...]}, "config": {...}, "rollout_success": [...],
+"first_batch": DIGEST}``: ``t`` is training wall clock (trainer construction included, evaluations excluded),
+``final`` every test task's success at the last mark (the bench's intervals resample them), ``first_batch`` a digest
+of the tokens sampled at the first step (:func:`vs_trl_shared.sampled_digest`: equal in the two pure-RL arms of a
+learning rate and seed, which play the same episodes from the same weights). Why each setting is what it is: bench/vs_trl.py's docstring.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vs_trl_shared import (engine_rollout_func, grpo_args, load_project, make_plan, plain_forward,  # noqa: E402
-                           pure_rl, rl_rollout)
+                           pure_rl, rl_rollout, sampled_digest)
 
 # TRL's estimator set to the project's: advantages r - group mean (no std scaling; RLOO's leave-one-out baseline is
 # the same advantage times G/(G-1)), loss averaged over every action token of the optimizer step's batch ("dapo",
@@ -165,6 +167,8 @@ def project_arm(spec: dict, default: bool) -> dict:
     for u in range(spec["steps"]):
         ep_tasks, seeds = plan(loop, u) if default else fixed[u]
         records = loop.rollout.run(ep_tasks, seeds, greedy=False, policy_version=u)
+        if u == 0:
+            first = sampled_digest((r["token_ids"], r["action_mask"]) for r in records)
         observe(loop, records, u)
         learn_or_drop(loop, records, u, 0)
         success.append(sum(r["success"] for r in records) / len(records))
@@ -179,7 +183,7 @@ def project_arm(spec: dict, default: bool) -> dict:
                                            "micro_batches", "rollout_temperature", "loss_agg",
                                            "skip_zero_variance_groups", "bc_coef", "guide_failed_groups",
                                            "merge_alpha", "max_grad_norm", "seed")}
-    return {"points": points, "final": final, "rollout_success": success, "setup_s": setup_s,
+    return {"points": points, "final": final, "rollout_success": success, "setup_s": setup_s, "first_batch": first,
             "config": config | {"max_new_tokens": rollout_cfg.max_new_tokens}}
 
 
@@ -228,6 +232,7 @@ def trl_arm(spec: dict) -> dict:
 
     def rollout_func(prompts, trainer):
         out = play(prompts, trainer)
+        stats.setdefault("first_batch", sampled_digest(zip(out["completion_ids"], out["env_mask"])))
         success.append((stats["successes"] - stats["before"]) / len(out["env_mask"]))
         return out
 
@@ -257,7 +262,7 @@ def trl_arm(spec: dict) -> dict:
                                             "gradient_accumulation_steps", "temperature", "bf16",
                                             "gradient_checkpointing", "beta", "epsilon", "max_grad_norm", "seed")}
     return {"points": points, "final": final, "rollout_success": success, "setup_s": stats["setup_s"],
-            "config": {k: getattr(v, "value", v) for k, v in config.items()}
+            "first_batch": stats["first_batch"], "config": {k: getattr(v, "value", v) for k, v in config.items()}
             | {"max_new_tokens": rl_cfg.max_new_tokens, "merge_alpha": cfg.merge_alpha}}
 
 

@@ -21,7 +21,41 @@ masks tool results) and the reward function returns the environment's return.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_child(script: Path, arm: str, spec: dict, folder: Path, label: str) -> dict:
+    """One arm's run as ``python SCRIPT ARM SPEC OUT`` in a child process of its own, in the project folder, with
+    `folder` (new, inside the bench's temporary folder) for its files and the temporary folder's MLflow store; what
+    the child wrote to OUT. A failed child ends the bench with its output's tail."""
+    folder.mkdir()
+    spec_path, out = folder / "spec.json", folder / "out.json"
+    spec_path.write_text(json.dumps({**spec, "tmp": str(folder)}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRL_EXPERIMENTAL_SILENCE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{folder.parent / 'mlflow.db'}"}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(script), arm, str(spec_path), str(out)], cwd=spec["project"], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise SystemExit(f"{label} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def sampled_digest(streams) -> str:
+    """A digest of the tokens sampled in a batch: for each episode in order, its token ids where its action mask is
+    1, given as ``(token_ids, action_mask)`` pairs. Equal digests: the same episodes generated the same actions."""
+    h = hashlib.sha256()
+    for ids, mask in streams:
+        h.update(json.dumps([t for t, m in zip(ids, mask) if m]).encode())
+    return h.hexdigest()[:16]
 
 
 def load_project(spec: dict):

@@ -49,15 +49,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import BenchError, Parser, require_trl  # noqa: E402  (the learning bench's input handling, shared)
+from vs_trl_shared import REPO, run_child  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).resolve().with_name("vs_trl_throughput_arms.py")
 ARM_NAMES = ("project", "project-all", "trl-naive", "trl-engine")
 GOAL = 1.5  # the project's episodes/s at least 1.5x TRL's with generation held equal (trl-engine)
@@ -88,23 +87,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise BenchError(f"--project {args.project}: {name} not found (the bench needs params.yaml, "
                              f"models/adapted and data/; run `dvc repro adapt` there first)")
     return args
-
-
-def run_child(arm: str, spec: dict, tmp: Path, tag: str) -> dict:
-    """One repetition of one arm in a child process; its per-step figures."""
-    folder = tmp / f"{arm}-{tag}"
-    folder.mkdir()
-    spec_path, out = folder / "spec.json", folder / "out.json"
-    spec_path.write_text(json.dumps({**spec, "tmp": str(folder)}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "TRL_EXPERIMENTAL_SILENCE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(CHILD), arm, str(spec_path), str(out)], cwd=spec["project"], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        raise SystemExit(f"arm {arm} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out.read_text())
 
 
 def rep_figures(steps: list[dict]) -> dict:
@@ -214,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vs_trl_tp_") as t:
         for rep in range(args.reps):
             for arm in args.arms:
-                r = run_child(arm, spec, Path(t), f"r{rep}")
+                r = run_child(CHILD, arm, spec, Path(t) / f"{arm}-r{rep}", f"arm {arm}")
                 arm_reps[arm].append(r)
                 f = rep_figures(r["steps"])
                 print(f"  rep {rep + 1} {arm}: {f['episodes_per_s']:.2f} episodes/s, {f['tokens_per_s']:.0f} "
@@ -222,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"(load {os.getloadavg()[0]:.2f})", flush=True)
         if args.profile:
             for arm in args.arms:
-                profiles[arm] = run_child(arm, {**spec, "profile": True}, Path(t), "profile")["profile"]
+                profiles[arm] = run_child(CHILD, arm, {**spec, "profile": True}, Path(t) / f"{arm}-profile",
+                                           f"arm {arm}")["profile"]
     load1 = os.getloadavg()
     summary = summarize(arm_reps)
     rat = ratios(summary)

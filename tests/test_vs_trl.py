@@ -31,10 +31,15 @@ def fake_project(root: Path) -> Path:
     return root
 
 
-def run_bench(*args: str, hide_trl: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_script(module: str, *args: str, hide_trl: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A bench's ``main`` in a fresh interpreter, TRL hidden when asked."""
     code = ("import sys\n" + ("sys.modules['trl'] = None\n" if hide_trl else "") +
-            f"sys.path.insert(0, {str(BENCH)!r})\nimport vs_trl\nsys.exit(vs_trl.main(sys.argv[1:]))")
+            f"sys.path.insert(0, {str(BENCH)!r})\nimport {module} as b\nsys.exit(b.main(sys.argv[1:]))")
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def run_bench(*args: str, **kw) -> subprocess.CompletedProcess:
+    return run_script("vs_trl", *args, **kw)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -106,11 +111,15 @@ def test_the_recipes_rate_is_the_projects_train_lr(tmp_path):
         vs_trl.default_lr(tmp_path)
 
 
-SETTINGS = {"steps": 30, "evals": 3, "eval_tasks": 400, "project": "/p"}
+SETTINGS = {"steps": 30, "evals": 3, "eval_tasks": 400, "project": "/p", "inputs": "0123abcd"}
 
 
 @pytest.mark.parametrize("content, words", [
     ({"settings": {**SETTINGS, "steps": 20}, "runs": {}}, "holds runs with other settings (steps 20 here 30)"),
+    ({"settings": {**SETTINGS, "inputs": "ffff0000"}, "runs": {}},
+     "holds runs with other settings (inputs ffff0000 here 0123abcd)"),
+    ({"settings": {k: v for k, v in SETTINGS.items() if k != "inputs"}, "runs": {}},
+     "holds runs with other settings (inputs None here 0123abcd)"),
     ({"runs": {}}, "exists and is not a result of this bench (KeyError"),
     ("{not json", "exists and is not a result of this bench (JSONDecodeError"),
 ])
@@ -127,6 +136,34 @@ def test_kept_runs_come_back_and_a_missing_file_keeps_none(tmp_path):
     f.write_text(json.dumps({"settings": SETTINGS, "runs": {"trl lr=0.0001 seed=0": {"arm": "trl"}}}))
     assert vs_trl.load_kept(f, SETTINGS) == {"trl lr=0.0001 seed=0": {"arm": "trl"}}
     assert vs_trl.load_kept(tmp_path / "none.json", SETTINGS) == {} and vs_trl.load_kept(None, SETTINGS) == {}
+
+
+def test_inputs_digest_changes_with_the_adapted_weights_and_the_tasks(tmp_path):
+    project = fake_project(tmp_path / "p")
+    empty = vs_trl.inputs_digest(project)
+    weights = project / "models" / "adapted" / "model.safetensors"
+    weights.write_bytes(b"\0" * 10)
+    first = vs_trl.inputs_digest(project)
+    assert first != empty and vs_trl.inputs_digest(project) == first
+    weights.write_bytes(b"\0" * 9 + b"\1")
+    assert vs_trl.inputs_digest(project) != first
+    second = vs_trl.inputs_digest(project)
+    (project / "data" / "tasks" / "test.jsonl").write_text("{}\n")
+    third = vs_trl.inputs_digest(project)
+    assert third != second
+    (project / "params.yaml").write_text("train:\n  lr: 1.0\n")  # settings are not inputs: the runs record them
+    assert vs_trl.inputs_digest(project) == third
+
+
+def test_sampled_digest_reads_the_action_tokens_in_episode_order():
+    a, b = ([5, 6, 7, 8], [0, 1, 1, 0]), ([9, 10], [1, 1])
+    assert vs_trl_shared.sampled_digest([a, b]) == vs_trl_shared.sampled_digest([([1, 6, 7, 2], [0, 1, 1, 0]),
+                                                                               ([9, 10], [1, 1])])
+    assert vs_trl_shared.sampled_digest([a, b]) != vs_trl_shared.sampled_digest([b, a])
+    assert vs_trl_shared.sampled_digest([a, b]) != vs_trl_shared.sampled_digest([a, ([9, 11], [1, 1])])
+    # the same tokens split differently between episodes are other episodes
+    assert vs_trl_shared.sampled_digest([([6, 7], [1, 1]), ([9, 10], [1, 1])]) != vs_trl_shared.sampled_digest(
+        [([6], [1]), ([7, 9, 10], [1, 1, 1])])
 
 
 def test_bootstrap_interval_brackets_the_mean_and_collapses_without_spread():
@@ -195,15 +232,16 @@ def test_report_prints_the_kept_runs_and_runs_nothing(tmp_path, capsys, monkeypa
     not run; without a --json file it is one error line."""
     project = fake_project(tmp_path / "p")
     (project / "params.yaml").write_text("train:\n  lr: 2.0e-4\n")
-    out, png = tmp_path / "r.json", tmp_path / "r.png"
-    settings = {"steps": 30, "evals": 3, "eval_tasks": 10, "project": str(project.resolve())}
+    out, png = tmp_path / "r.json", tmp_path / "r.png"  # the plot's default place: beside --json
+    settings = {"steps": 30, "evals": 3, "eval_tasks": 10, "project": str(project.resolve()),
+                "inputs": vs_trl.inputs_digest(project)}
     runs = {"start": START, "trl lr=0.0001 seed=0": run("trl", 1e-4, 0, [(100, 0.6, 0.6), (200, 0.7, 0.7),
                                                                           (300, 0.8, 0.6)]),
             "project-rl lr=0.0001 seed=0": run("project-rl", 1e-4, 0, [(40, 0.8, 0.5), (80, 0.8, 0.5),
                                                                         (120, 0.9, 0.6)])}
     out.write_text(json.dumps({"settings": settings, "trl": "1.16.0", "runs": runs}))
     args = ["--project", str(project), "--eval-tasks", "10", "--lrs", "1e-4", "--seeds", "0,1", "--json", str(out),
-            "--plot", str(png), "--report"]
+            "--report"]
     monkeypatch.setitem(sys.modules, "trl", None)  # a report imports no TRL
     assert vs_trl.main(args) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -255,6 +293,7 @@ def test_learning_bench_runs_every_arm_on_a_tiny_project(tmp_path):
         if key != "start":
             assert [p["step"] for p in r["points"]] == [1, 2] and len(r["final"]["raw"]) == 6
             assert 0 < r["points"][0]["t"] <= r["points"][1]["t"] and len(r["rollout_success"]) == 2
+    assert runs["trl lr=0.001 seed=0"]["first_batch"] == runs["project-rl lr=0.001 seed=0"]["first_batch"]
     assert runs["trl lr=0.001 seed=0"]["rollout_success"][0] == runs["project-rl lr=0.001 seed=0"][
         "rollout_success"][0]
     assert runs["trl lr=0.001 seed=0"]["config"]["loss_type"] == "dapo"
@@ -270,10 +309,8 @@ def test_learning_bench_runs_every_arm_on_a_tiny_project(tmp_path):
 import vs_trl_throughput  # noqa: E402
 
 
-def run_throughput(*args: str, hide_trl: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
-    code = ("import sys\n" + ("sys.modules['trl'] = None\n" if hide_trl else "") +
-            f"sys.path.insert(0, {str(BENCH)!r})\nimport vs_trl_throughput as b\nsys.exit(b.main(sys.argv[1:]))")
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+def run_throughput(*args: str, **kw) -> subprocess.CompletedProcess:
+    return run_script("vs_trl_throughput", *args, **kw)
 
 
 @pytest.mark.parametrize("args, words", [
