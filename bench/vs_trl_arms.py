@@ -13,7 +13,8 @@ WiSE-FT average ``adapted + merge_alpha * (trained - adapted)``. OUT gets ``{"po
 "first_batch": DIGEST}``: ``t`` is training wall clock (trainer construction included, evaluations excluded),
 ``final`` every test task's success at the last mark (the bench's intervals resample them), ``first_batch`` a digest
 of the tokens sampled at the first step (:func:`vs_trl_shared.sampled_digest`: equal in the two pure-RL arms of a
-learning rate and seed, which play the same episodes from the same weights). Why each setting is what it is: bench/vs_trl.py's docstring.
+learning rate and seed, which play the same episodes from the same weights). Why each setting is what it is:
+bench/vs_trl.py's docstring.
 """
 
 from __future__ import annotations
