@@ -82,3 +82,46 @@ def test_a_commands_recorded_stage_peak_counts_its_child_runs(tmp_path, monkeypa
     record = json.loads(times.read_text())
     assert record["command"] == "stages" and record["rc"] == 0
     assert record["peak_rss_mib"] >= round(isolation.child_runs_peak_mib(), 1) > 300
+
+
+def _sleep_forever(pid_file: str) -> None:
+    import time
+    from pathlib import Path
+
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_the_child_ends_when_its_parent_is_killed(tmp_path, how):
+    """A parent stopped by a signal cannot shut its pool down: the child must notice and exit on its own, not go on
+    computing on every core with nobody to read its result."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_isolation as t; "
+            "from pipeline.core import isolation; isolation.run_in_child('sleeping', t._sleep_forever, sys.argv[2])")
+    parent = subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__), str(pid_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline, "the child never started"
+            time.sleep(0.1)
+        child = int(pid_file.read_text())
+        os.kill(child, 0)  # running
+        parent.send_signal(getattr(signal, how))
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the child {child} outlived its parent killed by {how}")
+    finally:
+        parent.kill()

@@ -13,6 +13,11 @@ moved into shared memory (``/dev/shm``, 64 MiB in a default Docker container), t
 and the child would then write into the parent's model. An exception raised in the child is raised again in the parent with its type; a child that dies without
 one (killed, out of memory) becomes an :class:`~pipeline.core.errors.AgentRLError` naming the part.
 
+The child does not outlive its parent: a parent stopped by a signal (``kill``, Ctrl-C of a whole run, a scheduler's
+timeout) gets no chance to shut the pool down, and its child used to go on training on every core until it finished,
+with nobody to read its result. The child watches its parent (:func:`_end_with_parent`: the kernel's parent-death
+signal on Linux, and a thread that polls the parent's pid everywhere) and exits when the parent is gone.
+
 Memory accounting: while the child runs, the parent waits and keeps its own pages, so the process tree's peak is
 at least the parent's resident size when the child started plus the child's own high-water mark.
 :func:`tree_peak_mib` reports the larger of that sum (over every child run so far) and this process's high-water
@@ -23,9 +28,13 @@ cannot hide memory from the figures.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import resource
+import signal
 import sys
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
@@ -83,6 +92,29 @@ def _own_peak_mib() -> float:
     return self_peak_mib()
 
 
+PARENT_POLL_S = 0.5  # how often a child checks that its parent is still there
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    """The child pool's initializer: exit as soon as the process that started it (`parent_pid`) is gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed with the parent
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    if os.getppid() != parent_pid:  # the parent was gone before the signal was asked for
+        os._exit(1)
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def _call(payload: bytes) -> tuple[bytes, float]:
     fn, args, kwargs = pickle.loads(payload)
     return pickle.dumps(fn(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL), _own_peak_mib()
@@ -96,7 +128,8 @@ def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
         payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise AgentRLError(f"{what}: cannot be sent to a child process ({type(exc).__name__}: {exc})") from None
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_end_with_parent, initargs=(os.getpid(),)) as pool:
         try:
             result, child_peak = pool.submit(_call, payload).result()
         except BrokenProcessPool:
