@@ -133,3 +133,45 @@ def test_a_single_word_kind_builds_names_from_halves():
     assert pool.joiners == {"codes": ""}
     name = pool.fake("codes", np.random.default_rng(0), set())
     assert name and name not in {"Alpha", "Bravo", "Delta"}
+
+
+def test_on_the_sql_world_the_mined_names_are_its_held_out_values_and_never_its_vocabulary(tmp_path):
+    """Mined from the SQL analyst's demonstrations (it writes no entities.json): the cities and categories the
+    questions quote into the SQL (held out of training by the world) are names; the table names the describe_table
+    calls copy from the questions, and the statuses, segments and channels every split shares, are vocabulary: never
+    replaced by fictitious ones, and no fictitious name is built from them."""
+    from pipeline.build_env.config import BuildEnvConfig
+    from pipeline.build_env.main import build_demos
+    from pipeline.envs.config import EnvConfig
+    from pipeline.envs.contract import BuildRequest
+    from pipeline.envs.sql import SqlAnalyst, SqlOptions
+    from pipeline.envs.sql.world import META_NAME, TABLES
+
+    out = tmp_path / "data" / "env"
+    out.mkdir(parents=True)
+    result = SqlAnalyst.build(out, BuildRequest(0, {"train": 120, "validation": 200, "test": 8}, {1: 1, 2: 1, 3: 1},
+                                                SqlOptions(n_customers=200, n_products=96, n_orders=1500)))
+    world = SqlAnalyst.load(out)
+    try:
+        train = result.tasks["train"]
+        demos = build_demos(train, world, BuildEnvConfig(), EnvConfig(name="sql"))
+        questions = [t.question for t in result.tasks["validation"]]
+        src = name_source(world, tmp_path / "data", [t.to_dict() for t in train], demos, questions)
+        before = name_source(world, tmp_path / "data", [t.to_dict() for t in train], demos)  # no questions given
+    finally:
+        world.close()
+    partition = json.loads((out / META_NAME).read_text())["partition"]
+    held_out_train = set(partition["city"]["train"]) | set(partition["category"]["train"])
+    names = set(src.pool.kind_of)
+    assert names and names <= held_out_train
+    assert not names & set(TABLES)
+    assert src.source.startswith("strings the demonstrations copy from what they read (")
+    assert "left as they are" in src.source and "customers" in src.source
+    # every part a fictitious name is built from comes from a held-out value, never from vocabulary
+    parts = set(src.pool.firsts["copyable"]) | set(src.pool.lasts["copyable"])
+    assert all(any(n.startswith(p) or n.endswith(p) for n in names) for p in parts)
+    # a task's names to replace are the held-out values its question quotes
+    for t in train:
+        assert all(f"'{n}'" in t.question for n in src.names(t.to_dict()))
+    # the documents alone (the tables' descriptions) already keep the table names out
+    assert not set(before.pool.kind_of) & set(TABLES)

@@ -173,7 +173,8 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
     # the fictitious names of the drills and of entity augmentation
-    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"])
+    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"],
+                        [t.question for t in inputs["eval"]])
     print(f"adapt: fictitious names for drills and augmentation: {names.source}", flush=True)
 
     pre_summary = None

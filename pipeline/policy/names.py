@@ -140,15 +140,24 @@ def _strings(value) -> list[str]:
     return []
 
 
+_QUOTED = re.compile(r"'([^'\n]+)'|\"([^\"\n]+)\"")  # a span between single or double quotes, on one line
+
+
 def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> list[str]:
-    """The strings of a demonstration's calls (parameter values, at any depth) that occur verbatim in its question or
-    in an observation before the call, in order of first use; at least `min_len` characters with a letter, and never
-    the answer's value (what the episode computes is not copied).
+    """The strings a demonstration's calls copy from its question or from an observation before the call, in order of
+    first use; at least `min_len` characters with a letter, and never the answer's value (what the episode computes
+    is not copied). A string is copied when it is a whole parameter value (at any depth) that occurs verbatim in
+    what was read, or a quoted span of what was read (between ``'`` or ``"``) that occurs inside a parameter value:
+    a value written into a larger one, such as a city into a query.
 
     >>> mine_copyable('Where is "Blue Hill"?', [{"action": '<call>find {"place": "Blue Hill"}</call>',
     ...                                         "observation": "north of Redwater"},
     ...                                        {"action": '<call>answer {"value": "north"}</call>', "observation": ""}])
     ['Blue Hill']
+    >>> code = "count(visits, city='Lyon')"
+    >>> mine_copyable("How many visits from 'Lyon' were 'late'?",
+    ...               [{"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": "7"}])
+    ['Lyon']
     """
     seen, out = question, []
     for s in steps:
@@ -158,8 +167,10 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
                 params = json.loads(m.group(2))
             except ValueError:
                 params = {}
+            quoted = [a or b for a, b in _QUOTED.findall(seen)]
             for v in _strings(params):
-                if len(v) >= min_len and any(c.isalpha() for c in v) and v in seen and v not in out:
-                    out.append(v)
+                found = [v] if v in seen else []
+                found += [q for q in quoted if q != v and q in v]
+                out += [c for c in found if len(c) >= min_len and any(ch.isalpha() for ch in c) and c not in out]
         seen += "\n" + str(s.get("observation", ""))
     return out
