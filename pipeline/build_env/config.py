@@ -20,10 +20,6 @@ class DemoConfig(PhaseConfig):
         default_factory=dict,
         description="Share of training tasks of a task family that get a demonstration, in place of its level's `level_coverage` (e.g. {update: 0.1}); an empty mapping builds the same data as level coverage alone.",
     )
-    min_per_family: int = Field(
-        25, ge=0,
-        description="Fewest demonstrations a task family gets: a family that level_coverage leaves below it gets more of its training tasks demonstrated (never more than it has); a family that family_coverage names gets exactly its share. A family whose call shapes no other family shows cannot be learnt from a handful of examples; 25 is what lifted the default world's level 4 from never solved to a start RL builds on. 0 turns it off.",
-    )
     redundant_call_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration repeats one of its calls.")
     wrong_order_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration first tries a step out of order (a failing call), then recovers.")
     wrong_value_prob: float = Field(0.0, ge=0, le=1, description="Chance that a demonstration makes the planned calls, then answers a wrong value.")

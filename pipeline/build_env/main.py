@@ -72,40 +72,21 @@ def demo_record(demo_id: str, task, flaw: str, steps: list[dict], success: bool,
 
 def build_demos(train: list, world: Environment, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> list[dict]:
     """Demonstrations of the training tasks chosen by `family_coverage` (where it names the task's family) or else
-    `level_coverage`, then of more tasks of any family left below ``min_per_family`` (a family that
-    `family_coverage` names gets its share and no more), one flaw drawn per demonstration; none when the environment
-    has no expert.
-
-    The top-up draws from its own generator, after the coverage pass, so data whose families all reach the floor are
-    byte for byte what coverage alone gives."""
+    `level_coverage`, one flaw drawn per demonstration; none when the environment has no expert."""
     if world.expert() is None:
         return []
     rng = np.random.default_rng([cfg.seed, 3])
     env = AgentEnv(world=world, tasks=train,
                    config=env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0}))
     demos = []
-
-    def demonstrate(task, rng) -> None:
-        flaw = draw_flaw(cfg.demos, type(world).flaws, rng)
-        rec = run_episode(env, world.expert(flaw, rng), task, seed=int(rng.integers(2**31)))
-        demos.append(demo_record(f"demo-{len(demos):06d}", task, flaw, rec["steps"], rec["success"], rec["return"]))
-
     try:
-        chosen = set()
         for task in train:
             share = cfg.demos.family_coverage.get(task.family, cfg.demos.level_coverage.get(task.level, 0.0))
             if rng.random() >= share:
                 continue
-            chosen.add(task.task_id)
-            demonstrate(task, rng)
-        top_up = np.random.default_rng([cfg.seed, 5])
-        have = Counter(d["family"] for d in demos)
-        for family in sorted({t.family for t in train} - set(cfg.demos.family_coverage)):
-            left = [t for t in train if t.family == family and t.task_id not in chosen]
-            missing = min(cfg.demos.min_per_family - have[family], len(left))
-            if missing > 0:
-                for i in sorted(top_up.choice(len(left), size=missing, replace=False)):
-                    demonstrate(left[i], top_up)
+            flaw = draw_flaw(cfg.demos, type(world).flaws, rng)
+            rec = run_episode(env, world.expert(flaw, rng), task, seed=int(rng.integers(2**31)))
+            demos.append(demo_record(f"demo-{len(demos):06d}", task, flaw, rec["steps"], rec["success"], rec["return"]))
     finally:
         env.close()
     return demos
