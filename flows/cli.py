@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -435,8 +437,18 @@ def check_params(path: str, only_known: bool = True) -> None:
             parse_section(model, data[section], f"{path}:{section}")
 
 
+def _interrupt_on_term() -> None:
+    """A SIGTERM (``kill``, a scheduler, a container stopping) ends a command as Ctrl-C does: as KeyboardInterrupt,
+    so context managers release the repository lock and the exit handlers run. Without it, Python dies at once and
+    the temporary Prefect server that ``agentrl run`` starts (an uvicorn child stopped by an exit handler) stays
+    behind. A handler the host process installed is kept; only the main thread can install one."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
+    _interrupt_on_term()
     args = build_parser().parse_args(argv)
     command = COMMANDS[args.command]
     rc: int | str = "exception"

@@ -285,3 +285,46 @@ def test_wrong_value_prob_makes_demonstrations_that_answer_a_wrong_value(built, 
         except ValueError:
             assert given == f"{task['answer']} Ltd"
     assert "wrong_value" not in built[1]["demos"]["per_flaw"]  # the default: the switch off
+
+
+def test_every_family_gets_at_least_min_per_family_demonstrations_and_a_met_floor_changes_nothing(tmp_path):
+    """build_env's top-up: a family that coverage leaves below `min_per_family` gets more of its own training tasks
+    demonstrated (never one twice, never more than it has); when every family already reaches the floor the
+    demonstrations are exactly those of coverage alone."""
+    from collections import Counter
+
+    from pipeline.build_env.config import BuildEnvConfig
+    from pipeline.build_env.main import build_demos
+    from pipeline.envs.config import EnvConfig
+    from pipeline.envs.contract import BuildRequest
+    from pipeline.envs.sql import SqlAnalyst, SqlOptions
+
+    out = tmp_path / "env"
+    out.mkdir()
+    result = SqlAnalyst.build(out, BuildRequest(0, {"train": 48, "validation": 8, "test": 8}, {1: 1, 4: 1},
+                                                SqlOptions(n_customers=200, n_products=96, n_orders=1500)))
+    world = SqlAnalyst.load(out)
+    train = result.tasks["train"]
+    tasks_of = Counter(t.family for t in train)
+    try:
+        def demos(level4: float, floor: int) -> list[dict]:
+            cfg = BuildEnvConfig(demos={"level_coverage": {1: 1.0, 4: level4}, "min_per_family": floor})
+            return build_demos(train, world, cfg, EnvConfig(name="sql"))
+
+        scarce, topped = demos(0.0, 0), demos(0.0, 6)
+        full, full_floor = demos(1.0, 0), demos(1.0, 6)
+    finally:
+        world.close()
+    level4 = {t.family for t in train if t.level == 4}
+    assert level4 and not {d["family"] for d in scarce} & level4  # coverage alone: no level-4 demonstration
+    have = Counter(d["family"] for d in topped)
+    assert all(have[f] >= min(6, n) for f, n in tasks_of.items())
+    assert all(have[f] == min(6, tasks_of[f]) for f in level4)  # topped up to the floor exactly
+    assert len({d["task_id"] for d in topped}) == len(topped)  # no task demonstrated twice
+    # the coverage pass is untouched, and every demonstration is in its task's order, numbered in it
+    strip = lambda ds: [{k: v for k, v in d.items() if k != "demo_id"} for d in ds]  # noqa: E731
+    position = {t.task_id: i for i, t in enumerate(train)}
+    assert all(d in strip(topped) for d in strip(scarce))
+    assert [position[d["task_id"]] for d in topped] == sorted(position[d["task_id"]] for d in topped)
+    assert [d["demo_id"] for d in topped] == [f"demo-{k:06d}" for k in range(len(topped))]
+    assert full_floor == full  # every family already at the floor: the same demonstrations

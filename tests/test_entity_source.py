@@ -128,11 +128,24 @@ def test_with_nothing_to_copy_the_source_says_why(tmp_path):
     assert drills.copy_drills(src.pool, 10, np.random.default_rng(0)) == []
 
 
-def test_a_single_word_kind_builds_names_from_halves():
-    pool = NamePool.from_entities({"codes": {"Alpha": "train", "Bravo": "train", "Delta": "test"}})
-    assert pool.joiners == {"codes": ""}
-    name = pool.fake("codes", np.random.default_rng(0), set())
-    assert name and name not in {"Alpha", "Bravo", "Delta"}
+def test_a_character_kind_redraws_the_characters_of_a_training_names_shape():
+    """A character kind's fictitious name keeps a training name's shape (length, case, digits, punctuation) with its
+    letters and digits drawn from the kind's training names; never a real name, and not a recombination to guess."""
+    names = {"Alpha": "train", "Bravo": "train", "T-1042": "train", "Delta": "test"}
+    pool = NamePool.from_entities({"codes": names})
+    assert pool.shapes == {"codes": ("Alpha", "Bravo", "T-1042")} and not pool.firsts
+    assert sorted(pool.chars["codes"]["A"]) == ["A", "B", "T"] and sorted(pool.chars["codes"]["0"]) == list("0124")
+    rng = np.random.default_rng(0)
+    fakes = [pool.fake("codes", rng, set()) for _ in range(300)]
+    assert not set(fakes) & set(names)
+    for f in fakes:
+        assert any(len(f) == len(s) and all((a.isupper(), a.islower(), a.isdigit(), a if not a.isalnum() else "") ==
+                                            (b.isupper(), b.islower(), b.isdigit(), b if not b.isalnum() else "")
+                                            for a, b in zip(f, s)) for s in pool.shapes["codes"])
+        assert set(f) <= set("AlphaBravoT-1042")
+    assert len(set(fakes)) > 250  # far more than the 2 x 2 halves of two five-letter names could give
+    ids = [f for f in fakes if len(f) == 6]  # the shape of "T-1042"
+    assert ids and all(f[0] in "ABT" and f[1] == "-" and f[2:].isdigit() for f in ids)
 
 
 def test_on_the_sql_world_the_mined_names_are_its_held_out_values_and_never_its_vocabulary(tmp_path):
@@ -167,9 +180,9 @@ def test_on_the_sql_world_the_mined_names_are_its_held_out_values_and_never_its_
     assert not names & set(TABLES)
     assert src.source.startswith("strings the demonstrations copy from what they read (")
     assert "left as they are" in src.source and "customers" in src.source
-    # every part a fictitious name is built from comes from a held-out value, never from vocabulary
-    parts = set(src.pool.firsts["copyable"]) | set(src.pool.lasts["copyable"])
-    assert all(any(n.startswith(p) or n.endswith(p) for n in names) for p in parts)
+    # fictitious names take the shapes and characters of held-out values only, never of vocabulary
+    assert set(src.pool.shapes["copyable"]) == names
+    assert set("".join(src.pool.chars["copyable"].values())) <= set("".join(names))
     # a task's names to replace are the held-out values its question quotes
     for t in train:
         assert all(f"'{n}'" in t.question for n in src.names(t.to_dict()))

@@ -20,6 +20,10 @@ class DemoConfig(PhaseConfig):
         default_factory=dict,
         description="Share of training tasks of a task family that get a demonstration, in place of its level's `level_coverage` (e.g. {update: 0.1}); an empty mapping builds the same data as level coverage alone.",
     )
+    min_per_family: int = Field(
+        25, ge=0,
+        description="Fewest demonstrations a task family gets: a family that level_coverage leaves below it gets more of its training tasks demonstrated (never more than it has); a family that family_coverage names gets exactly its share. A family whose call shapes no other family shows is not learnt from a handful of examples. The default world's families all have more, so its data are unchanged. 0 turns it off.",
+    )
     redundant_call_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration repeats one of its calls.")
     wrong_order_prob: float = Field(0.1, ge=0, le=1, description="Chance that a demonstration first tries a step out of order (a failing call), then recovers.")
     wrong_value_prob: float = Field(0.0, ge=0, le=1, description="Chance that a demonstration makes the planned calls, then answers a wrong value.")

@@ -72,24 +72,45 @@ def demo_record(demo_id: str, task, flaw: str, steps: list[dict], success: bool,
 
 def build_demos(train: list, world: Environment, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> list[dict]:
     """Demonstrations of the training tasks chosen by `family_coverage` (where it names the task's family) or else
-    `level_coverage`, one flaw drawn per demonstration; none when the environment has no expert."""
+    `level_coverage`, then of more tasks of any family left below ``min_per_family`` (a family that
+    `family_coverage` names gets its share and no more), one flaw drawn per demonstration; none when the environment
+    has no expert.
+
+    The top-up draws from its own generator, after the coverage pass, and the demonstrations are then put in the
+    order of their tasks (and numbered in it): data whose families all reach the floor are byte for byte what
+    coverage alone gives, and the first demonstrations of topped-up data are still a sample of every family, not the
+    scarce families' extra ones (a replay of them as traffic would look like drift)."""
     if world.expert() is None:
         return []
     rng = np.random.default_rng([cfg.seed, 3])
     env = AgentEnv(world=world, tasks=train,
                    config=env_cfg.model_copy(update={"tool_latency_s": 0.0, "tool_latency_spike_rate": 0.0}))
-    demos = []
+    demos: list[tuple[int, dict]] = []  # (the task's index in `train`, its demonstration)
+
+    def demonstrate(i: int, rng: np.random.Generator) -> None:
+        task = train[i]
+        flaw = draw_flaw(cfg.demos, type(world).flaws, rng)
+        rec = run_episode(env, world.expert(flaw, rng), task, seed=int(rng.integers(2**31)))
+        demos.append((i, demo_record("", task, flaw, rec["steps"], rec["success"], rec["return"])))
+
     try:
-        for task in train:
+        for i, task in enumerate(train):
             share = cfg.demos.family_coverage.get(task.family, cfg.demos.level_coverage.get(task.level, 0.0))
-            if rng.random() >= share:
-                continue
-            flaw = draw_flaw(cfg.demos, type(world).flaws, rng)
-            rec = run_episode(env, world.expert(flaw, rng), task, seed=int(rng.integers(2**31)))
-            demos.append(demo_record(f"demo-{len(demos):06d}", task, flaw, rec["steps"], rec["success"], rec["return"]))
+            if rng.random() < share:
+                demonstrate(i, rng)
+        top_up = np.random.default_rng([cfg.seed, 5])
+        chosen = {i for i, _ in demos}
+        have = Counter(d["family"] for _, d in demos)
+        for family in sorted({t.family for t in train} - set(cfg.demos.family_coverage)):
+            left = [i for i, t in enumerate(train) if t.family == family and i not in chosen]
+            missing = min(cfg.demos.min_per_family - have[family], len(left))
+            if missing > 0:
+                for j in sorted(top_up.choice(len(left), size=missing, replace=False)):
+                    demonstrate(left[j], top_up)
     finally:
         env.close()
-    return demos
+    ordered = [d for _, d in sorted(demos, key=lambda x: x[0])]
+    return [{**d, "demo_id": f"demo-{k:06d}"} for k, d in enumerate(ordered)]
 
 
 def probe_rewards(world: Environment, train: list, cfg: BuildEnvConfig, env_cfg: EnvConfig) -> dict:

@@ -9,10 +9,15 @@
   observation (the names of an environment that writes no ``entities.json``).
 
 A kind whose training names mostly have two words or more is a *word* kind: a fictitious name is the first word of
-one training name and the last word of another ("Adjective Noun" + "Word Kind" gives "Adjective Kind"). Any other
-kind is a *character* kind: the first half of one training name joined to the second half of another. Where the
-names come from (``entities.json``, an environment's hooks, the demonstrations) is decided in
-:mod:`pipeline.adapt.entity_source`.
+one training name and the last word of another ("Adjective Noun" + "Word Kind" gives "Adjective Kind"): a held-out
+name of such a world is a new pair of known words. Any other kind is a *character* kind (cities, codes, ids): a
+fictitious name keeps the shape of one training name (its length, case, digits, spaces and punctuation) with every
+letter and digit drawn afresh from the characters of the kind's training names ("Bologna" may give "Rnaeolg",
+"T-1042" gives "T-7310"). A held-out name of such a world is a new character string, and a model can write it only by
+copying. Fictitious names built from the halves of training names ("Bol" + "ille") were tried first: on the built-in
+SQL world the adapted model learned the halves and wrote invented names such as "Mallle" for a held-out city it
+should have copied. Where the names come from (``entities.json``, an environment's hooks, the demonstrations) is
+decided in :mod:`pipeline.adapt.entity_source`.
 """
 
 from __future__ import annotations
@@ -27,15 +32,30 @@ import numpy as np
 _CALL = re.compile(r"<call>\s*([A-Za-z_][A-Za-z0-9_]*)\s*(\{.*\})\s*</call>", re.S)
 
 
+def _class(ch: str) -> str:
+    """The class a character of a character-kind name is redrawn within: "a" (lower case), "A" (upper case), "0"
+    (digit), or "" (kept as it is)."""
+    if ch.isdigit():
+        return "0"
+    if ch.isalpha():
+        return "A" if ch.isupper() else "a"
+    return ""
+
+
 @dataclass(frozen=True)
 class NamePool:
-    """Parts of fictitious names per kind, every real name, and the kinds' weights in the drills (in order)."""
+    """Parts of fictitious names per kind, every real name, and the kinds' weights in the drills (in order).
+
+    A word kind has ``firsts`` and ``lasts`` (the first and last words of its training names); a character kind has
+    ``shapes`` (its training names) and ``chars`` (per character class, every character of its training names, with
+    repeats, so that a redrawn character follows their frequencies)."""
 
     firsts: dict[str, tuple[str, ...]]
     lasts: dict[str, tuple[str, ...]]
     kind_of: dict[str, str]  # real name -> its kind
     weights: tuple[tuple[str, float], ...] = ()  # (kind, weight) in drawing order; the first kind is the primary one
-    joiners: dict[str, str] = field(default_factory=dict)  # kind -> " " (word kind) or "" (character kind)
+    shapes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # character kind -> its training names
+    chars: dict[str, dict[str, str]] = field(default_factory=dict)  # character kind -> {class: its characters}
 
     @classmethod
     def from_entities(cls, entities: Mapping[str, Mapping[str, str]],
@@ -44,7 +64,7 @@ class NamePool:
         drill weight}, in order; default: every kind of `entities`, in its order, weight 1 each). A kind without
         training names to build from is left out of the weights."""
         kinds = dict(kinds) if kinds is not None else {k: 1.0 for k in entities}
-        firsts, lasts, kind_of, joiners, weights = {}, {}, {}, {}, []
+        firsts, lasts, kind_of, shapes, chars, weights = {}, {}, {}, {}, {}, []
         for kind, weight in kinds.items():
             split_of = entities.get(kind, {}) or {}
             train = [n for n, sp in split_of.items() if sp == "train" and isinstance(n, str)]
@@ -52,16 +72,15 @@ class NamePool:
             if multi and 2 * len(multi) >= len(train):
                 firsts[kind] = tuple(sorted({n.split()[0] for n in multi}))
                 lasts[kind] = tuple(sorted({n.split()[-1] for n in multi}))
-                joiners[kind] = " "
+                usable = firsts[kind] and lasts[kind]
             else:
-                single = [n for n in train if len(n) >= 4]
-                firsts[kind] = tuple(sorted({n[: len(n) // 2] for n in single}))
-                lasts[kind] = tuple(sorted({n[len(n) // 2:] for n in single}))
-                joiners[kind] = ""
+                shapes[kind] = tuple(sorted({n for n in train if sum(_class(c) != "" for c in n) >= 3}))
+                chars[kind] = {k: "".join(c for n in shapes[kind] for c in n if _class(c) == k) for k in "aA0"}
+                usable = shapes[kind]
             kind_of.update({n: kind for n in split_of})
-            if firsts[kind] and lasts[kind] and weight > 0:
+            if usable and weight > 0:
                 weights.append((kind, float(weight)))
-        return cls(firsts, lasts, kind_of, tuple(weights), joiners)
+        return cls(firsts, lasts, kind_of, tuple(weights), shapes, chars)
 
     def __bool__(self) -> bool:
         return bool(self.weights)
@@ -82,25 +101,36 @@ class NamePool:
         return self.weights[-1][0]
 
     def fake(self, kind: str, rng: np.random.Generator, avoid: set[str]) -> str | None:
-        a, b = self.firsts.get(kind, ()), self.lasts.get(kind, ())
-        join = self.joiners.get(kind, " ")
+        """A fictitious name of `kind` (see the module docstring) that is no real name and not in `avoid`; None when
+        the kind has nothing to build from or 64 draws found none."""
         for _ in range(64):
-            if not a or not b:
+            name = self._draw(kind, rng)
+            if name is None:
                 return None
-            name = f"{a[int(rng.integers(len(a)))]}{join}{b[int(rng.integers(len(b)))]}"
             if name not in self.kind_of and name not in avoid:
                 return name
         return None
+
+    def _draw(self, kind: str, rng: np.random.Generator) -> str | None:
+        if kind in self.shapes:
+            shapes, chars = self.shapes[kind], self.chars[kind]
+            if not shapes:
+                return None
+            shape = shapes[int(rng.integers(len(shapes)))]
+            return "".join(chars[k][int(rng.integers(len(chars[k])))] if (k := _class(c)) else c for c in shape)
+        a, b = self.firsts.get(kind, ()), self.lasts.get(kind, ())
+        if not a or not b:
+            return None
+        return f"{a[int(rng.integers(len(a)))]} {b[int(rng.integers(len(b)))]}"
 
     def words(self) -> set[str]:
         """The lower-cased words of the training names (word kinds: their first and last words; character kinds:
         the whole names)."""
         out = set()
         for kind in self.firsts:
-            if self.joiners.get(kind, " "):
-                out |= {w.lower() for part in (self.firsts, self.lasts) for w in part[kind]}
-            else:
-                out |= {n.lower() for n, k in self.kind_of.items() if k == kind and len(n.split()) == 1}
+            out |= {w.lower() for part in (self.firsts, self.lasts) for w in part[kind]}
+        for kind in self.shapes:
+            out |= {n.lower() for n, k in self.kind_of.items() if k == kind and len(n.split()) == 1}
         return out
 
 
@@ -140,7 +170,8 @@ def _strings(value) -> list[str]:
     return []
 
 
-_QUOTED = re.compile(r"'([^'\n]+)'|\"([^\"\n]+)\"")  # a span between single or double quotes, on one line
+# a span between single or double quotes, on one line; a quote inside a word (an apostrophe: "Where's") opens none
+_QUOTED = re.compile(r"(?<!\w)'([^'\n]+)'(?!\w)|(?<!\w)\"([^\"\n]+)\"(?!\w)")
 
 
 def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> list[str]:
@@ -155,9 +186,11 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
     ...                                        {"action": '<call>answer {"value": "north"}</call>', "observation": ""}])
     ['Blue Hill']
     >>> code = "count(visits, city='Lyon')"
-    >>> mine_copyable("How many visits from 'Lyon' were 'late'?",
+    >>> mine_copyable("How many of the day's visits from 'Lyon' were 'late'?",
     ...               [{"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": "7"}])
     ['Lyon']
+
+    A quoted span counts only as a whole word of the value: 'Lyon' is not copied into "Lyonnais".
     """
     seen, out = question, []
     for s in steps:
@@ -170,7 +203,7 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
             quoted = [a or b for a, b in _QUOTED.findall(seen)]
             for v in _strings(params):
                 found = [v] if v in seen else []
-                found += [q for q in quoted if q != v and q in v]
+                found += [q for q in quoted if q != v and re.search(rf"(?<!\w){re.escape(q)}(?!\w)", v)]
                 out += [c for c in found if len(c) >= min_len and any(ch.isalpha() for ch in c) and c not in out]
         seen += "\n" + str(s.get("observation", ""))
     return out

@@ -1,0 +1,44 @@
+"""`agentrl` stopped with SIGTERM ends as Ctrl-C ends it: one "interrupted" line, exit 130, and the process's exit
+handlers run (the temporary Prefect server of `agentrl run` is stopped by one; without them it stays behind)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a command that registers an exit handler (as Prefect does for its temporary server), says it is ready and waits
+SLEEPER = """
+import atexit, sys, time
+from pathlib import Path
+from flows import cli
+from flows.commands import Command
+
+def wait(args):
+    atexit.register(lambda: Path(sys.argv[1]).write_text("stopped"))
+    print("ready", flush=True)
+    time.sleep(600)
+    return 0
+
+cli.COMMANDS["wait"] = Command("wait", "wait", "wait", run=wait, arguments=(), passes=())
+sys.exit(cli.main(["wait"]))
+"""
+
+
+def test_sigterm_interrupts_a_command_and_runs_its_exit_handlers(tmp_path):
+    marker = tmp_path / "exit-handler-ran"
+    proc = subprocess.Popen([sys.executable, "-c", SLEEPER, str(marker)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted"
+    assert marker.read_text() == "stopped"
