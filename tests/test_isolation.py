@@ -92,10 +92,12 @@ def _sleep_forever(pid_file: str) -> None:
     time.sleep(600)
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "interrupted"])
 def test_the_child_ends_when_its_parent_is_killed(tmp_path, how):
     """A parent stopped by a signal cannot shut its pool down: the child must notice and exit on its own, not go on
-    computing on every core with nobody to read its result."""
+    computing on every core with nobody to read its result. A parent interrupted (KeyboardInterrupt: Ctrl-C, or
+    SIGTERM under `agentrl`, which turns it into one) stops its child and exits at once, instead of waiting for the
+    child to finish its work as leaving the pool would."""
     import signal
     import subprocess
     import sys
@@ -104,6 +106,8 @@ def test_the_child_ends_when_its_parent_is_killed(tmp_path, how):
     pid_file = tmp_path / "child.pid"
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_isolation as t; "
             "from pipeline.core import isolation; isolation.run_in_child('sleeping', t._sleep_forever, sys.argv[2])")
+    if how == "interrupted":
+        code = "import signal; signal.signal(signal.SIGTERM, signal.default_int_handler); " + code
     parent = subprocess.Popen([sys.executable, "-c", code, os.path.dirname(__file__), str(pid_file)])
     try:
         deadline = time.monotonic() + 60
@@ -112,7 +116,7 @@ def test_the_child_ends_when_its_parent_is_killed(tmp_path, how):
             time.sleep(0.1)
         child = int(pid_file.read_text())
         os.kill(child, 0)  # running
-        parent.send_signal(getattr(signal, how))
+        parent.send_signal(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
         parent.wait(timeout=30)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -135,6 +135,10 @@ def run_in_child(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
         except BrokenProcessPool:
             raise AgentRLError(f"{what}: its child process ended without a result (killed, for example by the kernel "
                                f"when memory ran out)") from None
+        except BaseException:  # interrupted (Ctrl-C; `agentrl` turns SIGTERM into the same): the child stops too,
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # or leaving the pool would
+                proc.kill()                                                          # wait for it to finish
+            raise
     _tree_peak_mib = max(_tree_peak_mib, parent_mib + child_peak)
     return pickle.loads(result)
 
