@@ -437,19 +437,22 @@ def check_params(path: str, only_known: bool = True) -> None:
             parse_section(model, data[section], f"{path}:{section}")
 
 
-def _interrupt_on_term() -> None:
+def _interrupt_on_term():
     """A SIGTERM (``kill``, a scheduler, a container stopping) ends a command as Ctrl-C does: as KeyboardInterrupt,
     so context managers release the repository lock and the exit handlers run. Without it, Python dies at once and
     the temporary Prefect server that ``agentrl run`` starts (an uvicorn child stopped by an exit handler) stays
-    behind. A handler the host process installed is kept; only the main thread can install one."""
+    behind. A handler the host process installed is kept; only the main thread can install one. Returns what to
+    restore when the command ends (None: nothing), so a process that calls :func:`main` keeps its own handling."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        return signal.SIG_DFL
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
-    _interrupt_on_term()
     args = build_parser().parse_args(argv)
+    restore = _interrupt_on_term()
     command = COMMANDS[args.command]
     rc: int | str = "exception"
     try:
@@ -485,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     finally:
         _record_time(args.command, time.perf_counter() - started, rc)
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
 
 
 if __name__ == "__main__":

@@ -42,3 +42,13 @@ def test_sigterm_interrupts_a_command_and_runs_its_exit_handlers(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted"
     assert marker.read_text() == "stopped"
+
+
+def test_a_process_that_calls_main_gets_its_sigterm_handling_back():
+    import signal as sig
+
+    from flows import cli
+
+    assert sig.getsignal(sig.SIGTERM) == sig.SIG_DFL
+    cli.main(["envs"])
+    assert sig.getsignal(sig.SIGTERM) == sig.SIG_DFL
