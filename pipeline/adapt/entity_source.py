@@ -43,7 +43,7 @@ from pathlib import Path
 from pipeline.core.errors import AgentRLError
 from pipeline.core.jsonl import read_jsonl
 from pipeline.envs.capabilities import HasCorpus, NamesEntities, has_capability
-from pipeline.policy.names import NamePool, mine_copyable
+from pipeline.policy.names import NamePool, mine_copyable, whole_words_in
 
 COPYABLE = "copyable"  # the one kind of names gathered from copyable strings
 
@@ -81,7 +81,7 @@ def vocabulary(strings: Sequence[str], texts: Sequence[str]) -> set[str]:
     ['visits']
     """
     joined = "\n".join(texts)
-    return {s for s in strings if re.search(rf"(?<!\w){re.escape(s)}(?!\w)", joined)}
+    return {s for s in strings if whole_words_in(s, joined)}
 
 
 def name_source(world, data_dir: Path, tasks: Sequence[dict], demos: Sequence[dict],

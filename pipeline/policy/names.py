@@ -160,6 +160,11 @@ def augment_names(question: str, steps: Sequence[dict], entities: Sequence[str],
             mapping)
 
 
+def whole_words_in(part: str, text: str) -> bool:
+    """Whether `part` occurs in `text` as whole words (not inside a longer word)."""
+    return re.search(rf"(?<!\w){re.escape(part)}(?!\w)", text) is not None
+
+
 def _strings(value) -> list[str]:
     if isinstance(value, str):
         return [value]
@@ -190,7 +195,10 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
     ...               [{"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": "7"}])
     ['Lyon']
 
-    A quoted span counts only as a whole word of the value: 'Lyon' is not copied into "Lyonnais".
+    A quoted span counts only as whole words of the value: 'Lyon' is not copied into "Lyonnais".
+
+    >>> mine_copyable("Dishes from 'Lyon'?", [{"action": '<call>find {"q": "Lyonnais"}</call>', "observation": ""}])
+    []
     """
     seen, out = question, []
     for s in steps:
@@ -203,7 +211,7 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
             quoted = [a or b for a, b in _QUOTED.findall(seen)]
             for v in _strings(params):
                 found = [v] if v in seen else []
-                found += [q for q in quoted if q != v and re.search(rf"(?<!\w){re.escape(q)}(?!\w)", v)]
+                found += [q for q in quoted if q != v and whole_words_in(q, v)]
                 out += [c for c in found if len(c) >= min_len and any(ch.isalpha() for ch in c) and c not in out]
         seen += "\n" + str(s.get("observation", ""))
     return out
