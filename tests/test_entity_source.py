@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -188,3 +189,23 @@ def test_on_the_sql_world_the_mined_names_are_its_held_out_values_and_never_its_
         assert all(f"'{n}'" in t.question for n in src.names(t.to_dict()))
     # the documents alone (the tables' descriptions) already keep the table names out
     assert not set(before.pool.kind_of) & set(TABLES)
+
+
+def test_the_tokenizer_text_holds_no_real_name_of_a_character_kind_and_every_word_kind_name():
+    """The built-in tokenizer learns from text whose character-kind names (mined cities, codes) are replaced by fresh
+    fictitious ones at every occurrence, as SFT's augmentation shows them; a word kind's names stay (their words are
+    in every fictitious name), and text without names is unchanged."""
+    from pipeline.policy.names import without_character_names
+
+    pool = NamePool.from_entities({"cities": {"Verona": "train", "Lille": "train", "Faro": "train"},
+                                   "people": {"Ann Lee": "train", "Bo Kim": "train"}})
+    texts = ["city = 'Verona' or 'Verona'", "Lillehammer and Lille", "Ann Lee met Bo Kim in Faro.", "no names"]
+    out = list(without_character_names(texts, pool, np.random.default_rng(0)))
+    assert not any(n in t for t in out for n in ("'Verona'", " Lille", "Faro"))
+    a, b = re.findall(r"'([^']+)'", out[0])
+    assert a != b and {a, b}.isdisjoint({"Verona", "Lille", "Faro"})  # a fresh fictitious name at each occurrence
+    assert set(a + b) <= set("VeronaLilleFaro")
+    assert out[1].startswith("Lillehammer and ")  # whole words only
+    assert "Ann Lee met Bo Kim in " in out[2] and out[3] == "no names"
+    people_only = NamePool.from_entities({"people": {"Ann Lee": "train", "Bo Kim": "train"}})
+    assert list(without_character_names(texts, people_only, np.random.default_rng(0))) == texts

@@ -77,10 +77,13 @@ def load_inputs(data_dir: Path, split: str, world) -> dict:
     return {"train": train, "eval": evaluation, "demos": demos}
 
 
-def base_policy(model_cfg: ModelConfig, data_dir: Path, world):
-    """(model, tokenizer, description) of the base to adapt; see step 2 of the module docstring."""
+def base_policy(model_cfg: ModelConfig, data_dir: Path, world, names=None):
+    """(model, tokenizer, description) of the base to adapt; see step 2 of the module docstring. A built-in
+    tokenizer learns from the training text with the real names of `names`' character kinds (a NamePool) replaced by
+    fictitious ones (:func:`pipeline.policy.names.without_character_names`)."""
     from pipeline.policy.model import build_policy, check_pair, load_base_tokenizer, load_policy
     from pipeline.policy.model import POLICY_JSON
+    from pipeline.policy.names import without_character_names
     from pipeline.policy.tokenizer import corpus_texts, train_tokenizer
 
     import pipeline.adapt.adapters  # noqa: F401  (registers the bottleneck model class for a bottleneck base)
@@ -89,8 +92,10 @@ def base_policy(model_cfg: ModelConfig, data_dir: Path, world):
         from pipeline.envs.capabilities import HasCorpus, has_capability
 
         documents = world.corpus() if has_capability(world, HasCorpus) else ()
-        tokenizer = train_tokenizer(corpus_texts(data_dir, [s.signature() for s in world.tools()], documents),
-                                    model_cfg.vocab_size)
+        texts = corpus_texts(data_dir, [s.signature() for s in world.tools()], documents)
+        if names is not None:
+            texts = without_character_names(texts, names, np.random.default_rng([model_cfg.seed, 7]))
+        tokenizer = train_tokenizer(texts, model_cfg.vocab_size)
         model = build_policy(model_cfg, tokenizer)
         source = "builtin"
     elif (Path(model_cfg.base) / POLICY_JSON).is_file():
@@ -162,8 +167,12 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
                                baselines(build_metrics, cfg.eval.split), len(world.tools()), cfg.eval.split)
     gate_min = gate["value"]
 
+    # the fictitious names of the drills and of entity augmentation (the built-in tokenizer learns without them)
+    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"],
+                        [t.question for t in inputs["eval"]])
+    print(f"adapt: fictitious names for drills and augmentation: {names.source}", flush=True)
     t = time.perf_counter()
-    model, tokenizer, source = base_policy(model_cfg, data_dir, world)
+    model, tokenizer, source = base_policy(model_cfg, data_dir, world, names.pool)
     seconds["base"] = time.perf_counter() - t
     rollout_cfg, recipe = recipes.token_recipe(rollout_cfg, tokenizer, inputs["demos"])  # before the first rollout
     if rollout_cfg.constrain == "schema":
@@ -172,10 +181,6 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
     n_base = n_parameters(model)
     rng = np.random.default_rng([cfg.seed, 2])
     log = run.log_metrics if run is not None else (lambda *a, **k: None)
-    # the fictitious names of the drills and of entity augmentation
-    names = name_source(world, data_dir, [t.to_dict() for t in inputs["train"]], inputs["demos"],
-                        [t.question for t in inputs["eval"]])
-    print(f"adapt: fictitious names for drills and augmentation: {names.source}", flush=True)
 
     pre_summary = None
     if cfg.pretrain.steps > 0:
