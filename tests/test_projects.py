@@ -127,3 +127,33 @@ def test_every_project_graph_is_the_roots_with_its_code_two_folders_up(project):
     params = yaml.safe_load((folder / "params.yaml").read_text())
     assert params["train"]["production_tasks"] == "data/production/snapshot/tasks"
     assert params["reward_model"]["feedback"] == "data/production/snapshot"
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{'a.b.c': value} for every leaf of a params tree; `build_env.options` is one leaf (each world's own)."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and name != "build_env.options":
+            out.update(flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+# What a project sets apart from the root's recipe: its world and that world's build options, and its own plumbing
+# (the DeepSpeed file two folders up, its registry name). Any other difference would be a per-environment recipe.
+OWN_KEYS = {"env.name", "build_env.options", "train.deepspeed_config", "deploy.model_name"}
+# The one recipe difference a project may still carry: the capability gate report-only (its minimums are reported,
+# the run goes on), the setting its committed run was made with; each project's header says so.
+REPORT_ONLY_GATE = {"adapt.gate.enabled", "deploy.gate.require_capability_gate"}
+
+
+@pytest.mark.parametrize("project", ["sql-analyst", "calendar"])
+def test_every_project_runs_the_roots_recipe(project):
+    root = flat(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    own = flat(yaml.safe_load((ROOT / "projects" / project / "params.yaml").read_text()))
+    assert set(own) == set(root), f"{project}: keys the root lacks {set(own) - set(root)}, lacks {set(root) - set(own)}"
+    differ = {key for key in root if own[key] != root[key]}
+    assert differ <= OWN_KEYS | REPORT_ONLY_GATE, {key: (own[key], root[key]) for key in differ - OWN_KEYS - REPORT_ONLY_GATE}
+    assert own["train.deepspeed_config"] == "../../" + root["train.deepspeed_config"]
