@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from pipeline.core.jsonl import read_jsonl
 from pipeline.core.tracking import PARENT_RUN_ENV, Tracker, require_tracking
 
 TAIL_LINES = 40
+STOP_GRACE_S = 60  # how long an interrupted stage may take to stop before it is killed
 STAGE_TIMES_ENV = "AGENTRL_STAGE_TIMES"  # flows.cli appends each command's own wall time here
 STAGE_TAG = "agentrl.flow_stage"  # set by the flow on the phase runs it has tagged
 SUMMARY_KEY = "agentrl-pipeline-summary"
@@ -73,6 +75,21 @@ def stage_env(root: str, tracking_uri: str, parent_run_id: str | None) -> dict[s
     return env
 
 
+def stop_stage(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop a stage's `dvc repro` and the command it runs, as Ctrl-C in a terminal would: SIGINT to the whole process
+    group (the stage's command ends as interrupted and leaves its outputs as they were), then SIGKILL after `grace_s`.
+    A SIGTERM reaches only the flow's own process; without this the stage went on working after the run had said
+    "interrupted", and `Popen` waited for it."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:  # already gone
+        pass
+
+
 @task(name="dvc-repro", task_run_name="{stage}", retries=0, cache_policy=NO_CACHE)
 def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: str,
                 force: bool = False) -> dict[str, Any]:
@@ -92,14 +109,19 @@ def repro_stage(stage: str, root: str, parent_run_id: str | None, tracking_uri: 
     start = time.perf_counter()
     try:
         with subprocess.Popen(
-            cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+            cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            start_new_session=True,  # its own process group: `stop_stage` reaches the stage's command through dvc
         ) as proc:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                tail.append(line.rstrip("\n"))
-                skipped = skipped or "didn't change, skipping" in line
+            try:
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                    tail.append(line.rstrip("\n"))
+                    skipped = skipped or "didn't change, skipping" in line
+            except BaseException:  # interrupted (Ctrl-C, or SIGTERM, which `agentrl` turns into the same)
+                stop_stage(proc)
+                raise
         seconds = time.perf_counter() - start
         records = read_jsonl(times_path, "stage timings", allow_empty=True)
     finally:

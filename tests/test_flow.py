@@ -234,6 +234,41 @@ def test_stage_commands_never_inherit_rank_variables(monkeypatch):
     assert not set(RANK_VARS) & set(env) and env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
 
 
+@pytest.mark.slow
+def test_a_terminated_run_stops_the_stage_it_is_running(tmp_path):
+    """SIGTERM to `agentrl run` (a scheduler, a container stopping) ends the running stage too, not only the flow: the
+    stage's command runs as the child of `dvc repro`, which alone would leave it working after the run said
+    "interrupted". The flow sends the stage's process group what Ctrl-C would, then waits for it."""
+    import signal
+    import time
+
+    root = make_project(tmp_path / "p")
+    graph = yaml.safe_load((root / "dvc.yaml").read_text())
+    pid_file = root / "stage.pid"
+    graph["stages"]["build_env"]["cmd"] = (f"{sys.executable} -c \"import os, time; open('stage.pid', 'w')"
+                                           f".write(str(os.getpid())); time.sleep(300)\"")
+    (root / "dvc.yaml").write_text(yaml.safe_dump(graph, sort_keys=False))
+    run = subprocess.Popen([str(BIN / "agentrl"), "run"], cwd=root, env=clean_env(root), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (pid_file.is_file() and pid_file.read_text()) and time.monotonic() < deadline:
+            assert run.poll() is None, run.communicate()
+            time.sleep(0.5)
+        stage_pid = int(pid_file.read_text())
+        run.send_signal(signal.SIGTERM)
+        out, err = run.communicate(timeout=90)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130 and "interrupted" in err, out[-2000:] + err[-2000:]
+    with pytest.raises(ProcessLookupError):  # the stage's command is gone with the run
+        os.kill(stage_pid, 0)
+    from pipeline.core.lock import lock_path, read_holder
+
+    assert read_holder(lock_path(root)) == {}  # the repository lock is released
+
+
 def test_prefect_yaml_defines_the_scheduled_retraining_deployment():
     from flows.retrain_flow import deployment_spec
 
