@@ -261,7 +261,11 @@ def test_gate_promotes_good_challengers_rejects_broken_ones_and_rolls_back(serve
     assert again["unchanged"] == "1" and again["unchanged_alias"] == "champion" and again["decision"] is None
     assert snapshot(registry) == before and len(before["versions"]) == 1
     written = json.loads((project / "metrics" / "deploy.json").read_text())
-    assert written["unchanged"] == "1" and written["version"] == "1" and written["gate"] is None
+    assert written["unchanged"] == "1" and written["version"] == "1" and again["decision"] is None
+    # the figures stay those v1 was registered with, from the deploy run that registered it (nothing re-measured)
+    v1_run = registry.client.get_model_version(name, "1").run_id
+    assert written["recorded_by"] == v1_run and written["gate"]["passed"] and written["gate"]["version"] == "1"
+    assert written["variants"] == first["variants"] and set(written["variants"]) == {"fp32", "bf16", "int8"}
     assert "unchanged: the policy's weights are those of v1 (alias champion" in report(again)
 
     # v2: other weights that play the same episodes: paired on the same tasks and seeds, not worse -> promoted

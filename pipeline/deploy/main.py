@@ -23,8 +23,9 @@ decision and reasons).
 
 Idempotent: when the policy's weights (``weights.sha256``) are those of the version ``champion`` or ``challenger``
 points to, nothing is measured, registered or moved; the log says so and ``metrics/deploy.json`` records
-``"unchanged": <that version>`` and ``"unchanged_alias"`` (see :mod:`pipeline.deploy.registry` for why, and for
-the order of the registry writes when the tracking server fails part-way).
+``"unchanged": <that version>``, ``"unchanged_alias"`` and that version's figures from the run that registered it
+(see :mod:`pipeline.deploy.registry` for why, and for the order of the registry writes when the tracking server fails
+part-way).
 
 Deliberately left out: serving itself (``agentrl serve`` is a long-running process, not a stage) and any retraining
 decision (the retraining flow reads the gate's outcome).
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 REQUIRED_METRICS = {"train": "train.json", "adapt": "adapt.json", "drift": "drift.json"}
 EVALUATE_METRICS = "evaluate.json"
+RECORD_ARTIFACT = "deploy_record.json"  # the registering deploy run's copy of metrics/deploy.json
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -159,13 +161,21 @@ def deploy(cfg: DeployConfig, env_cfg: EnvConfig, rollout_cfg, metrics_dir: str 
 def unchanged_record(cfg: DeployConfig, registry, digest: str, meta: dict, alias: str, version: str,
                      seconds: float) -> dict:
     """What deploy writes when the policy's weights are those of the version `alias` points to: nothing registered,
-    no alias moved, nothing measured (the version holds its own measurements and gate evidence)."""
+    no alias moved, nothing measured. The figures are that version's own, as the deploy run that registered it
+    recorded them (``recorded_by`` names the run), so a stage rerun that changed nothing keeps the measured record
+    in ``metrics/deploy.json``; a version registered without that record (a deploy stopped before it wrote it) gets
+    empty figures and ``recorded_by`` None."""
+    bare = {"tasks": 0, "test_results_source": None, "variants": {}, "parity": {}, "gate": None}
+    recorded, run_id = registry.run_record(version, RECORD_ARTIFACT)
     return {
         "model_name": cfg.model_name, "version": version, "unchanged": version, "unchanged_alias": alias,
         "model_uri": registry.model_uri(version), "policy": cfg.policy,
         "policy_meta": {k: meta.get(k) for k in ("phase", "step")}, "weights_sha256": digest, "same_weights_as": [],
-        "tasks": 0, "test_results_source": None, "serve_precision": cfg.serve_precision, "variants": {}, "parity": {},
-        "gate": None, "champion": registry.alias_version("champion"), "seconds": round(seconds, 1), "decision": None,
+        "serve_precision": cfg.serve_precision,
+        **{k: recorded.get(k, v) for k, v in bare.items()},
+        **({"served_consistency": recorded["served_consistency"]} if "served_consistency" in recorded else {}),
+        "recorded_by": run_id if recorded else None,
+        "champion": registry.alias_version("champion"), "seconds": round(seconds, 1), "decision": None,
     }
 
 
@@ -223,17 +233,18 @@ def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, r
             run.log_metrics({"gate/passed": decision.passed})
             run.set_tags({"deploy.decision": "promoted" if decision.passed else "rejected"})
         run.set_tags({"deploy.model_name": cfg.model_name, "deploy.version": version})
-    out = {
-        "model_name": cfg.model_name, "version": version, "model_uri": registry.model_uri(version),
-        "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step")},
-        "weights_sha256": digest, "same_weights_as": same,
-        "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
-        "variants": measured["variants"], "parity": measured["parity"], "served_consistency": served,
-        "gate": decision.to_dict() if decision else None,
-        "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
-        "unchanged": None, "finished": None, "decision": decision,
-    }
-    return out
+        out = {
+            "model_name": cfg.model_name, "version": version, "model_uri": registry.model_uri(version),
+            "policy": cfg.policy, "policy_meta": {k: meta.get(k) for k in ("phase", "step")},
+            "weights_sha256": digest, "same_weights_as": same,
+            "tasks": len(inputs["tasks"]), "test_results_source": source, "serve_precision": cfg.serve_precision,
+            "variants": measured["variants"], "parity": measured["parity"], "served_consistency": served,
+            "gate": decision.to_dict() if decision else None,
+            "champion": registry.alias_version("champion"), "seconds": round(time.perf_counter() - t0, 1),
+            "unchanged": None, "finished": None,
+        }
+        run.log_dict(out, RECORD_ARTIFACT)  # what a later deploy of the same weights reports (`unchanged_record`)
+    return {**out, "decision": decision}
 
 
 def champion_evaluator(registry, tasks: list, runtime, env_cfg, rollout_cfg,
