@@ -120,7 +120,7 @@ def name_source(world, data_dir: Path, tasks: Sequence[dict], demos: Sequence[di
             origin += (f" ({len(shared)} left as they are: the world's documents or the evaluation questions use "
                        f"them too: {', '.join(sorted(shared)[:4])}{', ...' if len(shared) > 4 else ''})")
     strings = {s: "train" for ss in by_task.values() for s in ss}
-    pool = NamePool.from_entities({COPYABLE: strings})
+    pool = NamePool.from_entities({COPYABLE: strings}, characters=True)
     if pool:
         return NameSource(pool, by_task, origin)
     reasons.append(f"no {origin} to build fictitious names from")

@@ -59,17 +59,18 @@ class NamePool:
 
     @classmethod
     def from_entities(cls, entities: Mapping[str, Mapping[str, str]],
-                      kinds: Mapping[str, float] | None = None) -> "NamePool":
+                      kinds: Mapping[str, float] | None = None, characters: bool = False) -> "NamePool":
         """The pool of `entities` ({kind: {name: split}}, as in ``entities.json``) restricted to `kinds` ({kind:
         drill weight}, in order; default: every kind of `entities`, in its order, weight 1 each). A kind without
-        training names to build from is left out of the weights."""
+        training names to build from is left out of the weights. With `characters`, every kind is a character kind
+        (names mined from demonstrations: nothing says how a held-out one is formed)."""
         kinds = dict(kinds) if kinds is not None else {k: 1.0 for k in entities}
         firsts, lasts, kind_of, shapes, chars, weights = {}, {}, {}, {}, {}, []
         for kind, weight in kinds.items():
             split_of = entities.get(kind, {}) or {}
             train = [n for n, sp in split_of.items() if sp == "train" and isinstance(n, str)]
             multi = [n for n in train if len(n.split()) >= 2]
-            if multi and 2 * len(multi) >= len(train):
+            if multi and 2 * len(multi) >= len(train) and not characters:
                 firsts[kind] = tuple(sorted({n.split()[0] for n in multi}))
                 lasts[kind] = tuple(sorted({n.split()[-1] for n in multi}))
                 usable = firsts[kind] and lasts[kind]
@@ -197,15 +198,18 @@ def _strings(value) -> list[str]:
 
 
 # a span between single or double quotes, on one line; a quote inside a word (an apostrophe: "Where's") opens none
+_FIELD = re.compile(r"\n|\t|\s*[|,;]\s*")  # what separates the fields of a tool's result: lines, tabs, | , ;
 _QUOTED = re.compile(r"(?<!\w)'([^'\n]+)'(?!\w)|(?<!\w)\"([^\"\n]+)\"(?!\w)")
 
 
 def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> list[str]:
     """The strings a demonstration's calls copy from its question or from an observation before the call, in order of
-    first use; at least `min_len` characters with a letter, and never the answer's value (what the episode computes
-    is not copied). A string is copied when it is a whole parameter value (at any depth) that occurs verbatim in
-    what was read, or a quoted span of what was read (between ``'`` or ``"``) that occurs inside a parameter value:
-    a value written into a larger one, such as a city into a query.
+    first use; at least `min_len` characters with a letter. A string is copied when it is a whole parameter value (at
+    any depth) that occurs verbatim in what was read, or a quoted span of what was read (between ``'`` or ``"``) that
+    occurs inside a parameter value: a value written into a larger one, such as a city into a query. The answer's
+    value copies the fields of the tools' results it contains as whole words (a field: a result's line, or a part
+    of it between ``|``, ``,``, ``;`` or tabs), such as the names a query listed; what the episode computes (a sum,
+    a count) has no letter and is never a name.
 
     >>> mine_copyable('Where is "Blue Hill"?', [{"action": '<call>find {"place": "Blue Hill"}</call>',
     ...                                         "observation": "north of Redwater"},
@@ -216,23 +220,35 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
     ...               [{"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": "7"}])
     ['Lyon']
 
+    >>> code = "top(2, category='tools')"
+    >>> mine_copyable("Which 2 'tools' sold best?", [
+    ...     {"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": "name|Red Saw|Old Drill"},
+    ...     {"action": '<call>answer {"value": "Red Saw, Old Drill"}</call>', "observation": ""}])
+    ['tools', 'Old Drill', 'Red Saw']
+
     A quoted span counts only as whole words of the value: 'Lyon' is not copied into "Lyonnais".
 
     >>> mine_copyable("Dishes from 'Lyon'?", [{"action": '<call>find {"q": "Lyonnais"}</call>', "observation": ""}])
     []
     """
-    seen, out = question, []
+    seen, results, out = question, "", []
     for s in steps:
         m = _CALL.search(str(s.get("action", "")))
-        if m and m.group(1) != "answer":
+        if m:
             try:
                 params = json.loads(m.group(2))
             except ValueError:
                 params = {}
             quoted = [a or b for a, b in _QUOTED.findall(seen)]
+            fields = {f.strip() for f in _FIELD.split(results)} - {""}
             for v in _strings(params):
-                found = [v] if v in seen else []
-                found += [q for q in quoted if q != v and whole_words_in(q, v)]
+                if m.group(1) == "answer":
+                    found = [f for f in sorted(fields) if whole_words_in(f, v)]
+                else:
+                    found = [v] if v in seen else []
+                    found += [q for q in quoted if q != v and whole_words_in(q, v)]
                 out += [c for c in found if len(c) >= min_len and any(ch.isalpha() for ch in c) and c not in out]
         seen += "\n" + str(s.get("observation", ""))
+        results += "\n" + str(s.get("observation", ""))
     return out
+
