@@ -116,6 +116,7 @@ def test_a_deploy_killed_at_each_registry_write_leaves_it_whole_and_the_rerun_fi
     written = json.loads((metrics / "deploy.json").read_text())
     if kill_at == "_move_champion":  # completed, not registered again
         assert champion == "2" and written["unchanged"] == "2" and written["finished"].startswith("promoted v2")
+        assert written["recorded_by"] is None and written["variants"] == {}  # killed before its run logged the record
         assert {str(v) for v in snapshot(registry)["versions"]} == {"1", "2"}
     else:
         assert written["version"] == champion and written["unchanged"] is None

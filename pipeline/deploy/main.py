@@ -166,7 +166,7 @@ def unchanged_record(cfg: DeployConfig, registry, digest: str, meta: dict, alias
     in ``metrics/deploy.json``; a version registered without that record (a deploy stopped before it wrote it) gets
     empty figures and ``recorded_by`` None."""
     bare = {"tasks": 0, "test_results_source": None, "variants": {}, "parity": {}, "gate": None}
-    recorded, run_id = registry.run_record(version, RECORD_ARTIFACT)
+    recorded, run_id = registered_record(registry, version)
     return {
         "model_name": cfg.model_name, "version": version, "unchanged": version, "unchanged_alias": alias,
         "model_uri": registry.model_uri(version), "policy": cfg.policy,
@@ -178,6 +178,20 @@ def unchanged_record(cfg: DeployConfig, registry, digest: str, meta: dict, alias
         "champion": registry.alias_version("champion"), "seconds": round(seconds, 1), "decision": None,
     }
 
+
+def registered_record(registry, version: str) -> tuple[dict, str | None]:
+    """({figures}, run id) of the deploy run that registered `version`: its ``deploy_record.json``, {} when it logged
+    none (a deploy stopped before it wrote it). A store that does not answer is raised, not taken for "none"."""
+    run_id = registry.client.get_model_version(registry.name, str(version)).run_id
+    if not run_id or RECORD_ARTIFACT not in {a.path for a in registry.client.list_artifacts(run_id)}:
+        return {}, run_id
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(registry.client.download_artifacts(run_id, RECORD_ARTIFACT, tmp)).read_text()
+    try:
+        return json.loads(text), run_id
+    except json.JSONDecodeError as exc:
+        raise AgentRLError(f"version {version} of {registry.name!r}: {RECORD_ARTIFACT} of run {run_id} is not valid "
+                           f"JSON ({exc.msg}); nothing was registered and no alias moved") from None
 
 def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, runtime, inputs: dict, model,
               tokenizer, meta: dict, digest: str, t0: float, state: dict) -> dict:

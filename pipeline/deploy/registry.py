@@ -197,19 +197,6 @@ class ModelRegistry:
     def model_uri(self, version: str) -> str:
         return f"models:/{self.name}/{version}"
 
-    def run_record(self, version: str, artifact: str) -> tuple[dict, str]:
-        """(the JSON artifact `artifact` of the run that registered `version`, that run's id); {} when the run logged
-        no such artifact (a deploy stopped before it wrote it)."""
-        from mlflow.exceptions import MlflowException
-
-        run_id = self.client.get_model_version(self.name, version).run_id
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                path = self.client.download_artifacts(run_id, artifact, tmp)
-            except (MlflowException, OSError):
-                return {}, run_id
-            return json.loads(Path(path).read_text()), run_id
-
     # ------------------------------------------------------------------------------------------------------ writing
     def versions_with_weights(self, digest: str, exclude: str | None = None) -> list[str]:
         """Versions (oldest first) tagged with the weights digest `digest`, `exclude` left out."""
