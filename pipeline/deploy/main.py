@@ -193,6 +193,7 @@ def registered_record(registry, version: str) -> tuple[dict, str | None]:
         raise AgentRLError(f"version {version} of {registry.name!r}: {RECORD_ARTIFACT} of run {run_id} is not valid "
                            f"JSON ({exc.msg}); nothing was registered and no alias moved") from None
 
+
 def _register(cfg, env_cfg, rollout_cfg, metrics_dir: Path, tracker, registry, runtime, inputs: dict, model,
               tokenizer, meta: dict, digest: str, t0: float, state: dict) -> dict:
     """Measure, judge, register and publish a policy whose weights no alias holds yet (see the registry's order);
