@@ -197,8 +197,8 @@ def _strings(value) -> list[str]:
     return []
 
 
-# a span between single or double quotes, on one line; a quote inside a word (an apostrophe: "Where's") opens none
 _FIELD = re.compile(r"\n|\t|\s*[|,;]\s*")  # what separates the fields of a tool's result: lines, tabs, | , ;
+# a span between single or double quotes, on one line; a quote inside a word (an apostrophe: "Where's") opens none
 _QUOTED = re.compile(r"(?<!\w)'([^'\n]+)'(?!\w)|(?<!\w)\"([^\"\n]+)\"(?!\w)")
 
 
