@@ -20,6 +20,7 @@ from pipeline.envs.contract import BuildRequest, SafetyViolation, Task, ToolErro
 from pipeline.envs.sql import SqlAnalyst, SqlOptions, answers_match
 from pipeline.envs.sql.tasks import FAMILIES
 from pipeline.envs.sql.tools import QueryLimits, QueryRunner
+from pipeline.envs.sql.wordings import GRAMMAR_BASE
 from pipeline.envs.sql.world import CORPUS_NAME, DB_NAME, HELDOUT_DIMENSIONS, META_NAME, TABLES, connect_ro
 
 SMALL = SqlOptions(n_customers=200, n_products=96, n_orders=1500, query_timeout_s=0.3, max_rows=5)
@@ -89,6 +90,10 @@ def test_held_out_wording_only_in_test(world):
     unseen = [t for t in result.tasks["test"] if not t.template_seen]
     assert unseen and not {t.data["template_id"] for t in unseen} & train_templates
     assert all(t.data["template_id"].endswith("/4") for t in unseen)
+    # train and validation also take the wording grammar's frames (ids from GRAMMAR_BASE); test only the fixed five
+    index = lambda t: int(t.data["template_id"].rpartition("/")[2])  # noqa: E731
+    assert {t.family for t in result.tasks["train"] if index(t) >= GRAMMAR_BASE} == {f.name for f in FAMILIES}
+    assert all(index(t) < GRAMMAR_BASE for t in result.tasks["test"])
 
 
 def test_every_reference_sql_gives_the_answer(world):

@@ -163,6 +163,8 @@ def test_sql_generates_training_tasks_of_the_weak_wording_that_pass_the_suites(s
         [t.to_dict() for t in env.generate_tasks({"level": 4}, 5, 3)]
     with pytest.raises(ValueError, match="held out of training"):
         env.generate_tasks({"template_id": "max_spend/4"}, 2, 0)
+    frame = env.generate_tasks({"template_id": "max_spend/7"}, 2, 0)  # a frame of the wording grammar
+    assert len(frame) == 2 and {t.data["template_id"] for t in frame} == {"max_spend/7"}
 
 
 def test_a_mixed_run_generates_in_the_member_of_the_weak_slice(shop, sql_world):

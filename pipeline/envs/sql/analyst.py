@@ -44,8 +44,8 @@ class SqlOptions(BuildOptions):
     n_orders: int = Field(6000, ge=200, le=200_000, description="Orders, each with 1-4 order lines.")
     heldout_fraction: float = Field(0.3, gt=0, lt=0.8, description="Share of cities, categories and months held out "
                                     "of training; validation and test get half each.")
-    train_wordings: int = Field(4, ge=1, le=4, description="Question wordings per family in train/validation; test "
-                                "uses all four and the held-out fifth.")
+    train_wordings: int = Field(4, ge=1, le=4, description="Fixed question wordings per family in train/validation, "
+                                "beside the wording grammar's frames; test uses all four and the held-out fifth.")
     query_timeout_s: float = Field(1.0, gt=0, le=30, description="Wall-clock limit of one query, in seconds.")
     max_rows: int = Field(20, ge=1, le=1000, description="Result rows shown per query (the rest are counted).")
 

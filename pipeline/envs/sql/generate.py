@@ -11,8 +11,9 @@ Decisions:
 - **Training values only.** Cities, categories and months come from the partition's ``train`` part, so no generated
   task filters on a value of validation or test; the caller checks it again with
   :meth:`~pipeline.envs.sql.SqlAnalyst.leaks_heldout`.
-- **Never the held-out wording** (index 4): a slice naming it is refused with ValueError; without a wording, the
-  task draws from the first `train_wordings`, as the build does.
+- **Never the held-out wording** (index 4): a slice naming it is refused with ValueError; a slice naming a fixed
+  training wording or a grammar frame (:mod:`pipeline.envs.sql.wordings`) draws that one; without a wording, the
+  task draws from the first `train_wordings` and the grammar, as the build does.
 - **Entity kind** (city, category, month) is a function of the family, so a family slice already targets it.
 - Ids are the build's (``sql-train-<i>``, which the 'sql_tasks' suite requires), numbered from 0 in each call;
   the caller renames them into its own namespace.
@@ -26,10 +27,11 @@ import numpy as np
 
 from pipeline.envs.contract import Task
 from pipeline.envs.sql.tasks import BY_NAME, FAMILIES, HELDOUT_TEMPLATE, TRAIN_TEMPLATES, _draw, ground_truth
+from pipeline.envs.sql.wordings import FRAMES, GRAMMAR_BASE, draw
 
 
 def slice_choices(weakness: dict, train_wordings: int = 4) -> tuple[list[str], list[int] | None]:
-    """(family names, the one wording index or None for the first `train_wordings`) a weakness slice allows;
+    """(family names, the one wording id, or the first `train_wordings` fixed ones) a weakness slice allows;
     ValueError for an unknown family or wording, a family of another level, or the held-out wording.
 
     >>> slice_choices({"template_id": "top_products/1"})
@@ -41,12 +43,12 @@ def slice_choices(weakness: dict, train_wordings: int = 4) -> tuple[list[str], l
     wordings = list(TRAIN_TEMPLATES[:train_wordings])
     if template_id is not None:
         fam, _, idx = str(template_id).partition("/")
-        if fam not in BY_NAME or not idx.isdigit() or int(idx) >= len(BY_NAME[fam].wordings):
+        if fam not in BY_NAME or not idx.isdigit() or int(idx) >= GRAMMAR_BASE + len(FRAMES[fam]):
             raise ValueError(f"unknown wording {template_id!r}: wordings are <family>/<index>")
         if family is not None and family != fam:
             raise ValueError(f"wording {template_id!r} is not one of family {family!r}")
         family, wordings = fam, [int(idx)]
-        if int(idx) == HELDOUT_TEMPLATE or int(idx) not in TRAIN_TEMPLATES:
+        if int(idx) == HELDOUT_TEMPLATE or (int(idx) < GRAMMAR_BASE and int(idx) not in TRAIN_TEMPLATES):
             raise ValueError(f"wording {template_id!r} is held out of training (test only); no task is generated in it")
     if family is not None and family not in BY_NAME:
         raise ValueError(f"unknown family {family!r}; families are {list(BY_NAME)}")
@@ -72,9 +74,11 @@ def weak_spot_tasks(conn: sqlite3.Connection, partition: dict, weakness: dict, n
         if len(tasks) >= n:
             break
         family = BY_NAME[families[int(rng.integers(len(families)))]]
-        template = wordings[int(rng.integers(len(wordings)))]
         slots, heldout = _draw(family, values, rng)
-        question = family.wordings[template].format(**slots)
+        if len(wordings) == 1 and wordings[0] >= GRAMMAR_BASE:  # one grammar frame
+            question, template = draw(family.name, slots, [], family.wordings, rng, frame=wordings[0] - GRAMMAR_BASE)
+        else:
+            question, template = draw(family.name, slots, wordings, family.wordings, rng)
         if question in seen:
             continue
         seen.add(question)

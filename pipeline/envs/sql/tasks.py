@@ -29,8 +29,9 @@ Values in questions are written in single quotes exactly as they appear in the S
 the token before a value is the same in the question and in the query the policy writes, which is what lets a small
 model copy values it never saw in training.
 
-Wordings: five per family. Index 4 is held out: test draws from 0-4 (``template_seen`` False for 4), train and
-validation from the first `train_wordings` (1-4) of 0-3. Held-out values: see :mod:`pipeline.envs.sql.world`; each
+Wordings: five fixed ones per family. Index 4 is held out: test draws from 0-4 (``template_seen`` False for 4);
+train and validation draw from the first `train_wordings` (1-4) of 0-3 and the family's frames of the wording grammar
+(:mod:`pipeline.envs.sql.wordings`), which never writes the held-out wording or its construction. Held-out values: see :mod:`pipeline.envs.sql.world`; each
 task records the held-out values it filters on in ``data["heldout"]`` ({"city": ..., "category": ..., "month": ...}).
 """
 
@@ -44,6 +45,7 @@ import numpy as np
 
 from pipeline.envs.contract import Task
 from pipeline.envs.sql.tools import format_number
+from pipeline.envs.sql.wordings import draw as draw_wording
 from pipeline.envs.sql.world import CHANNELS, SEGMENTS, SPLITS, STATUSES
 
 HELDOUT_TEMPLATE = 4
@@ -261,9 +263,13 @@ def generate_tasks(conn: sqlite3.Connection, partition: dict, split: str, n: int
                              "fewest distinct questions), or change train_wordings / heldout_fraction")
         level = levels[int(rng.choice(len(levels), p=weights))]
         family = by_level[level][int(rng.integers(len(by_level[level])))]
-        template = templates[int(rng.integers(len(templates)))]
-        slots, heldout = _draw(family, values, rng)
-        question = family.wordings[template].format(**slots)
+        if split == "test":  # the five fixed wordings, as drawn before the grammar: test is byte for byte the same
+            template = templates[int(rng.integers(len(templates)))]
+            slots, heldout = _draw(family, values, rng)
+            question = family.wordings[template].format(**slots)
+        else:
+            slots, heldout = _draw(family, values, rng)
+            question, template = draw_wording(family.name, slots, list(templates), family.wordings, rng)
         if question in seen:
             continue
         seen.add(question)
