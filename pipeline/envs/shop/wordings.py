@@ -35,6 +35,8 @@ import itertools
 
 import numpy as np
 
+from pipeline.envs import wordings as grammar
+
 GRAMMAR_BASE = 9  # template ids from here on are grammar frames (0-8 are the fixed wordings of tasks.TEMPLATES)
 
 FIELD_SYNONYMS = {
@@ -156,8 +158,7 @@ FIXED_OPENERS = ("", "Hi, ", "Hello, ", "Quick question: ")  # those that leave 
 
 def frames_of(family: str, fixed: tuple[str, ...], template_ids: list[int]) -> list[tuple[int, str, bool, bool]]:
     """(template id, text, imperative, is_fixed) of every frame a family's question may take."""
-    return ([(t, fixed[t], fixed[t].endswith("."), True) for t in template_ids]
-            + [(GRAMMAR_BASE + k, f, imp, False) for k, (f, imp) in enumerate(FRAMES[family])])
+    return grammar.frames_of(fixed, template_ids, FRAMES[family], GRAMMAR_BASE)
 
 
 def render(frame: str, imperative: bool, is_fixed: bool, slots: dict, choice: dict, opener: str, closer: str) -> str:
@@ -196,13 +197,9 @@ def draw(family: str, slots: dict, template_ids: list[int], fixed: tuple[str, ..
     drawn uniformly from the fixed wordings `template_ids` (texts in `fixed`) and the family's grammar frames, then a
     synonym for each of its slots, an opener and a closer. `frame` (an index into the family's grammar frames) draws
     that frame alone, or the one fixed wording of `template_ids` when it is None and `template_ids` has one."""
-    pick = lambda seq: seq[int(rng.integers(len(seq)))]  # noqa: E731
-    frames = frames_of(family, fixed, template_ids)
-    if frame is not None:
-        frames = [frames[len(template_ids) + frame]]
-    elif len(template_ids) == 1:
-        frames = frames[:1]
-    tid, frame, imperative, is_fixed = pick(frames)
+    pick = lambda seq: grammar.pick(seq, rng)  # noqa: E731
+    tid, frame, imperative, is_fixed = grammar.choose_frame(frames_of(family, fixed, template_ids),
+                                                            len(template_ids), frame, rng)
     choice = {k: pick(SLOT_CHOICES[k](slots)) for k in _slot_keys(frame, is_fixed)}
     opener = pick(IMPERATIVE_OPENERS if imperative else OPENERS)
     return render(frame, imperative, is_fixed, slots, choice, opener, pick(CLOSERS)), tid

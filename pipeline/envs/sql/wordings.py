@@ -31,6 +31,8 @@ import itertools
 
 import numpy as np
 
+from pipeline.envs import wordings as grammar
+
 GRAMMAR_BASE = 5  # template ids from here on are grammar frames (0-4 are the fixed wordings; 4 is held out)
 
 OPENERS = ("", "", "", "", "Hi, ", "Hello, ", "Quick question: ", "For the report: ", "Hey, ", "One more: ")
@@ -176,8 +178,7 @@ FRAMES: dict[str, tuple[tuple[str, bool], ...]] = {
 
 def frames_of(family: str, fixed: tuple[str, ...], template_ids: list[int]) -> list[tuple[int, str, bool, bool]]:
     """(template id, text, imperative, is_fixed) of every frame a family's question may take."""
-    return ([(t, fixed[t], fixed[t].endswith("."), True) for t in template_ids]
-            + [(GRAMMAR_BASE + k, f, imp, False) for k, (f, imp) in enumerate(FRAMES[family])])
+    return grammar.frames_of(fixed, template_ids, FRAMES[family], GRAMMAR_BASE)
 
 
 def render(frame: str, imperative: bool, is_fixed: bool, slots: dict, opener: str, closer: str) -> str:
@@ -201,15 +202,10 @@ def draw(family: str, slots: dict, template_ids: list[int], fixed: tuple[str, ..
     """(question, template id) for `slots`: a frame drawn uniformly from the fixed wordings `template_ids` (texts
     in `fixed`) and the family's grammar frames, then an opener and a closer. `frame` (an index into the family's
     grammar frames) draws that frame alone; with one fixed wording in `template_ids` and `frame` None, that one."""
-    pick = lambda seq: seq[int(rng.integers(len(seq)))]  # noqa: E731
-    frames = frames_of(family, fixed, template_ids)
-    if frame is not None:
-        frames = [frames[len(template_ids) + frame]]
-    elif len(template_ids) == 1:
-        frames = frames[:1]
-    tid, text, imperative, is_fixed = pick(frames)
-    opener = pick(IMPERATIVE_OPENERS if imperative else OPENERS)
-    return render(text, imperative, is_fixed, slots, opener, pick(CLOSERS)), tid
+    tid, text, imperative, is_fixed = grammar.choose_frame(frames_of(family, fixed, template_ids),
+                                                           len(template_ids), frame, rng)
+    opener = grammar.pick(IMPERATIVE_OPENERS if imperative else OPENERS, rng)
+    return render(text, imperative, is_fixed, slots, opener, grammar.pick(CLOSERS, rng)), tid
 
 
 def surface_forms(family: str, slots: dict, fixed: tuple[str, ...], template_ids: list[int]) -> set[str]:
