@@ -443,7 +443,14 @@ def _interrupt_on_term():
     the temporary Prefect server that ``agentrl run`` starts (an uvicorn child stopped by an exit handler) stays
     behind. A handler the host process installed is kept; only the main thread can install one. Returns what to
     restore when the command ends (None: nothing), so a process that calls :func:`main` keeps its own handling."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if os.environ.get(STAGE_TIMES_ENV) and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # a stage of `agentrl run`, which stops it with SIGINT (flows.pipeline_flow.stop_stage); a shell starts a
+        # script's background commands (`agentrl run &`) with SIGINT ignored, their children inherit that, and the
+        # stage then ran on until the run killed it a minute later
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         return signal.SIG_DFL
     return None
