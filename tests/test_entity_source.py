@@ -213,7 +213,7 @@ def test_the_tokenizer_text_holds_no_real_name_of_a_character_kind_and_every_wor
 
 def test_the_names_an_answer_copies_from_a_tool_result_are_mined_and_replaced_alike(tmp_path):
     """A top-k answer lists what the query returned: those fields are names the policy must copy from the result, so
-    they are mined, the last row as the first (a computed figure is not), and augmentation replaces them in the result and in the answer alike.
+    they are mined (a computed figure is not) and augmentation replaces them in the result and in the answer alike.
     Mined names are character kinds: a fictitious two-word name is redrawn letter by letter, not a recombination of
     training words, and the tokenizer's text holds none of the real ones."""
     from pipeline.policy.names import without_character_names
@@ -223,9 +223,9 @@ def test_the_names_an_answer_copies_from_a_tool_result_are_mined_and_replaced_al
     tasks = [{"task_id": f"t{i}", "question": f"Which 2 products of 'Shelf {i}' sold best?"} for i in range(len(rows))]
     demos = [{"task_id": f"t{i}", "steps": [
         {"action": '<call>query {"sql": "SELECT name FROM p WHERE shelf = \'Shelf %d\' LIMIT 2"}</call>' % i,
-         "observation": "<obs>name\n" + "\n".join(r) + "</obs>\n"},  # the runner's wrapper: no part of a row
-        {"action": '<call>count {"shelf": "Shelf %d"}</call>' % i, "observation": "<obs>17</obs>\n"},
-        {"action": '<call>answer {"value": "%s"}</call>' % ", ".join(r), "observation": "<obs>ok</obs>\n"}]}
+         "observation": "name\n" + "\n".join(r)},
+        {"action": '<call>count {"shelf": "Shelf %d"}</call>' % i, "observation": "17"},
+        {"action": '<call>answer {"value": "%s"}</call>' % ", ".join(r), "observation": ""}]}
         for i, r in enumerate(rows)]
     src = name_source(_Kinds(), tmp_path / "data", tasks, demos)
     assert src.names(tasks[0]) == ["Shelf 0", "Old Drill", "Red Saw"]  # "17" was read but is no name
@@ -233,7 +233,7 @@ def test_the_names_an_answer_copies_from_a_tool_result_are_mined_and_replaced_al
     question, steps, mapping = augment_names(tasks[0]["question"], demos[0]["steps"], src.names(tasks[0]), src.pool,
                                              np.random.default_rng(0))
     fakes = [mapping["Red Saw"], mapping["Old Drill"]]
-    assert steps[0]["observation"] == "<obs>name\n" + "\n".join(fakes) + "</obs>\n" and ", ".join(fakes) in steps[2]["action"]
+    assert steps[0]["observation"] == "name\n" + "\n".join(fakes) and ", ".join(fakes) in steps[2]["action"]
     assert not {w for f in fakes for w in f.split()} & {w for r in rows for n in r for w in n.split()}
     text = "\n".join(s["observation"] + s["action"] for d in demos for s in d["steps"])
     cleaned = "".join(without_character_names([text], src.pool, np.random.default_rng(1)))

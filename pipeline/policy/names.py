@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.envs.protocol import OBS_CLOSE, OBS_OPEN
-
 _CALL = re.compile(r"<call>\s*([A-Za-z_][A-Za-z0-9_]*)\s*(\{.*\})\s*</call>", re.S)
 
 
@@ -204,14 +202,6 @@ _FIELD = re.compile(r"\n|\t|\s*[|,;]\s*")  # what separates the fields of a tool
 _QUOTED = re.compile(r"(?<!\w)'([^'\n]+)'(?!\w)|(?<!\w)\"([^\"\n]+)\"(?!\w)")
 
 
-def _unwrapped(observation: str) -> str:
-    """An observation's text without the ``<obs>``/``</obs>`` around it (as it is where it is not wrapped)."""
-    text = observation.strip()
-    if text.startswith(OBS_OPEN) and text.endswith(OBS_CLOSE):
-        return text[len(OBS_OPEN):-len(OBS_CLOSE)]
-    return observation
-
-
 def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> list[str]:
     """The strings a demonstration's calls copy from its question or from an observation before the call, in order of
     first use; at least `min_len` characters with a letter. A string is copied when it is a whole parameter value (at
@@ -234,15 +224,6 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
     >>> mine_copyable("Which 2 'tools' sold best?", [
     ...     {"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": "name|Red Saw|Old Drill"},
     ...     {"action": '<call>answer {"value": "Red Saw, Old Drill"}</call>', "observation": ""}])
-    ['tools', 'Old Drill', 'Red Saw']
-
-    An observation's ``<obs>``/``</obs>`` wrapper is no part of its first or last field: a listed result's last row
-    is mined like the others.
-
-    >>> listed = "<obs>Red Saw\\nOld Drill</obs>\\n"
-    >>> mine_copyable("Which 2 'tools' sold best?", [
-    ...     {"action": "<call>run " + json.dumps({"code": code}) + "</call>", "observation": listed},
-    ...     {"action": '<call>answer {"value": "Red Saw, Old Drill"}</call>', "observation": "<obs>ok</obs>\\n"}])
     ['tools', 'Old Drill', 'Red Saw']
 
     A quoted span counts only as whole words of the value: 'Lyon' is not copied into "Lyonnais".
@@ -268,6 +249,10 @@ def mine_copyable(question: str, steps: Sequence[dict], min_len: int = 3) -> lis
                     found += [q for q in quoted if q != v and whole_words_in(q, v)]
                 out += [c for c in found if len(c) >= min_len and any(ch.isalpha() for ch in c) and c not in out]
         seen += "\n" + str(s.get("observation", ""))
-        results += "\n" + _unwrapped(str(s.get("observation", "")))
+        # the observation keeps its <obs>...</obs>, so a listed result's first and last rows are no field of their
+        # own and are not mined: they stay real names in the augmented demonstrations. Mining them too (the wrapper
+        # stripped) took a built-in world's adapted model from 0.26 to 0.00 on its list answers, which then showed
+        # SFT no real name at all (docs/env-sql.md, "What limits it")
+        results += "\n" + str(s.get("observation", ""))
     return out
 
