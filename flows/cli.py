@@ -442,18 +442,18 @@ def _interrupt_on_term():
     so context managers release the repository lock and the exit handlers run. Without it, Python dies at once and
     the temporary Prefect server that ``agentrl run`` starts (an uvicorn child stopped by an exit handler) stays
     behind. A handler the host process installed is kept; only the main thread can install one. Returns what to
-    restore when the command ends (None: nothing), so a process that calls :func:`main` keeps its own handling."""
+    restore when the command ends ({signal: handler}), so a process that calls :func:`main` keeps its own handling."""
+    restore: dict = {}
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return restore
     if os.environ.get(STAGE_TIMES_ENV) and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         # a stage of `agentrl run`, which stops it with SIGINT (flows.pipeline_flow.stop_stage); a shell starts a
         # script's background commands (`agentrl run &`) with SIGINT ignored, their children inherit that, and the
         # stage then ran on until the run killed it a minute later
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        restore[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        return signal.SIG_DFL
-    return None
+        restore[signal.SIGTERM] = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    return restore
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -495,8 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     finally:
         _record_time(args.command, time.perf_counter() - started, rc)
-        if restore is not None:
-            signal.signal(signal.SIGTERM, restore)
+        for signum, handler in restore.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

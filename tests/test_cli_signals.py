@@ -95,3 +95,17 @@ def test_a_process_that_calls_main_gets_its_sigterm_handling_back():
     assert sig.getsignal(sig.SIGTERM) == sig.SIG_DFL
     cli.main(["envs"])
     assert sig.getsignal(sig.SIGTERM) == sig.SIG_DFL
+
+
+def test_a_process_that_calls_main_as_a_stage_gets_its_sigint_ignored_again(monkeypatch, tmp_path):
+    """A test process (or any host) that ignores SIGINT and calls main with the stage variable set gets SIGINT back
+    as it was: what it starts afterwards still inherits it ignored."""
+    from flows import cli
+
+    monkeypatch.setenv(cli.STAGE_TIMES_ENV, str(tmp_path / "times.jsonl"))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        cli.main(["envs"])
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
