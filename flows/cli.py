@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from flows.commands import PARAMS, Arg, Command, OneOf, always
+from flows.stop_signals import interrupt_on_stop, restore
 from pipeline.core.config import ConfigError
 from pipeline.core.errors import AgentRLError
 from pipeline.core.tracking import require_tracking, tracking_enabled
@@ -437,29 +436,10 @@ def check_params(path: str, only_known: bool = True) -> None:
             parse_section(model, data[section], f"{path}:{section}")
 
 
-def _interrupt_on_term():
-    """A SIGTERM (``kill``, a scheduler, a container stopping) ends a command as Ctrl-C does: as KeyboardInterrupt,
-    so context managers release the repository lock and the exit handlers run. Without it, Python dies at once and
-    the temporary Prefect server that ``agentrl run`` starts (an uvicorn child stopped by an exit handler) stays
-    behind. A handler the host process installed is kept; only the main thread can install one. Returns what to
-    restore when the command ends ({signal: handler}), so a process that calls :func:`main` keeps its own handling."""
-    restore: dict = {}
-    if threading.current_thread() is not threading.main_thread():
-        return restore
-    if os.environ.get(STAGE_TIMES_ENV) and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        # a stage of `agentrl run`, which stops it with SIGINT (flows.pipeline_flow.stop_stage); a shell starts a
-        # script's background commands (`agentrl run &`) with SIGINT ignored, their children inherit that, and the
-        # stage then ran on until the run killed it a minute later
-        restore[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        restore[signal.SIGTERM] = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    return restore
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
-    restore = _interrupt_on_term()
+    signals = interrupt_on_stop(stage=bool(os.environ.get(STAGE_TIMES_ENV)))
     command = COMMANDS[args.command]
     rc: int | str = "exception"
     try:
@@ -495,8 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     finally:
         _record_time(args.command, time.perf_counter() - started, rc)
-        for signum, handler in restore.items():
-            signal.signal(signum, handler)
+        restore(signals)
 
 
 if __name__ == "__main__":

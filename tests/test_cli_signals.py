@@ -61,8 +61,9 @@ def _sleeper_ignoring_sigint(marker: Path, env: dict) -> subprocess.Popen:
 
 def test_a_stage_started_with_sigint_ignored_still_stops_on_the_runs_sigint(tmp_path):
     """`agentrl run` stops its running stage with SIGINT. Started in the background of a script, the run and every
-    stage command inherit SIGINT ignored; a stage command (the run sets AGENTRL_STAGE_TIMES for it) takes SIGINT back,
-    so it ends at once as interrupted instead of being killed a minute later. Any other command keeps it ignored."""
+    stage command inherit SIGINT ignored; a stage command (the run sets AGENTRL_STAGE_TIMES for it) takes SIGINT
+    back (flows/stop_signals.py), so it ends at once as interrupted instead of being killed a minute later. Any other
+    command keeps it ignored."""
     from flows.cli import STAGE_TIMES_ENV
 
     marker = tmp_path / "exit-handler-ran"
