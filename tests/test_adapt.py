@@ -788,11 +788,11 @@ def test_every_option_that_is_off_by_default_runs_in_a_real_adapt(data_dir, tmp_
     unit tests, if at all): torch threads, the document corpus and the training questions in pre-training, the
     bottleneck adapter with base parameters trained next to it, weight decay, micro-batches, grouped-query
     attention, bf16 rollouts on their own thread count with top-p sampling, decoding under the tools' schemas (whose
-    grammar first checks every demonstrated action)."""
+    grammar first checks every demonstrated action), a time budget that leaves every step in."""
     before = torch.get_num_threads()
     corpus = (data_dir / "env" / "corpus.jsonl").read_text().splitlines()
     cfg = tiny_adapt_config(
-        threads=1,
+        threads=1, time_budget_s=3600.0,
         pretrain=PretrainConfig(steps=3, batch_size=8, warmup_steps=1, max_len=64, copy_drills=50, word_drills=20,
                                 subprocess=False, include_documents=True, include_questions=True),
         adapter=AdapterConfig(kind="bottleneck", bottleneck_dim=8, train_also=["norm"]),
@@ -807,6 +807,11 @@ def test_every_option_that_is_off_by_default_runs_in_a_real_adapt(data_dir, tmp_
         torch.set_num_threads(before)
     assert metrics["pretrain"]["domain_texts"] == len([l for l in corpus if l.strip()]) + len(tasks["train"])
     assert metrics["pretrain"]["drills"] > 50 and metrics["sft"]["steps"] == 4
+    for part, steps in (("pretrain", 3), ("sft", 4)):  # each planned once, at the end of its probe steps
+        b = metrics[part]["budget"]
+        assert b["planned_steps"] == b["configured_steps"] == steps and b["plans"] == [[steps, steps]], part
+        assert not b["out_of_time"] and 0 < b["used_s"] < b["seconds"]
+    assert metrics["pretrain"]["budget"]["seconds"] == 1200.0  # its share: a third of adapt's budget
     assert metrics["adapter"]["kind"] == "bottleneck" and metrics["eval"]["top_p"] == 0.9
     n_actions = sum(len(d["steps"]) for d in read_jsonl(data_dir / "demos" / "train.jsonl", "demos"))
     assert f"rollout.constrain: schema accepts all {n_actions} demonstrated actions" in capsys.readouterr().out

@@ -272,9 +272,13 @@ class CheckpointSelector:
         self.curve: list[dict] = []
         self.best_score, self.best_step, self.best_state = -float("inf"), None, None
         self.since_best, self.seconds, self.stopped_early = 0, 0.0, False
+        self.budget = None  # a StepBudget (adapt.time_budget_s): the checks start at its share of the planned run
+
+    def first_step(self) -> int:
+        return self.budget.check_from_step() if self.budget is not None else self.cfg.select_from
 
     def __call__(self, step: int) -> bool:
-        if step < self.cfg.select_from:
+        if step < self.first_step():
             return False
         self._check(step)
         if self.cfg.select_patience and self.since_best >= self.cfg.select_patience:
@@ -313,7 +317,7 @@ class CheckpointSelector:
         if self.best_step != last_step:
             self.model.load_state_dict(self.best_state)
         self.model.eval()
-        return {"every": self.cfg.select_every, "from": self.cfg.select_from, "tasks": len(self.tasks),
+        return {"every": self.cfg.select_every, "from": self.first_step(), "tasks": len(self.tasks),
                 "mode": self.cfg.select_mode, "patience": self.cfg.select_patience,
                 "selected_step": self.best_step, "score": round(self.best_score, 4), "last_step": last_step,
                 "stopped_early": self.stopped_early, "curve": self.curve, "seconds": round(self.seconds, 2)}

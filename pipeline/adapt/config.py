@@ -104,6 +104,7 @@ class AdaptConfig(PhaseConfig):
 
     seed: int = Field(0, description="Seed of data order and dropout (the model's initialisation has model.seed).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (null: torch's default, one per core).")
+    time_budget_s: float | None = Field(None, gt=0, description="Wall-clock seconds for continued pre-training and SFT with its selection checks (not the capability evaluation after them): each plans the steps that fit at its measured speed, never more than configured; pre-training may take at most a third of it (pipeline.adapt.budget, docs/recipe.md). null: the step counts alone.")
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig, description="Continued pre-training.")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Adapter used for SFT.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on the demonstrations.")

@@ -190,7 +190,9 @@ def adapt(cfg: AdaptConfig, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, 
         peak_mib["pretrain"] = round(tree_peak_mib(), 1)
 
     t = time.perf_counter()
-    model, sft = _sft(model, tokenizer, cfg, model_cfg, env_cfg, rollout_cfg, world, inputs, names, rng, log, levels)
+    sft_budget_s = cfg.time_budget_s - (t - t0) if cfg.time_budget_s is not None else None  # what pre-training left
+    model, sft = _sft(model, tokenizer, cfg, model_cfg, env_cfg, rollout_cfg, world, inputs, names, rng, log, levels,
+                      sft_budget_s)
     seconds["sft"] = time.perf_counter() - t
     if sft.selector is not None:
         seconds["select"] = sft.selector.seconds
@@ -286,9 +288,11 @@ class SFTResult:
 
 
 def _sft(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: EnvConfig, rollout_cfg: RolloutConfig,
-         world, inputs: dict, names, rng, log, levels: tuple):
-    """SFT with the adapter on the demonstrations; returns the finished (merged) model and an :class:`SFTResult`."""
+         world, inputs: dict, names, rng, log, levels: tuple, budget_s: float | None = None):
+    """SFT with the adapter on the demonstrations; returns the finished (merged) model and an :class:`SFTResult`.
+    `budget_s`: the wall-clock seconds SFT and its selection checks may take (None: the configured steps)."""
     from pipeline.adapt import adapters, batching, capability, pretrain, sft
+    from pipeline.adapt.budget import StepBudget, probe_steps
     from pipeline.policy.demos import prompt_signatures
     from pipeline.policy.model import autocast_context
 
@@ -311,12 +315,19 @@ def _sft(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: En
         selector = capability.CheckpointSelector(trainable_model, tokenizer, world,
                                                  inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
                                                  cfg.eval.seed, log)
+    budget = None
+    if budget_s is not None:
+        budget = StepBudget(max(0.0, budget_s), cfg.sft.steps, probe_steps(cfg.sft.warmup_steps),
+                            check_every=cfg.sft.select_every, check_from=cfg.sft.select_from)
+        if selector is not None:
+            selector.budget = budget
     res = sft.train_lm(trainable_model, batching.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
                                                               tokenizer.pad_token_id),
                        cfg.sft.steps, cfg.sft.lr, warmup=cfg.sft.warmup_steps, weight_decay=cfg.sft.weight_decay,
                        grad_clip=cfg.sft.grad_clip, autocast=lambda: autocast_context(model_cfg), log=sft_log,
                        log_every=cfg.sft.log_every, micro_batches=cfg.sft.micro_batches, compile=cfg.sft.compile,
-                       shared_prefix=cfg.sft.shared_prefix, stop=selector, stop_every=cfg.sft.select_every or 100)
+                       shared_prefix=cfg.sft.shared_prefix, stop=selector, stop_every=cfg.sft.select_every or 100,
+                       budget=budget)
     selection = selector.finish(res.steps) if selector is not None else None
     summary = {**res.summary(), "examples": len(examples), "truncated_examples": sampler.truncated,
                "demos": len(inputs["demos"]), "loss_curve": curve,
@@ -325,7 +336,7 @@ def _sft(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: En
                "epochs": res.steps * cfg.sft.batch_size / max(1, len(inputs["demos"])),
                "entity_augmentation": cfg.sft.entity_augmentation if names.pool else 0.0,
                "entity_augmentation_applied": sampler.applied(), "entity_augmentation_source": names.source,
-               "selection": selection}
+               "selection": selection, **({"budget": budget.summary()} if budget is not None else {})}
     return adapters.finalize(trainable_model), SFTResult(kind, counts, summary, selector)
 
 

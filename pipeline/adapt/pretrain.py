@@ -5,7 +5,7 @@ of a quoted fictitious name: the skill held-out entities need, which SFT alone f
 and word drills, with the world's documents (``include_documents``, :func:`pipeline.adapt.entity_source.documents`:
 continued pre-training on the domain corpus, docs/design.md §3.3.2) and the training questions (``include_questions``); never
 demonstrations. Training stops early once the exact-copy accuracy on held-out name drills reaches
-``adapt.pretrain.copy_target``. By default it runs in a child process (``adapt.pretrain.subprocess``), so that the
+``adapt.pretrain.copy_target``, or when its share of ``adapt.time_budget_s`` is spent. By default it runs in a child process (``adapt.pretrain.subprocess``), so that the
 heap the loop leaves behind is returned when the child exits; the weights are the same either way.
 
 Left out: the loop itself (:func:`pipeline.adapt.sft.train_lm`) and everything about SFT.
@@ -21,6 +21,7 @@ import torch
 
 from pipeline.adapt import drills
 from pipeline.adapt.batching import batches
+from pipeline.adapt.budget import PRETRAIN_SHARE, StepBudget, probe_steps
 from pipeline.adapt.config import AdaptConfig
 from pipeline.adapt.sft import train_lm
 from pipeline.core.isolation import run_in_child
@@ -92,20 +93,27 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, documen
               flush=True)
         return acc >= cfg.pretrain.copy_target
 
+    check = cfg.pretrain.copy_target is not None and bool(probe)
+    budget = None
+    if cfg.time_budget_s is not None:  # pre-training takes at most its share of adapt's budget
+        budget = StepBudget(cfg.time_budget_s * PRETRAIN_SHARE, cfg.pretrain.steps,
+                            probe_steps(cfg.pretrain.warmup_steps), check_every=cfg.pretrain.check_every if check else 0,
+                            check_from=cfg.pretrain.check_every if check else 0)
     res = train_lm(model, batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
                    cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
                    autocast=autocast, log=lambda s, m: progress("pretrain", s, cfg.pretrain.steps, m,
                                                                 cfg.sft.log_every, log),
                    log_every=cfg.sft.log_every,
                    # without entity names there is nothing to probe copying on: the steps run in full
-                   stop=copied_enough if cfg.pretrain.copy_target is not None and probe else None,
-                   stop_every=cfg.pretrain.check_every)
+                   stop=copied_enough if check else None,
+                   stop_every=cfg.pretrain.check_every, budget=budget)
     word_probe = drills.word_drills(pool, words, 200, np.random.default_rng([cfg.seed, 12]))
     summary = {**res.summary(), "texts": len(texts), "domain_texts": n_domain,
                "drills": len(texts) - n_domain, "word_drills": cfg.pretrain.word_drills,
                "copy_accuracy": drills.copy_accuracy(model, tokenizer, probe, autocast),
                "word_copy_accuracy": drills.copy_accuracy(model, tokenizer, word_probe, autocast),
-               "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve}
+               "copy_target": cfg.pretrain.copy_target, "copy_curve": copy_curve,
+               **({"budget": budget.summary()} if budget is not None else {})}
     log({"pretrain/copy_accuracy": summary["copy_accuracy"],
          "pretrain/word_copy_accuracy": summary["word_copy_accuracy"]})
     return summary

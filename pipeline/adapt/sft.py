@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.adapt.batching import IGNORE
+from pipeline.adapt.budget import StepBudget
 from pipeline.adapt.fp32_attention import fp32_attention
 from pipeline.core.errors import AgentRLError
 from pipeline.policy.model import HeapTrimmer
@@ -88,7 +89,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
              weight_decay: float = 0.0, grad_clip: float = 1.0, autocast: Callable | None = None,
              log: Callable[[int, dict], None] | None = None, log_every: int = 10,
              stop: Callable[[int], bool] | None = None, stop_every: int = 100, micro_batches: int = 1,
-             compile: bool = False, shared_prefix: bool = False) -> TrainResult:
+             compile: bool = False, shared_prefix: bool = False, budget: StepBudget | None = None) -> TrainResult:
     """AdamW on the trainable parameters for `steps` batches of `data`; the loss is :func:`masked_lm_loss`.
 
     `micro_batches` > 1 forwards each batch in that many chunks of rows (each trimmed to its own longest row) and
@@ -99,6 +100,9 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     `log(step, metrics)` receives ``loss``, ``lr``, ``grad_norm`` and ``tokens_per_s`` every `log_every` steps;
     `stop(step)`, called every `stop_every` steps, ends training early when it returns True (the lr schedule still
     spans `steps`). The result's `steps` counts the steps taken.
+
+    `budget` (:class:`pipeline.adapt.budget.StepBudget`) fits the run into wall-clock seconds: after its probe steps
+    the schedule spans the steps it plans (at most `steps`), and the loop stops when its time is used up.
 
     `compile` runs the training forward (and so its backward) through ``torch.compile`` (Inductor: fused elementwise
     kernels around the matmuls; dynamic shapes after the first new sequence length). The first steps pay for the
@@ -122,7 +126,7 @@ def train_lm(model: torch.nn.Module, data: Iterator[dict], steps: int, lr: float
     forward = torch.compile(model, dynamic=True) if compile else model
     with _deterministic(compile):
         return _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log, log_every,
-                           stop, stop_every, micro_batches, shared_prefix)
+                           stop, stop_every, micro_batches, shared_prefix, budget)
 
 
 @contextlib.contextmanager
@@ -174,15 +178,17 @@ def prefix_once_forward(forward, ids: torch.Tensor, att: torch.Tensor, P: int) -
 
 
 def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip, autocast, log, log_every, stop,
-                stop_every, micro_batches, shared_prefix) -> TrainResult:
+                stop_every, micro_batches, shared_prefix, budget) -> TrainResult:
     losses, tokens, loss_tokens, shared_tokens = [], 0, 0, 0
     t0 = tw = time.perf_counter()
-    window_tokens = 0
+    window_tokens, check_s, checks = 0, 0.0, 0
     trimmer = HeapTrimmer(TRIM_HEADROOM_MIB)
-    for step in range(steps):
+    step = 0
+    while step < (budget.total if budget is not None else steps):  # a budget may plan fewer steps (never more)
+        total = budget.total if budget is not None else steps
         batch = next(data)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = lr_at(step, total, lr, warmup)
         opt.zero_grad(set_to_none=True)
         n = int((batch["labels"][:, 1:] != IGNORE).sum())
         loss = torch.zeros(())
@@ -213,18 +219,22 @@ def _train_loop(model, forward, opt, params, data, steps, lr, warmup, grad_clip,
         tokens += ntok
         window_tokens += ntok
         loss_tokens += n
-        if log is not None and ((step + 1) % log_every == 0 or step == steps - 1):
+        if log is not None and ((step + 1) % log_every == 0 or step == total - 1):
             now = time.perf_counter()
             log(step + 1, {"loss": float(np.mean(losses[-log_every:])), "lr": opt.param_groups[0]["lr"],
                            "grad_norm": float(gnorm), "tokens_per_s": window_tokens / max(now - tw, 1e-9)})
             tw, window_tokens = now, 0
-        if stop is not None and (step + 1) % stop_every == 0 and step + 1 < steps:
+        done = False
+        if stop is not None and (step + 1) % stop_every == 0 and step + 1 < total:
             t_stop = time.perf_counter()
             done = stop(step + 1)
             model.train()
             t0 += time.perf_counter() - t_stop  # the check is not training time
             tw += time.perf_counter() - t_stop
-            if done:
-                break
+            if budget is not None and step + 1 >= budget.check_from_step():  # a call before the window checks nothing
+                check_s, checks = check_s + time.perf_counter() - t_stop, checks + 1
+        step += 1
+        if done or (budget is not None and budget.after_step(step, time.perf_counter() - t0, check_s, checks)):
+            break
     model.eval()
     return TrainResult(losses, tokens, loss_tokens, time.perf_counter() - t0, len(losses), shared_tokens)

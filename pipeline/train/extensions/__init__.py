@@ -31,6 +31,7 @@ BUILTIN = (
     "pipeline.train.extensions.replay:Replay",  # train.sampling.replay
     "pipeline.train.extensions.slicing:Slicing",  # train.sampling.slice_turns
     "pipeline.train.extensions.population:Population",  # train.population (trains the stage, not a loop hook)
+    "pipeline.train.extensions.time_budget:TimeBudget",  # train.time_budget_s
 )
 
 __all__ = ["BUILTIN", "GROUP", "Extension", "Stage", "curve_keys", "extension_class", "extension_classes",
