@@ -35,6 +35,7 @@ class StepBudget:
     check_every: int = 0  # cadence of the loop's checks (0: none)
     check_from: int = 0  # the configured first check step
     reserve: float = RESERVE
+    name: str = "training"  # the loop's name in the line a plan that shortens it prints
     total: int = field(init=False)  # the planned number of steps
     plans: list = field(init=False)  # (step, planned total) of every plan made
     out_of_time: bool = field(init=False)  # the loop stopped because the time ran out before the plan's end
@@ -84,6 +85,7 @@ class StepBudget:
             return True
         if self.left() < rate:
             self.out_of_time = True
+            print(f"adapt: {self.name} time budget used up at step {step} of the {self.total} planned", flush=True)
             return True
         return False
 
@@ -108,8 +110,12 @@ class StepBudget:
                 else:
                     hi = mid
             best = lo
-        self.total = max(step, min(self.total, best))
+        before, self.total = self.total, max(step, min(self.total, best))
         self.plans.append((step, self.total))
+        if self.total < before:
+            checks = f", {check_cost:.1f} s a check" if check_cost else ""
+            print(f"adapt: {self.name} time budget: {self.total} of {self.steps} steps fit in the {self.left():.0f} s "
+                  f"left at step {step} ({rate:.2f} s a step{checks})", flush=True)
 
     def summary(self) -> dict:
         """What ``metrics/adapt.json`` records of the budget."""

@@ -318,7 +318,7 @@ def _sft(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: En
     budget = None
     if budget_s is not None:
         budget = StepBudget(max(0.0, budget_s), cfg.sft.steps, probe_steps(cfg.sft.warmup_steps),
-                            check_every=cfg.sft.select_every, check_from=cfg.sft.select_from)
+                            check_every=cfg.sft.select_every, check_from=cfg.sft.select_from, name="sft")
         if selector is not None:
             selector.budget = budget
     res = sft.train_lm(trainable_model, batching.item_batches(sampler.lengths, sampler, cfg.sft.batch_size, rng,
