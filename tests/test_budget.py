@@ -51,6 +51,11 @@ def test_the_plan_fits_the_steps_into_the_time_left(clock, capsys):
     assert capsys.readouterr().out == line
 
 
+def test_a_loop_that_keeps_its_schedule_makes_no_plan_and_stops_when_its_time_is_up(clock):
+    b = StepBudget(10.0, 100, probe=10, shorten=False)  # continued pre-training: the schedule is a maximum
+    assert run(b, clock, 0.2) == 50 and b.plans == [] and b.total == 100 and b.out_of_time
+
+
 def test_a_budget_that_allows_more_than_configured_runs_the_configured_steps(clock):
     b = StepBudget(1000.0, 100, probe=10)
     assert run(b, clock, 0.2) == 100 and b.total == 100

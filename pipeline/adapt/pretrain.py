@@ -98,7 +98,8 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, documen
     if cfg.time_budget_s is not None:  # pre-training takes at most its share of adapt's budget
         budget = StepBudget(cfg.time_budget_s * PRETRAIN_SHARE, cfg.pretrain.steps,
                             probe_steps(cfg.pretrain.warmup_steps), check_every=cfg.pretrain.check_every if check else 0,
-                            check_from=cfg.pretrain.check_every if check else 0, name="pretrain")
+                            check_from=cfg.pretrain.check_every if check else 0, name="pretrain",
+                            shorten=False)  # its schedule is a maximum: it stops at its copy target (budget.py)
     res = train_lm(model, batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
                    cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
                    autocast=autocast, log=lambda s, m: progress("pretrain", s, cfg.pretrain.steps, m,

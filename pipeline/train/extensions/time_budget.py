@@ -9,7 +9,8 @@ a validation has been timed its cost is estimated from the updates' rollouts (a 
 ``train.eval_tasks`` greedy episodes where an update plays ``tasks_per_update × group_size`` sampled ones). Should
 the time run out between validations anyway (an update far slower than the mean), the run stops there.
 
-Every rank takes the same decision: a stop on any rank (their clocks differ by a few milliseconds) stops all.
+Every rank takes the same decision: a stop on any rank (their clocks differ by a few milliseconds) stops all. The
+budget is one run's: each member of a population (``train.population``) is such a run and gets it whole.
 """
 
 from __future__ import annotations
