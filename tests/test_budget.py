@@ -51,6 +51,22 @@ def test_the_plan_fits_the_steps_into_the_time_left(clock, capsys):
     assert capsys.readouterr().out == line
 
 
+def test_steps_that_slow_down_after_the_first_plan_shorten_it_again_before_the_time_runs_out(clock):
+    b = StepBudget(20.0, 1000, probe=10)
+    step, train = 0, 0.0
+    while step < b.total:
+        dt = 0.1 if step < 10 else 0.2  # twice as slow after the first plan
+        clock.now += dt
+        train += dt
+        step += 1
+        if b.after_step(step, train, 0.0, 0):
+            break
+    first = b.plans[0]
+    assert first[0] == 10 and 195 <= first[1] <= 200  # planned at the probe's speed: 19 s left at 0.1 s a step
+    assert len(b.plans) > 1 and b.total < first[1] and step == b.total and not b.out_of_time
+    assert clock.now <= 20.0
+
+
 def test_a_loop_that_keeps_its_schedule_makes_no_plan_and_stops_when_its_time_is_up(clock):
     b = StepBudget(10.0, 100, probe=10, shorten=False)  # continued pre-training: the schedule is a maximum
     assert run(b, clock, 0.2) == 50 and b.plans == [] and b.total == 100 and b.out_of_time
@@ -171,6 +187,7 @@ def test_rl_stops_at_the_validated_update_after_which_the_next_stretch_would_not
     assert ext.state_dict()["used_s"] == pytest.approx(c.now)
 
 
+@pytest.mark.slow
 def test_rl_whose_time_is_up_stops_at_once_and_keeps_a_validated_policy(tmp_path, monkeypatch):
     from tests.test_train import make_project
     from pipeline.train.worker import run_worker

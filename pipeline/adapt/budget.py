@@ -4,9 +4,11 @@ A :class:`StepBudget` starts its clock when it is made. The loop (:func:`pipelin
 `probe` steps as configured; then the budget plans the run: the most steps whose training time, at the measured
 seconds per step, and checks (SFT's checkpoint selection) fit in the time left, never more than configured. The
 learning-rate schedule spans the planned steps from then on: the plan comes at the end of the warm-up, whose rate does
-not depend on the total, so the run is a shorter schedule of the same shape, not a longer one cut off. After every
-check the plan is made again with the checks' measured cost (until then a share `reserve` of the time left is held
-for them); a new plan can only shorten the run. Should the time still run out, the loop stops after the step that
+not depend on the total, so the run is a shorter schedule of the same shape, not a longer one cut off. Every `probe`
+steps and after every check the plan is made again, at the mean seconds per step so far and the checks' measured
+cost (until a check has been timed a share `reserve` of the time left is held for them); a new plan can only shorten
+the run, and one line is printed when it shortens it by 2 % or more. Why again: in one built-in world the probe measured
+1.15 s a step and the next 670 steps ran at 1.38, so a plan made once would have run out of time. Should the time still run out, the loop stops after the step that
 used it up, as an early stop does.
 
 The checks keep their share of the schedule: configured to start at step `check_from` of `steps`, they start at the
@@ -14,7 +16,7 @@ same fraction of the planned run (:meth:`StepBudget.check_from_step`), every `ch
 
 A loop whose configured schedule is a maximum rather than a plan (continued pre-training, which stops at its copy
 target, most often well before its last step) keeps that schedule (``shorten=False``) and only stops when its time is
-up: a shorter schedule lowers its learning rate before the copying skill forms. Measured on the SQL analyst with
+up: a shorter schedule lowers its learning rate before the copying skill forms. Measured in one built-in world with
 ``adapt.time_budget_s: 1350``: pre-training planned to 773 of 1,200 steps ended at an exact-copy accuracy of 0.17,
 where the configured schedule had reached 0.57 at step 700 and 0.83 at step 800, and the adapted model failed the
 capability gate.
@@ -86,7 +88,7 @@ class StepBudget:
         if step < self.probe:
             return self.left() <= 0
         rate = (train_s - (self._first_step_s or 0.0)) / max(1, step - 1)  # the first step pays for compilation
-        if self.shorten and (step == self.probe or checks > self._checks_seen):
+        if self.shorten and (step % self.probe == 0 or checks > self._checks_seen):
             self._checks_seen = checks
             self._plan(step, rate, check_s / checks if checks else None)
         if step >= self.total:
@@ -107,20 +109,22 @@ class StepBudget:
 
         best = step
         hi = self.total
-        if cost(hi) <= left:
+        if cost(hi) <= left + 1e-9:
             best = hi
         else:  # the cost grows with the total: bisect for the largest total that fits
             lo = step
             while lo < hi - 1:
                 mid = (lo + hi) // 2
-                if cost(mid) <= left:
+                if cost(mid) <= left + 1e-9:
                     lo = mid
                 else:
                     hi = mid
             best = lo
         before, self.total = self.total, max(step, min(self.total, best))
+        if self.plans and self.total == before:
+            return
         self.plans.append((step, self.total))
-        if self.total < before:
+        if self.total < before and (len(self.plans) == 1 or before - self.total >= 0.02 * before):
             checks = f", {check_cost:.1f} s a check" if check_cost else ""
             print(f"adapt: {self.name} time budget: {self.total} of {self.steps} steps fit in the {self.left():.0f} s "
                   f"left at step {step} ({rate:.2f} s a step{checks})", flush=True)

@@ -308,14 +308,14 @@ def _sft(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, env_cfg: En
 
     def sft_log(step: int, m: dict) -> None:
         curve.append([step, round(m["loss"], 5)])
-        pretrain.progress("sft", step, cfg.sft.steps, m, cfg.sft.log_every, log)
+        pretrain.progress("sft", step, budget.total if budget is not None else cfg.sft.steps, m, cfg.sft.log_every,
+                          log)  # the planned steps under a time budget
 
-    selector = None
+    selector, budget = None, None
     if cfg.sft.select_every:
         selector = capability.CheckpointSelector(trainable_model, tokenizer, world,
                                                  inputs["eval"][: cfg.sft.select_tasks], env_cfg, rollout_cfg, cfg.sft,
                                                  cfg.eval.seed, log)
-    budget = None
     if budget_s is not None:
         budget = StepBudget(max(0.0, budget_s), cfg.sft.steps, probe_steps(cfg.sft.warmup_steps),
                             check_every=cfg.sft.select_every, check_from=cfg.sft.select_from, name="sft")
