@@ -5,11 +5,11 @@ A :class:`StepBudget` starts its clock when it is made. The loop (:func:`pipelin
 seconds per step, and checks (SFT's checkpoint selection) fit in the time left, never more than configured. The
 learning-rate schedule spans the planned steps from then on: the plan comes at the end of the warm-up, whose rate does
 not depend on the total, so the run is a shorter schedule of the same shape, not a longer one cut off. Every `probe`
-steps and after every check the plan is made again, at the mean seconds per step so far and the checks' measured
-cost (until a check has been timed a share `reserve` of the time left is held for them); a new plan can only shorten
-the run, and one line is printed when it shortens it by 2 % or more. Why again: in one built-in world the probe measured
-1.15 s a step and the next 670 steps ran at 1.38, so a plan made once would have run out of time. Should the time still run out, the loop stops after the step that
-used it up, as an early stop does.
+steps and after every check the plan is made again, at the mean seconds per step so far and the checks' measured cost
+(until a check has been timed a share `reserve` of the time left is held for them); a new plan can only shorten the
+run, and one line is printed when it shortens it by 2 % or more. Why again: in one built-in world the probe measured
+1.15 s a step and the next 670 steps ran at 1.38, so a plan made once would have run out of time. Should the time
+still run out, the loop stops after the step that used it up, as an early stop does.
 
 The checks keep their share of the schedule: configured to start at step `check_from` of `steps`, they start at the
 same fraction of the planned run (:meth:`StepBudget.check_from_step`), every `check_every` steps as configured.

@@ -5,8 +5,9 @@ of a quoted fictitious name: the skill held-out entities need, which SFT alone f
 and word drills, with the world's documents (``include_documents``, :func:`pipeline.adapt.entity_source.documents`:
 continued pre-training on the domain corpus, docs/design.md §3.3.2) and the training questions (``include_questions``); never
 demonstrations. Training stops early once the exact-copy accuracy on held-out name drills reaches
-``adapt.pretrain.copy_target``, or when its share of ``adapt.time_budget_s`` is spent. By default it runs in a child process (``adapt.pretrain.subprocess``), so that the
-heap the loop leaves behind is returned when the child exits; the weights are the same either way.
+``adapt.pretrain.copy_target``, or when its share of ``adapt.time_budget_s`` is spent. By default it runs in a child
+process (``adapt.pretrain.subprocess``), so that the heap the loop leaves behind is returned when the child exits; the
+weights are the same either way.
 
 Left out: the loop itself (:func:`pipeline.adapt.sft.train_lm`) and everything about SFT.
 """
@@ -96,10 +97,9 @@ def pretrain(model, tokenizer, cfg: AdaptConfig, model_cfg: ModelConfig, documen
     check = cfg.pretrain.copy_target is not None and bool(probe)
     budget = None
     if cfg.time_budget_s is not None:  # pre-training takes at most its share of adapt's budget
+        # its schedule is a maximum (it stops at its copy target): kept, and cut only when the time is up (budget.py)
         budget = StepBudget(cfg.time_budget_s * PRETRAIN_SHARE, cfg.pretrain.steps,
-                            probe_steps(cfg.pretrain.warmup_steps), check_every=cfg.pretrain.check_every if check else 0,
-                            check_from=cfg.pretrain.check_every if check else 0, name="pretrain",
-                            shorten=False)  # its schedule is a maximum: it stops at its copy target (budget.py)
+                            probe_steps(cfg.pretrain.warmup_steps), name="pretrain", shorten=False)
     res = train_lm(model, batches(pre_ex, cfg.pretrain.batch_size, rng, tokenizer.pad_token_id),
                    cfg.pretrain.steps, cfg.pretrain.lr, warmup=cfg.pretrain.warmup_steps,
                    autocast=autocast, log=lambda s, m: progress("pretrain", s, cfg.pretrain.steps, m,
